@@ -1,0 +1,394 @@
+// jitmarlin — the mixed-precision GEMM kernel template (dense and MoE share it).
+//
+//   C[m, n] = sum_k A[m, k] * s[grp(k), n] * (q[k, n] - z[grp(k), n])
+//
+// Design (after the Marlin paper, Frantar et al. 2024; our code):
+// - A CTA has nwarps warps (runtime); warp w owns one 64-column strip of the output and all
+//   R rows of the m tile, and runs over K in tiles of TILE_K. No warp splits K with another, so
+//   there is no in-CTA reduction.
+// - Weights are pre-shuffled (jitmarlin/quant/layout.py) so that one 16-byte shared-memory load
+//   per lane per 16 k yields all B fragments of the warp's 64 columns, and a strip's weights
+//   are contiguous along K: a tile of one strip is one contiguous block of memory.
+// - A multi-stage cp.async ring (STAGES) streams the weights, activation tile and group
+//   scales/zero points into shared memory; one barrier per tile.
+// - Activations use an XOR swizzle of 16-byte chunks (chunk ^ (row & 7)) so that both the
+//   cp.async writes and the ldmatrix reads are free of bank conflicts.
+// - Small batch (SWAP, M <= 8): the MMA is issued transposed, weights in the 16-row A slot and
+//   up to 8 tokens in the 8-column B slot, so no half of the m16 tile is wasted.
+// - Work is striped over CTAs (jm_schedule.cuh); split units meet in an fp32 fixup slot.
+#pragma once
+
+#include "jm_dequant.cuh"
+#include "jm_gemm_params.h"
+#include "jm_schedule.cuh"
+
+namespace jm {
+
+template <int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS>
+struct GemmShape {
+  static constexpr int kRows = SWAP ? 8 : 16 * M_BLOCKS;  // rows of an m tile
+  static constexpr int kTileK = 16 * K_BLOCKS;
+  static constexpr bool kGrouped = GROUP_BLOCKS > 0;       // else one scale per column (epilogue)
+  // scale / zero-point rows one stage needs (several when a group is shorter than the tile)
+  static constexpr int kGroupRows = (kGrouped && GROUP_BLOCKS < K_BLOCKS) ? K_BLOCKS / GROUP_BLOCKS : 1;
+  static constexpr int kAChunksPerRow = kTileK / 8;        // 16-byte chunks of one A row
+  static constexpr int kAStageBytes = kRows * kTileK * 2;
+  static constexpr int kBWarpBytes = K_BLOCKS * 16 * 64 * BITS / 8;  // one strip, one tile
+  static constexpr int kSWarpBytes = kGrouped ? kGroupRows * 64 * 2 : 0;
+  static constexpr int kZWarpBytes = HAS_ZP ? kGroupRows * 64 * BITS / 8 : 0;
+  static constexpr int kWordsPerK16 = 16 * 64 * BITS / 32;  // int32 words of one strip per 16 k
+  static constexpr int kAcc = SWAP ? 16 : 32 * M_BLOCKS;     // fp32 accumulators per thread
+
+  static_assert(K_BLOCKS == 4 || K_BLOCKS == 8, "TILE_K must be 64 or 128 (A swizzle needs >= 8 chunks)");
+  static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
+  static_assert(M_BLOCKS >= 1 && M_BLOCKS <= 4 && (!SWAP || M_BLOCKS == 1), "m tile of 8, 16, 32, 48, 64 rows");
+  static_assert(!kGrouped || K_BLOCKS % GROUP_BLOCKS == 0 || GROUP_BLOCKS % K_BLOCKS == 0,
+                "group size and TILE_K must divide one another");
+
+  JM_HD static int stage_bytes(int nwarps) {
+    return kAStageBytes + nwarps * (kBWarpBytes + kSWarpBytes + kZWarpBytes);
+  }
+};
+
+// Row (within the m tile) and column (within the warp's 64-column strip) of accumulator i.
+//   normal: i = (mb * 8 + e) * 4 + c  ->  row mb*16 + g + 8*(c>>1), column 8e + 2t + (c&1)
+//   SWAP:   i = j * 4 + c             ->  row 2t + (c&1),            column 16j + g + 8*(c>>1)
+template <bool SWAP>
+JM_DEVICE int acc_row(int i, int g, int t) {
+  const int c = i & 3;
+  if constexpr (SWAP) return 2 * t + (c & 1);
+  else return (i >> 5) * 16 + g + 8 * (c >> 1);
+}
+template <bool SWAP>
+JM_DEVICE int acc_col(int i, int g, int t) {
+  const int c = i & 3;
+  if constexpr (SWAP) return 16 * (i >> 2) + g + 8 * (c >> 1);
+  else return 8 * ((i >> 2) & 7) + 2 * t + (c & 1);
+}
+
+template <typename T>
+JM_DEVICE float to_float(T v) {
+  if constexpr (DType<T>::kBF16) return __bfloat162float(v);
+  else return __half2float(v);
+}
+template <typename T>
+JM_DEVICE T from_float(float v) {
+  if constexpr (DType<T>::kBF16) return __float2bfloat16_rn(v);
+  else return __float2half_rn(v);
+}
+
+// Broadcast 16-bit half `e & 1` of register r to both halves.
+JM_DEVICE uint32_t bcast_half(uint32_t r, int hi) { return __byte_perm(r, r, hi ? 0x3232 : 0x1010); }
+
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS,
+          int STAGES, bool MOE>
+JM_DEVICE void gemm_body(const JmGemmParams p) {
+  using S = GemmShape<BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS>;
+  static_assert(STAGES >= 2, "at least two stages");
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_last;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int nwarps = p.nwarps;
+  const int n_tiles = p.n / (64 * nwarps);
+  const int k_tiles = p.k / S::kTileK;
+  int m_tiles;
+  if constexpr (MOE) m_tiles = *p.num_padded / S::kRows;
+  else m_tiles = ceil_div(p.m, S::kRows);
+  const Schedule sch = make_schedule(n_tiles, m_tiles, k_tiles, p.grid);
+  const int begin = blockIdx.x * sch.iters;
+  const int end = min(sch.total, begin + sch.iters);
+  if (begin >= end) return;
+  const int n_it = end - begin;
+
+  const int stage_bytes = S::stage_bytes(nwarps);
+  const int b_off = S::kAStageBytes + warp * S::kBWarpBytes;
+  const int s_off = S::kAStageBytes + nwarps * S::kBWarpBytes + warp * S::kSWarpBytes;
+  const int z_off = S::kAStageBytes + nwarps * (S::kBWarpBytes + S::kSWarpBytes) + warp * S::kZWarpBytes;
+  const int64_t strip_words = static_cast<int64_t>(p.k / 16) * S::kWordsPerK16;
+  const int group_k = 16 * GROUP_BLOCKS;
+
+  // Position of a tile in the schedule; stepped forward without divisions.
+  struct Cursor {
+    int kt, m_tile, n_tile;
+  };
+  auto cursor_at = [&](int it) {
+    const int u = it / k_tiles;
+    const int n_tile = u / m_tiles;
+    return Cursor{it - u * k_tiles, u - n_tile * m_tiles, n_tile};
+  };
+  auto advance = [&](Cursor& c) {
+    if (++c.kt == k_tiles) {
+      c.kt = 0;
+      if (++c.m_tile == m_tiles) {
+        c.m_tile = 0;
+        ++c.n_tile;
+      }
+    }
+  };
+
+  // ---- fetch one tile (unit, k tile) of weights, scales, zero points and activations ----
+  auto fetch_tile = [&](const Cursor& cur, int slot) {
+    const int kt = cur.kt, m_tile = cur.m_tile, n_tile = cur.n_tile;
+    const int strip = n_tile * nwarps + warp;
+    int expert = 0;
+    if constexpr (MOE) expert = __ldg(p.expert_ids + m_tile);
+    uint8_t* st = smem + slot * stage_bytes;
+
+    const int4* bsrc = reinterpret_cast<const int4*>(static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
+                                                     strip * strip_words +
+                                                     static_cast<int64_t>(kt) * K_BLOCKS * S::kWordsPerK16);
+    int4* bdst = reinterpret_cast<int4*>(st + b_off);
+#pragma unroll
+    for (int i = 0; i < S::kBWarpBytes / (16 * 32); i++) cp_async16(bdst + lane + 32 * i, bsrc + lane + 32 * i);
+
+    int grow0 = 0;  // first scale / zero-point row of this tile
+    if constexpr (S::kGrouped) grow0 = (kt * S::kTileK) / group_k;
+    if constexpr (S::kGrouped) {
+      if (lane < 8 * S::kGroupRows) {  // 64 scales = 8 chunks per row
+        const int r = lane >> 3, ch = lane & 7;
+        const T* src = static_cast<const T*>(p.s) + expert * p.s_expert_stride +
+                       static_cast<int64_t>(grow0 + r) * p.n + strip * 64 + ch * 8;
+        cp_async16(st + s_off + r * 128 + ch * 16, src);
+      }
+    }
+    if constexpr (HAS_ZP) {
+      constexpr int kChunks = BITS / 2;  // 64 zero points: 32 B (4-bit) or 64 B (8-bit)
+      if (lane < kChunks * S::kGroupRows) {
+        const int r = lane / kChunks, ch = lane % kChunks;
+        const uint32_t* src = static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride +
+                              static_cast<int64_t>(grow0 + r) * (p.n * BITS / 32) + strip * 2 * BITS + ch * 4;
+        cp_async16(st + z_off + r * (8 * BITS) + ch * 16, src);
+      }
+    }
+
+    constexpr int kAChunks = S::kRows * S::kAChunksPerRow;
+    for (int c = tid; c < kAChunks; c += blockDim.x) {
+      const int row = c / S::kAChunksPerRow, ch = c % S::kAChunksPerRow;
+      int src_row;
+      bool valid;
+      if constexpr (MOE) {
+        const int slot_id = __ldg(p.sorted_ids + m_tile * S::kRows + row);
+        valid = slot_id < p.m;
+        src_row = valid ? slot_id / p.top_k : 0;
+      } else {
+        src_row = m_tile * S::kRows + row;
+        valid = src_row < p.m;
+        if (!valid) src_row = 0;
+      }
+      const T* src = static_cast<const T*>(p.a) + static_cast<int64_t>(src_row) * p.lda + kt * S::kTileK + ch * 8;
+      cp_async16(st + row * (S::kTileK * 2) + ((ch ^ (row & 7)) * 16), src, valid);
+    }
+  };
+
+  float acc[S::kAcc];
+#pragma unroll
+  for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
+
+  // ---- dequantize + MMA over one tile in shared memory ----
+  auto compute_tile = [&](int slot) {
+    const uint8_t* st = smem + slot * stage_bytes;
+    uint32_t sc[8];     // group scale of n8-block e, broadcast to both halves
+    ZeroConst zc[8];    // zero point of n8-block e, as dequant constants
+    if constexpr (!HAS_ZP) {
+#pragma unroll
+      for (int e = 0; e < 8; e++) zc[e] = make_zero_const<T, BITS>(BITS == 4 ? 8u : 128u);
+    }
+#pragma unroll
+    for (int kb = 0; kb < K_BLOCKS; kb++) {
+      const int gr = S::kGroupRows > 1 ? kb / GROUP_BLOCKS : 0;
+      const bool new_group = kb == 0 || (S::kGroupRows > 1 && kb % GROUP_BLOCKS == 0);
+      if (new_group) {
+        if constexpr (S::kGrouped) {
+          const uint4 v = *reinterpret_cast<const uint4*>(st + s_off + gr * 128 + g * 16);
+          const uint32_t r[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int e = 0; e < 8; e++) sc[e] = bcast_half(r[e >> 1], e & 1);
+        }
+        if constexpr (HAS_ZP) {
+          if constexpr (BITS == 4) {
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(st + z_off + gr * 32 + g * 4);
+#pragma unroll
+            for (int e = 0; e < 8; e++) zc[e] = make_zero_const<T, 4>((w >> (4 * e)) & 0xFu);
+          } else {
+            const uint2 w = *reinterpret_cast<const uint2*>(st + z_off + gr * 64 + g * 8);
+#pragma unroll
+            for (int e = 0; e < 8; e++) zc[e] = make_zero_const<T, 8>(((e < 4 ? w.x : w.y) >> (8 * (e & 3))) & 0xFFu);
+          }
+        }
+      }
+
+      uint32_t qw[BITS == 4 ? 4 : 8];
+      if constexpr (BITS == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(st + b_off + kb * 512 + lane * 16);
+        qw[0] = v.x; qw[1] = v.y; qw[2] = v.z; qw[3] = v.w;
+      } else {
+        const uint4 v0 = *reinterpret_cast<const uint4*>(st + b_off + kb * 1024 + lane * 16);
+        const uint4 v1 = *reinterpret_cast<const uint4*>(st + b_off + kb * 1024 + 512 + lane * 16);
+        qw[0] = v0.x; qw[1] = v0.y; qw[2] = v0.z; qw[3] = v0.w;
+        qw[4] = v1.x; qw[5] = v1.y; qw[6] = v1.z; qw[7] = v1.w;
+      }
+
+      uint32_t af[M_BLOCKS][4];
+      uint32_t bt[2];
+      if constexpr (SWAP) {
+        const int row = lane & 7, ch = 2 * kb + ((lane >> 3) & 1);
+        ldmatrix_x2(bt, st + row * (S::kTileK * 2) + ((ch ^ row) * 16));
+      } else {
+#pragma unroll
+        for (int mb = 0; mb < M_BLOCKS; mb++) {
+          const int row = mb * 16 + (lane & 15), ch = 2 * kb + (lane >> 4);
+          ldmatrix_x4(af[mb], st + row * (S::kTileK * 2) + ((ch ^ (row & 7)) * 16));
+        }
+      }
+
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        Frag f0, f1;  // n8-blocks 2j and 2j+1
+        if constexpr (BITS == 4) {
+          dequant4<T>(qw[j], zc[2 * j], zc[2 * j + 1], f0, f1);
+        } else {
+          f0 = dequant8<T>(qw[2 * j], zc[2 * j]);
+          f1 = dequant8<T>(qw[2 * j + 1], zc[2 * j + 1]);
+        }
+        if constexpr (S::kGrouped) {
+          f0.b0 = mul2<T>(f0.b0, sc[2 * j]);
+          f0.b1 = mul2<T>(f0.b1, sc[2 * j]);
+          f1.b0 = mul2<T>(f1.b0, sc[2 * j + 1]);
+          f1.b1 = mul2<T>(f1.b1, sc[2 * j + 1]);
+        }
+        if constexpr (SWAP) {
+          const uint32_t wa[4] = {f0.b0, f1.b0, f0.b1, f1.b1};
+          float(&d)[4] = *reinterpret_cast<float(*)[4]>(&acc[4 * j]);
+          mma_16816<T>(d, wa, bt[0], bt[1]);
+        } else {
+#pragma unroll
+          for (int mb = 0; mb < M_BLOCKS; mb++) {
+            float(&d0)[4] = *reinterpret_cast<float(*)[4]>(&acc[(mb * 8 + 2 * j) * 4]);
+            float(&d1)[4] = *reinterpret_cast<float(*)[4]>(&acc[(mb * 8 + 2 * j + 1) * 4]);
+            mma_16816<T>(d0, af[mb], f0.b0, f0.b1);
+            mma_16816<T>(d1, af[mb], f1.b0, f1.b1);
+          }
+        }
+      }
+    }
+  };
+
+  // ---- a unit is complete in this CTA: fixup if split, then write C ----
+  auto finish_unit = [&](const Cursor& cur) {
+    const int n_tile = cur.n_tile, m_tile = cur.m_tile;
+    const int u = n_tile * m_tiles + m_tile;
+    const int n0 = (n_tile * nwarps + warp) * 64;
+    int expert = 0;
+    if constexpr (MOE) expert = __ldg(p.expert_ids + m_tile);
+
+    if constexpr (!S::kGrouped) {  // per-channel scale, on fp32 before any sum across CTAs
+      const T* sp = static_cast<const T*>(p.s) + expert * p.s_expert_stride + n0;
+#pragma unroll
+      for (int i = 0; i < S::kAcc; i++) acc[i] *= to_float<T>(sp[acc_col<SWAP>(i, g, t)]);
+    }
+
+    const int ctas = unit_ctas(sch, u);
+    if (ctas > 1) {
+      const int slot = unit_slot(sch, u);
+      // fragment order: [slot][warp][i/4][lane][4] -> every access is a coalesced 16-byte vector
+      float* ws = p.ws + static_cast<int64_t>(slot) * (nwarps * 32 * S::kAcc) + warp * (32 * S::kAcc);
+#pragma unroll
+      for (int q = 0; q < S::kAcc / 4; q++)
+        red_add_f32x4(ws + (q * 32 + lane) * 4, acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) s_last = atomicAdd(p.counters + slot, 1) == ctas - 1;
+      __syncthreads();
+      if (!s_last) {
+#pragma unroll
+        for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
+        return;
+      }
+      __threadfence();
+#pragma unroll
+      for (int q = 0; q < S::kAcc / 4; q++) {
+        float4* ptr = reinterpret_cast<float4*>(ws + (q * 32 + lane) * 4);
+        const float4 v = __ldcg(ptr);
+        acc[4 * q] = v.x; acc[4 * q + 1] = v.y; acc[4 * q + 2] = v.z; acc[4 * q + 3] = v.w;
+        __stcg(ptr, make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+      if (tid == 0) p.counters[slot] = 0;
+    }
+
+    T* cbase = static_cast<T*>(p.c);
+    const T* bias = static_cast<const T*>(p.bias);
+    // one output row per accumulator pair (normal) or element (SWAP)
+    constexpr int kStep = SWAP ? 1 : 2;
+#pragma unroll
+    for (int i = 0; i < S::kAcc; i += kStep) {
+      const int r = acc_row<SWAP>(i, g, t);
+      const int col = n0 + acc_col<SWAP>(i, g, t);
+      int out_row;
+      bool valid;
+      float w = 1.f;
+      if constexpr (MOE) {
+        const int slot_id = __ldg(p.sorted_ids + m_tile * S::kRows + r);
+        valid = slot_id < p.m;
+        out_row = slot_id;
+        if (valid && p.topk_weights != nullptr) w = __ldg(p.topk_weights + slot_id);
+      } else {
+        out_row = m_tile * S::kRows + r;
+        valid = out_row < p.m;
+      }
+      if (!valid) continue;
+      T* dst = cbase + static_cast<int64_t>(out_row) * p.ldc + col;
+      if constexpr (SWAP) {
+        float v = acc[i];
+        if (bias != nullptr) v += to_float<T>(bias[col]);
+        *dst = from_float<T>(v * w);
+      } else {
+        float v0 = acc[i], v1 = acc[i + 1];
+        if (bias != nullptr) {
+          v0 += to_float<T>(bias[col]);
+          v1 += to_float<T>(bias[col + 1]);
+        }
+        T pair[2] = {from_float<T>(v0 * w), from_float<T>(v1 * w)};
+        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<uint32_t*>(pair);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
+  };
+
+  // ---- the pipeline: STAGES-1 tiles in flight while one is computed ----
+  Cursor fcur = cursor_at(begin);  // next tile to fetch
+  Cursor ccur = fcur;               // next tile to compute
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < n_it) {
+      fetch_tile(fcur, s);
+      advance(fcur);
+    }
+    cp_async_commit();
+  }
+  int fslot = STAGES - 1, cslot = 0;
+  for (int i = 0; i < n_it; i++) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile i has landed for every thread; every warp is done with tile i-1
+    if (i + STAGES - 1 < n_it) {  // refill the slot of tile i-1
+      fetch_tile(fcur, fslot);
+      advance(fcur);
+    }
+    cp_async_commit();
+    fslot = fslot == STAGES - 1 ? 0 : fslot + 1;
+    compute_tile(cslot);
+    cslot = cslot == STAGES - 1 ? 0 : cslot + 1;
+    if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
+    advance(ccur);
+  }
+}
+
+}  // namespace jm
+
+// One extern "C" kernel per template instantiation, so the launcher finds it by a plain name.
+#define JM_GEMM_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, MIN_BLOCKS) \
+  extern "C" __global__ void __launch_bounds__(JM_MAX_THREADS, MIN_BLOCKS) NAME(const JmGemmParams p) {     \
+    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE>(p);                \
+  }

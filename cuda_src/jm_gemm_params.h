@@ -1,0 +1,32 @@
+// jitmarlin — the single by-value parameter of every GEMM kernel.
+// Mirrored field by field by jitmarlin/ops/gemm.py (ctypes); a CPU test compiles this header
+// and compares offsets and size with the ctypes structure.
+#pragma once
+
+#include <stdint.h>
+
+struct JmGemmParams {
+  const void* a;             // activations [rows, lda], fp16 or bf16
+  const void* b;             // packed weights (jitmarlin layout), int32 words
+  const void* s;             // scales: [K/G, N] permuted per 64 columns, or [1, N] per channel
+  const void* z;             // packed zero points [K/G, N*bits/32] int32, or null
+  const void* bias;          // [N] in the activation dtype, or null
+  void* c;                   // output [rows, ldc]
+  float* ws;                 // fixup slots (fp32 partial sums), all zero between launches
+  int* counters;             // one arrival counter per fixup slot, all zero between launches
+  const int* sorted_ids;     // MoE: (token, k) slot of each row of the padded, expert-sorted list
+  const int* expert_ids;     // MoE: expert of each m tile
+  const int* num_padded;     // MoE: number of rows of the padded list (device scalar)
+  const float* topk_weights; // MoE: routing weight of each (token, k) slot, or null
+  int64_t b_expert_stride;   // MoE: int32 words between two experts' packed weights
+  int64_t s_expert_stride;   // MoE: elements between two experts' scales
+  int64_t z_expert_stride;   // MoE: int32 words between two experts' zero points
+  int32_t m;                 // dense: rows of A and C; MoE: number of (token, k) slots
+  int32_t n;
+  int32_t k;
+  int32_t lda;               // row stride of A, elements
+  int32_t ldc;               // row stride of C, elements
+  int32_t nwarps;            // warps per CTA; a CTA covers 64 * nwarps output columns
+  int32_t grid;              // CTAs launched
+  int32_t top_k;             // MoE: A row of a slot = slot / top_k (1 for the down projection)
+};

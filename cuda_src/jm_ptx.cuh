@@ -1,0 +1,127 @@
+// jitmarlin — thin PTX wrappers. Each says why it exists.
+#pragma once
+
+#include "jm_common.cuh"
+
+namespace jm {
+
+JM_DEVICE uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy that does not occupy registers and bypasses L1 (.cg): the weight
+// stream is read exactly once. With valid == false nothing is read and the 16 bytes are zeroed
+// (src-size 0), so rows past M enter the MMA as exact zeros.
+JM_DEVICE void cp_async16(void* smem, const void* gmem, bool valid = true) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(n));
+}
+
+// One group per pipeline stage, committed even when empty so group counting stays uniform.
+JM_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+JM_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ldmatrix x4: the four 8x8 matrices of a 16x16 activation block land exactly in the A fragment
+// registers of mma.m16n8k16 (PTX ISA, "ldmatrix" and "Matrix Fragments for mma.m16n8k16").
+JM_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+
+// ldmatrix x2: an 8-token x 16-k activation block as the B operand of the transposed MMA.
+JM_DEVICE void ldmatrix_x2(uint32_t (&r)[2], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(smem)));
+}
+
+// D = A * B + D, m16n8k16, fp32 accumulate.
+template <typename T>
+JM_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (DType<T>::kBF16) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// (a & b) | c in one instruction; the compiler does not always fuse the and/or pair.
+// LUT: with a=0xF0, b=0xCC, c=0xAA, (a & b) | c = 0xEA.
+JM_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Byte permute: picks 4 bytes out of {b, a} by the selector nibbles (PTX prmt).
+JM_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// Packed 16-bit arithmetic on raw registers. fp16 uses sub/fma/mul.f16x2; bf16 uses
+// fma.rn.bf16x2 only, because add/sub/mul.bf16x2 need sm_90 while fma.bf16x2 exists on sm_80.
+template <typename T>
+JM_DEVICE uint32_t sub2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (DType<T>::kBF16) {
+    // a * 1.0 + (-b); negating a bf16x2 is flipping both sign bits.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3f803f80u), "r"(b ^ 0x80008000u));
+  } else {
+    asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  }
+  return d;
+}
+
+template <typename T>
+JM_DEVICE uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  if constexpr (DType<T>::kBF16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+  return d;
+}
+
+template <typename T>
+JM_DEVICE uint32_t mul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (DType<T>::kBF16) {
+    // a * b + (-0.0): exact product, keeps the sign of zero.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  } else {
+    asm("mul.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  }
+  return d;
+}
+
+// fp32 partial sums into the global fixup buffer. sm_90 has a 4-wide vector reduction.
+JM_DEVICE void red_add_f32x4(float* p, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c),
+               "f"(d)
+               : "memory");
+#else
+  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
+  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
+  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p + 2), "f"(c) : "memory");
+  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p + 3), "f"(d) : "memory");
+#endif
+}
+
+}  // namespace jm

@@ -1,0 +1,19 @@
+"""jitmarlin: Marlin-class fp16/bf16 x 4/8-bit GPU kernels for PyTorch, compiled on first use.
+
+    import jitmarlin
+    qz = jitmarlin.quantize(w_kn, bits=4, group_size=128)   # w_kn: [K, N] = linear.weight.T
+    packed = jitmarlin.pack(qz)
+    y = jitmarlin.marlin_gemm(x, packed.b, packed.scales, packed.zeros)
+"""
+
+from ._version import __version__
+from .errors import (BuildError, CacheMissError, CachePermissionError, JitMarlinError, LaunchError,
+                     ToolchainError, UnsupportedDeviceError)
+from .ops import Workspace, marlin_gemm
+from .quant import Packed, Quantized, dequantize, pack, quantize
+
+__all__ = [
+    "__version__", "quantize", "pack", "dequantize", "Packed", "Quantized", "marlin_gemm", "Workspace",
+    "JitMarlinError", "UnsupportedDeviceError", "ToolchainError", "BuildError", "CacheMissError",
+    "CachePermissionError", "LaunchError",
+]

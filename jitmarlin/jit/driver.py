@@ -1,0 +1,198 @@
+"""Loading cubins and launching kernels through the CUDA driver API, via ctypes.
+
+No C++ binding is compiled at all: kernels are plain cubins (no torch headers, seconds to build)
+and are launched on torch's current stream with cuLaunchKernel, which CUDA-graph capture records
+like any other launch. Each kernel takes one parameter, a POD struct, passed by value.
+
+Each device gets its own module load in its primary context (the context torch uses), so a
+tensor on cuda:1 runs a function loaded on cuda:1 even when cuda:0 is current.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+from ..errors import LaunchError
+
+_CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+_CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def _cuda():
+    global _lib
+    if _lib is None:
+        with _lib_lock:
+            if _lib is None:
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                except OSError as e:
+                    raise LaunchError(f"cannot load the CUDA driver library libcuda.so.1: {e}") from e
+                vp, i, u, pp = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)
+                sigs = {
+                    "cuInit": [u],
+                    "cuDeviceGet": [ctypes.POINTER(i), i],
+                    "cuDeviceGetAttribute": [ctypes.POINTER(i), i, i],
+                    "cuDevicePrimaryCtxRetain": [pp, i],
+                    "cuCtxGetCurrent": [pp],
+                    "cuCtxPushCurrent_v2": [vp],
+                    "cuCtxPopCurrent_v2": [pp],
+                    "cuModuleLoadData": [pp, vp],
+                    "cuModuleGetFunction": [pp, vp, ctypes.c_char_p],
+                    "cuFuncSetAttribute": [vp, i, i],
+                    "cuFuncGetAttribute": [ctypes.POINTER(i), i, vp],
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(i), vp, i, ctypes.c_size_t],
+                    "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, pp, pp],
+                    "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
+                    "cuGetErrorString": [i, ctypes.POINTER(ctypes.c_char_p)],
+                }
+                for name, args in sigs.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes = args
+                    fn.restype = ctypes.c_int
+                _check(lib, lib.cuInit(0), "cuInit")
+                _lib = lib
+    return _lib
+
+
+def _check(lib, res: int, what: str) -> None:
+    if res != 0:
+        name = ctypes.c_char_p()
+        text = ctypes.c_char_p()
+        lib.cuGetErrorName(res, ctypes.byref(name))
+        lib.cuGetErrorString(res, ctypes.byref(text))
+        raise LaunchError(f"{what} failed: {(name.value or b'?').decode()} ({res}): "
+                          f"{(text.value or b'').decode()}")
+
+
+class _Device:
+    """The primary context of one device and the device attributes we need."""
+
+    def __init__(self, index: int):
+        lib = _cuda()
+        self.index = index
+        dev = ctypes.c_int()
+        _check(lib, lib.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
+        self.ctx = ctypes.c_void_p()
+        _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), dev), "cuDevicePrimaryCtxRetain")
+
+        def attr(a: int) -> int:
+            v = ctypes.c_int()
+            _check(lib, lib.cuDeviceGetAttribute(ctypes.byref(v), a, dev), "cuDeviceGetAttribute")
+            return v.value
+
+        self.sm_count = attr(_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.smem_per_block_optin = attr(_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        self.smem_per_sm = attr(_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+
+    def __enter__(self):
+        lib = _cuda()
+        cur = ctypes.c_void_p()
+        _check(lib, lib.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
+        self._pushed = cur.value != self.ctx.value
+        if self._pushed:
+            _check(lib, lib.cuCtxPushCurrent_v2(self.ctx), "cuCtxPushCurrent")
+        return self
+
+    def __exit__(self, *exc):
+        if self._pushed:
+            lib = _cuda()
+            old = ctypes.c_void_p()
+            _check(lib, lib.cuCtxPopCurrent_v2(ctypes.byref(old)), "cuCtxPopCurrent")
+
+
+_devices: dict[int, _Device] = {}
+_modules: dict[tuple[str, int], ctypes.c_void_p] = {}
+_functions: dict[tuple[str, str, int], "Function"] = {}
+_load_lock = threading.Lock()
+
+
+def device(index: int) -> _Device:
+    d = _devices.get(index)
+    if d is None:
+        with _load_lock:
+            d = _devices.get(index)
+            if d is None:
+                d = _devices[index] = _Device(index)
+    return d
+
+
+class Function:
+    """One kernel loaded on one device."""
+
+    def __init__(self, handle: ctypes.c_void_p, dev: _Device, name: str):
+        self.handle = handle
+        self.dev = dev
+        self.name = name
+        lib = _cuda()
+        _check(lib, lib.cuFuncSetAttribute(handle, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                           dev.smem_per_block_optin), f"cuFuncSetAttribute({name})")
+        v = ctypes.c_int()
+        _check(lib, lib.cuFuncGetAttribute(ctypes.byref(v), _CU_FUNC_ATTRIBUTE_NUM_REGS, handle), "cuFuncGetAttribute")
+        self.num_regs = v.value
+        _check(lib, lib.cuFuncGetAttribute(ctypes.byref(v), _CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, handle), "cuFuncGetAttribute")
+        self.local_bytes = v.value
+        self._occ: dict[tuple[int, int], int] = {}
+
+    def occupancy(self, threads: int, smem: int) -> int:
+        """Blocks of this kernel that fit on one SM at once."""
+        key = (threads, smem)
+        n = self._occ.get(key)
+        if n is None:
+            lib = _cuda()
+            v = ctypes.c_int()
+            with self.dev:
+                _check(lib, lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    ctypes.byref(v), self.handle, threads, smem), f"occupancy({self.name})")
+            n = self._occ[key] = v.value
+        return n
+
+    def launch(self, grid: int, threads: int, smem: int, stream: int, params: ctypes.Structure) -> None:
+        lib = _cuda()
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        with self.dev:
+            res = lib.cuLaunchKernel(self.handle, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), args, None)
+        if res != 0:
+            _check(lib, res, f"launching {self.name} (grid {grid}, {threads} threads, {smem} B shared memory)")
+
+
+def get_function(cubin: Path, name: str, device_index: int) -> Function:
+    key = (str(cubin), name, device_index)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    with _load_lock:
+        fn = _functions.get(key)
+        if fn is not None:
+            return fn
+        dev = _devices.get(device_index) or _Device(device_index)
+        _devices[device_index] = dev
+        lib = _cuda()
+        mkey = (str(cubin), device_index)
+        mod = _modules.get(mkey)
+        if mod is None:
+            try:
+                image = Path(cubin).read_bytes()
+            except OSError as e:
+                raise LaunchError(f"cannot read kernel image {cubin}: {e}") from e
+            buf = ctypes.create_string_buffer(image)
+            mod = ctypes.c_void_p()
+            with dev:
+                _check(lib, lib.cuModuleLoadData(ctypes.byref(mod), buf),
+                       f"loading {cubin} on cuda:{device_index}")
+            _modules[mkey] = mod
+        h = ctypes.c_void_p()
+        with dev:
+            _check(lib, lib.cuModuleGetFunction(ctypes.byref(h), mod, name.encode()),
+                   f"finding kernel {name} in {cubin}")
+            fn = Function(h, dev, name)
+        _functions[key] = fn
+        return fn

@@ -1,0 +1,246 @@
+"""The dense mixed-precision GEMM: C = A @ dequant(B), its tile heuristic and its custom op.
+
+Shapes: A [..., K] fp16/bf16 (contiguous), B packed int32 [N/64, K/16, 32*bits]
+(jitmarlin.quant.pack_weights), scales [K/G, N] (permuted, jitmarlin.quant.permute_scales) or
+[1, N] per channel, zero points int32 [K/G, N*bits/32] (jitmarlin.quant.pack_zeros) or None for
+symmetric weights, bias [N] or None. Result [..., N] in A's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..jit import driver
+from ..jit.toolchain import device_capability
+from . import _kernels as K
+from ._kernels import DTYPES, Family, Tile, Workspace
+
+# ---- tile heuristic: a pure function, unit-tested on the CPU ----
+
+
+@dataclass(frozen=True)
+class Plan:
+    tile: Tile
+    nwarps: int  # CTA = 32 * nwarps threads, 64 * nwarps output columns
+    smem: int  # dynamic shared memory bytes
+
+
+# Preferred (tile, warps per CTA) per m class, most preferred first. Measured on the H200; see
+# benchmarks/NOTES.md for the sweep behind each entry.
+_PREFERENCES: dict[str, tuple[tuple[Tile, int], ...]] = {
+    "w8": ((Tile(1, True, 8, 4), 4), (Tile(1, True, 8, 6), 4), (Tile(1, True, 4, 8), 4)),
+    "m1": ((Tile(1, False, 8, 4), 4), (Tile(1, False, 8, 6), 4), (Tile(1, False, 4, 8), 4)),
+    "m2": ((Tile(2, False, 8, 4), 4), (Tile(2, False, 4, 6), 4)),
+    "m3": ((Tile(3, False, 8, 3), 4), (Tile(3, False, 4, 4), 4)),
+    "m4": ((Tile(4, False, 8, 3), 4), (Tile(4, False, 4, 4), 4)),
+}
+
+
+def m_class(m: int) -> str:
+    if m <= 8:
+        return "w8"
+    if m <= 16:
+        return "m1"
+    if m <= 32:
+        return "m2"
+    if m <= 48:
+        return "m3"
+    return "m4"
+
+
+def check_problem(n: int, k: int, group_size: int) -> None:
+    if k <= 0 or k % 64:
+        raise ValueError(f"K={k} (input features) must be a positive multiple of 64")
+    if n <= 0 or n % 64:
+        raise ValueError(f"N={n} (output features) must be a positive multiple of 64")
+    if group_size != -1 and k % group_size:
+        raise ValueError(f"K={k} must be a multiple of group_size={group_size}")
+
+
+def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int) -> Plan:
+    """Tile config and CTA width for an M x N x K problem. Candidates are tried in order of
+    preference; a candidate must divide K (k tile) and N (64 * warps), agree with the group size
+    and fit the per-block shared memory. Fewer warps per CTA are tried before giving up."""
+    check_problem(n, k, fam.group_size)
+    strips = n // 64
+    prefs = _PREFERENCES[m_class(m)]
+    for want_warps in (None, 4, 2, 1):
+        for tile, warps in prefs:
+            w = warps if want_warps is None else min(warps, want_warps)
+            while strips % w:
+                w //= 2
+            if k % tile.tile_k or not K.tile_fits(fam, tile):
+                continue
+            smem = K.smem_bytes(fam, tile, w)
+            if smem <= smem_per_block:
+                return Plan(tile, w, smem)
+    raise ValueError(f"no GEMM tile config fits M={m}, N={n}, K={k}, {fam} in {smem_per_block} bytes "
+                     "of shared memory per block")
+
+
+def grid_size(plan: Plan, m: int, n: int, k: int, sms: int, ctas_per_sm: int) -> int:
+    """CTAs to launch: all that fit at once, but never more than there are tiles."""
+    m_tiles = -(-m // plan.tile.rows)
+    total = (n // (64 * plan.nwarps)) * m_tiles * (k // plan.tile.tile_k)
+    return max(1, min(sms * max(1, ctas_per_sm), total))
+
+
+# ---- argument checks (shared by the real op and its fake) ----
+
+
+def check_args(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+               bias: Optional[torch.Tensor]) -> tuple[int, int, int, Family]:
+    """Validate, and return (M, N, K, family)."""
+    if a.dtype not in DTYPES:
+        raise TypeError(f"activations must be float16 or bfloat16, got {a.dtype}")
+    if b.dtype != torch.int32 or b.dim() != 3 or b.shape[2] not in (128, 256):
+        raise TypeError(f"packed weights must be int32 [N/64, K/16, 32*bits] (from jitmarlin.quant.pack_weights), "
+                        f"got {b.dtype} {tuple(b.shape)}")
+    bits = b.shape[2] // 32
+    n, k = b.shape[0] * 64, b.shape[1] * 16
+    if a.dim() == 0 or a.shape[-1] != k:
+        raise ValueError(f"activations have {a.shape[-1] if a.dim() else 0} features but the packed weights expect K={k}")
+    if not a.is_contiguous():
+        raise ValueError(f"activations of shape {tuple(a.shape)} must be contiguous; call .contiguous() first")
+    if not b.is_contiguous():
+        raise ValueError("packed weights must be contiguous")
+    if scales.dtype != a.dtype:
+        raise TypeError(f"scales must have the activation dtype {a.dtype}, got {scales.dtype}")
+    if scales.dim() != 2 or scales.shape[1] != n or scales.shape[0] < 1 or k % scales.shape[0]:
+        raise ValueError(f"scales must be [K/G, N] = [groups, {n}] with groups dividing K={k}, got {tuple(scales.shape)}")
+    if not scales.is_contiguous():
+        raise ValueError("scales must be contiguous")
+    group_size = -1 if scales.shape[0] == 1 else k // scales.shape[0]
+    if zeros is not None:
+        if zeros.dtype != torch.int32 or zeros.shape != (scales.shape[0], n * bits // 32) or not zeros.is_contiguous():
+            raise ValueError(f"zero points must be contiguous int32 [{scales.shape[0]}, {n * bits // 32}] "
+                             f"(jitmarlin.quant.pack_zeros), got {zeros.dtype} {tuple(zeros.shape)}")
+    if bias is not None:
+        if bias.dtype != a.dtype or bias.shape != (n,) or not bias.is_contiguous():
+            raise ValueError(f"bias must be a contiguous [{n}] tensor of dtype {a.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    for name, t in (("packed weights", b), ("scales", scales), ("zero points", zeros), ("bias", bias)):
+        if t is not None and t.device != a.device:
+            raise ValueError(f"{name} are on {t.device} but the activations on {a.device}: all must be on one device")
+    fam = Family(DTYPES[a.dtype], bits, zeros is not None, group_size)
+    check_problem(n, k, group_size)
+    m = a.numel() // k
+    return m, n, k, fam
+
+
+# ---- launch ----
+
+
+@functools.lru_cache(maxsize=None)
+def _cc(index: int) -> tuple[int, int]:
+    return device_capability(torch.device("cuda", index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prepared(m: int, n: int, k: int, fam: Family, index: int):
+    cc = _cc(index)
+    dev = driver.device(index)
+    plan = select_plan(m, n, k, fam, dev.smem_per_block_optin)
+    fn = K.get_kernel(fam, plan.tile, index, cc)
+    threads = 32 * plan.nwarps
+    occ = fn.occupancy(threads, plan.smem)
+    if occ < 1:
+        raise RuntimeError(f"kernel {fn.name} cannot run one CTA of {threads} threads with {plan.smem} B shared "
+                           f"memory on cuda:{index} ({fn.num_regs} registers per thread)")
+    grid = grid_size(plan, m, n, k, dev.sm_count, occ)
+    slot_floats = plan.nwarps * 32 * plan.tile.acc
+    return fn, plan, grid, threads, grid * slot_floats
+
+
+def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family,
+                workspace: Workspace | None = None, plan_override: tuple[Tile, int] | None = None) -> None:
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if plan_override is None:
+        fn, plan, grid, threads, floats = _prepared(m, n, k, fam, index)
+    else:  # used by the tuning sweep
+        tile, nwarps = plan_override
+        plan = Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps))
+        fn = K.get_kernel(fam, tile, index, _cc(index))
+        threads = 32 * nwarps
+        grid = grid_size(plan, m, n, k, driver.device(index).sm_count, fn.occupancy(threads, plan.smem))
+        floats = grid * nwarps * 32 * tile.acc
+    ws = workspace if workspace is not None else K.default_workspace(a.device)
+    ws.ensure(floats, grid)
+    p = K.GemmParams()
+    p.a, p.b, p.s = a.data_ptr(), b.data_ptr(), scales.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.bias = bias.data_ptr() if bias is not None else None
+    p.c = out.data_ptr()
+    p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
+    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+    p.nwarps, p.grid, p.top_k = plan.nwarps, grid, 1
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    fn.launch(grid, threads, plan.smem, stream, p)
+
+
+# ---- the custom op (torch.compile and CUDA graphs see one opaque op) ----
+
+
+@torch.library.custom_op("jitmarlin::gemm", mutates_args=())
+def _gemm_op(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor]) -> torch.Tensor:
+    m, n, k, fam = check_args(a, b, scales, zeros, bias)
+    if a.device.type != "cuda":
+        raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")
+    out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
+    if m > 0:
+        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, _workspace_override.get())
+    return out
+
+
+@_gemm_op.register_fake
+def _gemm_fake(a, b, scales, zeros, bias):
+    _, n, _, _ = check_args(a, b, scales, zeros, bias)
+    return a.new_empty(a.shape[:-1] + (n,))
+
+
+class _WorkspaceOverride:
+    """A workspace given explicitly to marlin_gemm, for the duration of one call."""
+
+    def __init__(self):
+        import threading
+
+        self._local = threading.local()
+
+    def get(self) -> Workspace | None:
+        return getattr(self._local, "ws", None)
+
+    def set(self, ws: Workspace | None) -> None:
+        self._local.ws = ws
+
+
+_workspace_override = _WorkspaceOverride()
+
+
+def marlin_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, workspace: Workspace | None = None) -> torch.Tensor:
+    """C = a @ dequant(b) (+ bias).
+
+    a: [..., K] float16/bfloat16, contiguous, on a CUDA device with compute capability >= 8.0.
+    b: packed weights int32 [N/64, K/16, 32*bits] (jitmarlin.pack / jitmarlin.quant.pack_weights).
+    scales: [K/G, N] group scales (permuted, jitmarlin.quant.permute_scales) or [1, N] per
+        channel, in a's dtype.
+    zeros: packed zero points int32 [K/G, N*bits/32] (jitmarlin.quant.pack_zeros), or None for
+        symmetric weights (zero 2**(bits-1)).
+    bias: [N] in a's dtype, or None.
+    workspace: a jitmarlin.ops.Workspace; by default one per device. Calls that may run at the
+        same time (different streams) need different workspaces.
+    Returns [..., N] in a's dtype. Registered as torch.ops.jitmarlin.gemm (torch.compile and CUDA
+    graph capture work; run once eagerly before capturing).
+    """
+    if workspace is None:
+        return _gemm_op(a, b, scales, zeros, bias)
+    _workspace_override.set(workspace)
+    try:
+        return _gemm_op(a, b, scales, zeros, bias)
+    finally:
+        _workspace_override.set(None)

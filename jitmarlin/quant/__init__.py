@@ -1,0 +1,8 @@
+"""Quantization formats: RTN reference quantizer, jitmarlin's packed layout, checkpoint loaders."""
+
+from .layout import pack_weights, pack_zeros, permute_scales, unpack_weights, unpack_zeros, unpermute_scales
+from .packed import Packed, pack
+from .rtn import Quantized, check_group, dequantize, quantize
+
+__all__ = ["Packed", "pack", "Quantized", "check_group", "dequantize", "quantize", "pack_weights", "unpack_weights",
+           "permute_scales", "unpermute_scales", "pack_zeros", "unpack_zeros"]
