@@ -38,6 +38,10 @@ struct GemmShape {
   static constexpr int kZWarpBytes = HAS_ZP ? kGroupRows * 64 * BITS / 8 : 0;
   static constexpr int kWordsPerK16 = 16 * 64 * BITS / 32;  // int32 words of one strip per 16 k
   static constexpr int kAcc = SWAP ? 16 : 32 * M_BLOCKS;     // fp32 accumulators per thread
+  // Small m tiles with one scale row per tile: multiply the tile's fp32 partial sums by the
+  // scales once (kAcc FFMA per tile) instead of every dequantized weight pair (16 HMUL2 per 16 k
+  // per warp). Only pays when kAcc is small and a tile does not span several groups.
+  static constexpr bool kScaleAcc = kGrouped && GROUP_BLOCKS >= K_BLOCKS && (SWAP || M_BLOCKS == 1);
 
   static_assert(K_BLOCKS == 4 || K_BLOCKS == 8, "TILE_K must be 64 or 128 (A swizzle needs >= 8 chunks)");
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
@@ -79,6 +83,14 @@ JM_DEVICE T from_float(float v) {
 
 // Broadcast 16-bit half `e & 1` of register r to both halves.
 JM_DEVICE uint32_t bcast_half(uint32_t r, int hi) { return __byte_perm(r, r, hi ? 0x3232 : 0x1010); }
+
+// Half `hi` of register r (fp16 or bf16 bits) as fp32.
+template <typename T>
+JM_DEVICE float half_to_float(uint32_t r, int hi) {
+  const uint32_t bits = hi ? r >> 16 : r & 0xFFFFu;
+  if constexpr (DType<T>::kBF16) return __uint_as_float(bits << 16);
+  else return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS,
           int STAGES, bool MOE>
@@ -169,9 +181,10 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       int src_row;
       bool valid;
       if constexpr (MOE) {
-        const int slot_id = __ldg(p.sorted_ids + m_tile * S::kRows + row);
+        const int pos = m_tile * S::kRows + row;
+        const int slot_id = __ldg(p.sorted_ids + pos);
         valid = slot_id < p.m;
-        src_row = valid ? slot_id / p.top_k : 0;
+        src_row = !valid ? 0 : (p.a_by_position ? pos : slot_id / p.top_k);
       } else {
         src_row = m_tile * S::kRows + row;
         valid = src_row < p.m;
@@ -185,10 +198,27 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   float acc[S::kAcc];
 #pragma unroll
   for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
+  float accg[S::kScaleAcc ? S::kAcc : 1];  // this tile's unscaled partial sums (kScaleAcc)
+
+  // MMA into accumulator block i (4 floats): the running sums, or with kScaleAcc the tile's
+  // partial sums, started from zero at the tile's first 16 k.
+  auto mma_at = [&](int i, const uint32_t(&a)[4], uint32_t b0, uint32_t b1, bool first) {
+    if constexpr (S::kScaleAcc) {
+      float(&d)[4] = *reinterpret_cast<float(*)[4]>(&accg[i]);
+      if (first) {
+        d[0] = d[1] = d[2] = d[3] = 0.f;
+      }
+      mma_16816<T>(d, a, b0, b1);
+    } else {
+      float(&d)[4] = *reinterpret_cast<float(*)[4]>(&acc[i]);
+      mma_16816<T>(d, a, b0, b1);
+    }
+  };
 
   // ---- dequantize + MMA over one tile in shared memory ----
   auto compute_tile = [&](int slot) {
     const uint8_t* st = smem + slot * stage_bytes;
+    uint32_t sr[4];     // raw group scales of lane g: half e = column 8e + g
     uint32_t sc[8];     // group scale of n8-block e, broadcast to both halves
     ZeroConst zc[8];    // zero point of n8-block e, as dequant constants
     if constexpr (!HAS_ZP) {
@@ -202,9 +232,11 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       if (new_group) {
         if constexpr (S::kGrouped) {
           const uint4 v = *reinterpret_cast<const uint4*>(st + s_off + gr * 128 + g * 16);
-          const uint32_t r[4] = {v.x, v.y, v.z, v.w};
+          sr[0] = v.x; sr[1] = v.y; sr[2] = v.z; sr[3] = v.w;
+          if constexpr (!S::kScaleAcc) {
 #pragma unroll
-          for (int e = 0; e < 8; e++) sc[e] = bcast_half(r[e >> 1], e & 1);
+            for (int e = 0; e < 8; e++) sc[e] = bcast_half(sr[e >> 1], e & 1);
+          }
         }
         if constexpr (HAS_ZP) {
           if constexpr (BITS == 4) {
@@ -252,7 +284,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
           f0 = dequant8<T>(qw[2 * j], zc[2 * j]);
           f1 = dequant8<T>(qw[2 * j + 1], zc[2 * j + 1]);
         }
-        if constexpr (S::kGrouped) {
+        if constexpr (S::kGrouped && !S::kScaleAcc) {
           f0.b0 = mul2<T>(f0.b0, sc[2 * j]);
           f0.b1 = mul2<T>(f0.b1, sc[2 * j]);
           f1.b0 = mul2<T>(f1.b0, sc[2 * j + 1]);
@@ -260,16 +292,37 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         }
         if constexpr (SWAP) {
           const uint32_t wa[4] = {f0.b0, f1.b0, f0.b1, f1.b1};
-          float(&d)[4] = *reinterpret_cast<float(*)[4]>(&acc[4 * j]);
-          mma_16816<T>(d, wa, bt[0], bt[1]);
+          mma_at(4 * j, wa, bt[0], bt[1], kb == 0);
         } else {
 #pragma unroll
           for (int mb = 0; mb < M_BLOCKS; mb++) {
-            float(&d0)[4] = *reinterpret_cast<float(*)[4]>(&acc[(mb * 8 + 2 * j) * 4]);
-            float(&d1)[4] = *reinterpret_cast<float(*)[4]>(&acc[(mb * 8 + 2 * j + 1) * 4]);
-            mma_16816<T>(d0, af[mb], f0.b0, f0.b1);
-            mma_16816<T>(d1, af[mb], f1.b0, f1.b1);
+            mma_at((mb * 8 + 2 * j) * 4, af[mb], f0.b0, f0.b1, kb == 0);
+            mma_at((mb * 8 + 2 * j + 1) * 4, af[mb], f1.b0, f1.b1, kb == 0);
           }
+        }
+      }
+    }
+    if constexpr (S::kScaleAcc) {
+      if constexpr (SWAP) {
+        // accumulator 4j + c is column 16j + 8(c>>1) + g: lane g's own scale, n8-block 2j + (c>>1)
+#pragma unroll
+        for (int i = 0; i < S::kAcc; i++) {
+          const int e = 2 * (i >> 2) + ((i & 3) >> 1);
+          acc[i] = fmaf(half_to_float<T>(sr[e >> 1], e & 1), accg[i], acc[i]);
+        }
+      } else {
+        // accumulator 4e + c is column 8e + 2t + (c&1): the scale that lane g' = 2t + (c&1) holds
+        uint32_t s_even[4], s_odd[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+          s_even[r] = __shfl_sync(0xFFFFFFFFu, sr[r], 8 * t);
+          s_odd[r] = __shfl_sync(0xFFFFFFFFu, sr[r], 8 * t + 4);
+        }
+#pragma unroll
+        for (int i = 0; i < S::kAcc; i++) {
+          const int e = (i >> 2) & 7;
+          const uint32_t* src = (i & 1) ? s_odd : s_even;
+          acc[i] = fmaf(half_to_float<T>(src[e >> 1], e & 1), accg[i], acc[i]);
         }
       }
     }
@@ -291,15 +344,23 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 
     const int ctas = unit_ctas(sch, u);
     if (ctas > 1) {
-      const int slot = unit_slot(sch, u);
-      // fragment order: [slot][warp][i/4][lane][4] -> every access is a coalesced 16-byte vector
-      float* ws = p.ws + static_cast<int64_t>(slot) * (nwarps * 32 * S::kAcc) + warp * (32 * S::kAcc);
+      // Split unit: every CTA stores its partial sums in a region of its own, the last to
+      // arrive adds them all up in CTA order. Fixed order: bit-identical results run to run.
+      const int first = unit_slot(sch, u);
+      const int64_t region_floats = static_cast<int64_t>(nwarps) * 32 * S::kAcc;
+      // a CTA has at most two split units, its first (region 0) and its last (region 1)
+      auto region = [&](int cta) {
+        const int r = u == (cta * sch.iters) / k_tiles ? 0 : 1;
+        return p.ws + (2 * static_cast<int64_t>(cta) + r) * region_floats + warp * (32 * S::kAcc) + lane * 4;
+      };
+      float* mine = region(blockIdx.x);
 #pragma unroll
       for (int q = 0; q < S::kAcc / 4; q++)
-        red_add_f32x4(ws + (q * 32 + lane) * 4, acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+        __stcg(reinterpret_cast<float4*>(mine + q * 128),
+               make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
       __threadfence();
       __syncthreads();
-      if (tid == 0) s_last = atomicAdd(p.counters + slot, 1) == ctas - 1;
+      if (tid == 0) s_last = atomicAdd(p.counters + first, 1) == ctas - 1;
       __syncthreads();
       if (!s_last) {
 #pragma unroll
@@ -307,14 +368,27 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         return;
       }
       __threadfence();
+      if (tid == 0) p.counters[first] = 0;  // every other CTA of this unit has arrived
+      // Sum in chunks of up to 32 accumulators: all loads of one CTA's chunk are in flight together.
+      constexpr int kChunk = S::kAcc < 32 ? S::kAcc : 32;
 #pragma unroll
-      for (int q = 0; q < S::kAcc / 4; q++) {
-        float4* ptr = reinterpret_cast<float4*>(ws + (q * 32 + lane) * 4);
-        const float4 v = __ldcg(ptr);
-        acc[4 * q] = v.x; acc[4 * q + 1] = v.y; acc[4 * q + 2] = v.z; acc[4 * q + 3] = v.w;
-        __stcg(ptr, make_float4(0.f, 0.f, 0.f, 0.f));
+      for (int c0 = 0; c0 < S::kAcc; c0 += kChunk) {
+#pragma unroll
+        for (int i = 0; i < kChunk; i++) acc[c0 + i] = 0.f;
+        for (int cta = first; cta < first + ctas; cta++) {
+          const float* src = region(cta);
+          float4 v[kChunk / 4];
+#pragma unroll
+          for (int q = 0; q < kChunk / 4; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + (c0 / 4 + q) * 128));
+#pragma unroll
+          for (int q = 0; q < kChunk / 4; q++) {
+            acc[c0 + 4 * q] += v[q].x;
+            acc[c0 + 4 * q + 1] += v[q].y;
+            acc[c0 + 4 * q + 2] += v[q].z;
+            acc[c0 + 4 * q + 3] += v[q].w;
+          }
+        }
       }
-      if (tid == 0) p.counters[slot] = 0;
     }
 
     T* cbase = static_cast<T*>(p.c);
@@ -391,4 +465,79 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 #define JM_GEMM_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, MIN_BLOCKS) \
   extern "C" __global__ void __launch_bounds__(JM_MAX_THREADS, MIN_BLOCKS) NAME(const JmGemmParams p) {     \
     jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE>(p);                \
+  }
+
+namespace jm {
+
+// Dequantize packed weights into W^T [N, K] (row n = output feature, contiguous along K), the
+// operand of a cuBLAS GEMM for large M, where a tensor-core library beats an mma.sync kernel
+// that re-dequantizes the weights for every 64 rows. One thread per (strip, 16 k, lane), i.e.
+// per 16-byte vector of the packed layout; p.c receives W^T, p.a and the MoE fields are unused.
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS>
+JM_DEVICE void dequant_body(const JmGemmParams p) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int lane = static_cast<int>(idx & 31);
+  const int64_t chunk = idx >> 5;  // strip * (K/16) + kt
+  const int k16 = p.k / 16;
+  if (chunk >= static_cast<int64_t>(p.n / 64) * k16) return;
+  const int strip = static_cast<int>(chunk / k16), kt = static_cast<int>(chunk % k16);
+  const int g = lane >> 2, t = lane & 3;
+  constexpr bool kGrouped = GROUP_BLOCKS > 0;
+  const int grp = kGrouped ? kt / GROUP_BLOCKS : 0;
+
+  uint32_t qw[BITS == 4 ? 4 : 8];
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.b) + chunk * (32 * BITS));
+  {
+    const uint4 v = __ldg(src + lane);
+    qw[0] = v.x; qw[1] = v.y; qw[2] = v.z; qw[3] = v.w;
+    if constexpr (BITS == 8) {
+      const uint4 w = __ldg(src + 32 + lane);
+      qw[4] = w.x; qw[5] = w.y; qw[6] = w.z; qw[7] = w.w;
+    }
+  }
+  ZeroConst zc[8];
+#pragma unroll
+  for (int e = 0; e < 8; e++) {
+    uint32_t z = BITS == 4 ? 8u : 128u;
+    if constexpr (HAS_ZP) {
+      const uint32_t* zp = static_cast<const uint32_t*>(p.z) + static_cast<int64_t>(grp) * (p.n * BITS / 32);
+      if constexpr (BITS == 4) z = (__ldg(zp + strip * 8 + g) >> (4 * e)) & 0xFu;
+      else z = (__ldg(zp + strip * 16 + 2 * g + (e >> 2)) >> (8 * (e & 3))) & 0xFFu;
+    }
+    zc[e] = make_zero_const<T, BITS>(z);
+  }
+  T* out = static_cast<T*>(p.c);
+  const T* sp = static_cast<const T*>(p.s);
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    Frag f[2];
+    if constexpr (BITS == 4) {
+      dequant4<T>(qw[j], zc[2 * j], zc[2 * j + 1], f[0], f[1]);
+    } else {
+      f[0] = dequant8<T>(qw[2 * j], zc[2 * j]);
+      f[1] = dequant8<T>(qw[2 * j + 1], zc[2 * j + 1]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int e = 2 * j + h;
+      const int n = strip * 64 + 8 * e + g;
+      // grouped scales are permuted inside each 64 columns (lane g's 8 scales are contiguous)
+      const T s = kGrouped ? sp[static_cast<int64_t>(grp) * p.n + strip * 64 + 8 * g + e] : sp[n];
+      uint32_t s2;
+      {
+        T pair[2] = {s, s};
+        s2 = *reinterpret_cast<uint32_t*>(pair);
+      }
+      T* row = out + static_cast<int64_t>(n) * p.k + kt * 16 + 2 * t;
+      *reinterpret_cast<uint32_t*>(row) = mul2<T>(f[h].b0, s2);
+      *reinterpret_cast<uint32_t*>(row + 8) = mul2<T>(f[h].b1, s2);
+    }
+  }
+}
+
+}  // namespace jm
+
+#define JM_DEQUANT_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS)                       \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmGemmParams p) {    \
+    jm::dequant_body<T, BITS, HAS_ZP, GROUP_BLOCKS>(p);                             \
   }

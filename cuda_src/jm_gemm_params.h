@@ -12,8 +12,8 @@ struct JmGemmParams {
   const void* z;             // packed zero points [K/G, N*bits/32] int32, or null
   const void* bias;          // [N] in the activation dtype, or null
   void* c;                   // output [rows, ldc]
-  float* ws;                 // fixup slots (fp32 partial sums), all zero between launches
-  int* counters;             // one arrival counter per fixup slot, all zero between launches
+  float* ws;                 // fp32 partial sums of split units: 2 regions per CTA
+  int* counters;             // one arrival counter per CTA, all zero between launches
   const int* sorted_ids;     // MoE: (token, k) slot of each row of the padded, expert-sorted list
   const int* expert_ids;     // MoE: expert of each m tile
   const int* num_padded;     // MoE: number of rows of the padded list (device scalar)
@@ -29,4 +29,6 @@ struct JmGemmParams {
   int32_t nwarps;            // warps per CTA; a CTA covers 64 * nwarps output columns
   int32_t grid;              // CTAs launched
   int32_t top_k;             // MoE: A row of a slot = slot / top_k (1 for the down projection)
+  int32_t a_by_position;     // MoE: 1 = A row r of the padded list is A[r] (pre-gathered A)
+  int32_t pad_;
 };

@@ -110,18 +110,4 @@ JM_DEVICE uint32_t mul2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// fp32 partial sums into the global fixup buffer. sm_90 has a 4-wide vector reduction.
-JM_DEVICE void red_add_f32x4(float* p, float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c),
-               "f"(d)
-               : "memory");
-#else
-  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
-  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
-  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p + 2), "f"(c) : "memory");
-  asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p + 3), "f"(d) : "memory");
-#endif
-}
-
 }  // namespace jm

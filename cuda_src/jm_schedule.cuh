@@ -8,12 +8,14 @@
 // partition of the Marlin paper, Frantar et al.): every SM gets the same amount of work for any
 // shape, and a unit is split across as few CTAs as possible.
 //
-// A unit covered by one CTA is written directly. A unit covered by several CTAs ("split") has
-// its fp32 partial sums added atomically into a fixup slot; the last CTA to arrive (an atomic
-// counter) reads the total, writes the output, and zeroes the slot and the counter again, so the
-// workspace is all zero after every launch (CUDA-graph safe) and no CTA ever waits on another.
-// The slot of a split unit is the CTA that holds the unit's first tile: that CTA's run contains
-// the start of at most one split unit, so slots are unique and fewer than the grid size.
+// A unit covered by one CTA is written directly. A unit covered by several CTAs ("split"): each
+// of them stores its fp32 partial sums in a workspace region of its own (a CTA has at most two
+// split units, its first and its last, so two regions per CTA), then bumps the unit's arrival
+// counter; the last to arrive adds all partials in CTA order (deterministic), writes the output
+// and resets the counter to zero, so the counters are all zero after every launch (CUDA-graph
+// safe) and no CTA ever waits on another. The counter of a split unit is indexed by the CTA that
+// holds the unit's first tile: that CTA's run contains the start of at most one split unit, so
+// counter slots are unique and fewer than the grid size.
 //
 // All functions are host+device so that tests can check the partition on the CPU.
 #pragma once

@@ -9,11 +9,13 @@
 from ._version import __version__
 from .errors import (BuildError, CacheMissError, CachePermissionError, JitMarlinError, LaunchError,
                      ToolchainError, UnsupportedDeviceError)
-from .ops import Workspace, marlin_gemm
+from .nn import MarlinLinear, MarlinMoE
+from .ops import Workspace, fused_marlin_moe, marlin_gemm, moe_align_block_size
 from .quant import Packed, Quantized, dequantize, pack, quantize
 
 __all__ = [
-    "__version__", "quantize", "pack", "dequantize", "Packed", "Quantized", "marlin_gemm", "Workspace",
+    "__version__", "quantize", "pack", "dequantize", "Packed", "Quantized", "marlin_gemm", "Workspace", "MarlinLinear",
+    "MarlinMoE", "fused_marlin_moe", "moe_align_block_size",
     "JitMarlinError", "UnsupportedDeviceError", "ToolchainError", "BuildError", "CacheMissError",
     "CachePermissionError", "LaunchError",
 ]

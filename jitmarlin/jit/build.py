@@ -93,12 +93,14 @@ def parse_ptxas(log: str) -> dict:
 
 
 def build_jobs() -> int:
-    v = os.environ.get("JITMARLIN_BUILD_JOBS") or os.environ.get("MAX_JOBS")
-    if v:
-        try:
-            return max(1, int(v))
-        except ValueError:
-            raise ValueError(f"JITMARLIN_BUILD_JOBS={v!r} is not an integer") from None
+    for var in ("JITMARLIN_BUILD_JOBS", "MAX_JOBS"):
+        v = os.environ.get(var)
+        if v:
+            try:
+                return max(1, int(v))
+            except ValueError:
+                raise ValueError(f"{var}={v!r} is not an integer: set it to the number of "
+                                 "parallel nvcc jobs, e.g. 4") from None
     return max(1, os.cpu_count() or 1)
 
 
@@ -144,6 +146,8 @@ def _find_by_source_hash(adir: Path, spec: BuildSpec) -> Path | None:
         return None
     want = spec.source_hash()
     for d in sorted(adir.glob(f"{spec.family}_*")):
+        if cache.is_staging(d):
+            continue  # a build in progress, or one killed after writing its meta.json
         meta = cache.read_meta(d)
         if meta and meta.get("source_hash") == want:
             return d
@@ -212,9 +216,14 @@ def _get_module_uncached(spec: BuildSpec, compile_fn: CompileFn | None) -> Compi
     with lock:
         if (mdir / cache.META).is_file():
             return _load(mdir, root)
-        for stale in adir.glob(f"{mdir.name}.staging-*"):
+        for stale in adir.glob(f"{mdir.name}{cache.STAGING}*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a builder that died; we hold the lock
-        staging = Path(tempfile.mkdtemp(prefix=f"{mdir.name}.staging-", dir=adir))  # mode 0700
+        if mdir.exists():
+            # No meta.json, so not a finished module (e.g. a half-deleted one): os.rename below
+            # cannot replace a non-empty directory, so clear it while we hold the lock.
+            cache.check_safe(mdir, stop=root)
+            shutil.rmtree(mdir)
+        staging = Path(tempfile.mkdtemp(prefix=f"{mdir.name}{cache.STAGING}", dir=adir))  # mode 0700
         t0 = time.time()
         _say(f"compiling {spec.family} module [{', '.join(f'{k}={v}' for k, v in spec.key)}] for "
              f"{spec.arch}: {len(spec.sources)} kernels, {build_jobs()} jobs ...")

@@ -82,6 +82,9 @@ def check_safe(path: Path, stop: Path | None = None) -> None:
 def make_private_dir(path: Path, root: Path) -> Path:
     """Create `path` and missing parents (below and including root) with mode 0700, then check
     that every level from root down to path is ours and not writable by others."""
+    # The folders above root are not ours (e.g. ~/.cache on a fresh account): create them with
+    # the default mode, like any program writing under ~/.cache would.
+    root.parent.mkdir(parents=True, exist_ok=True)
     missing = []
     p = path
     while not p.exists():
@@ -114,6 +117,14 @@ def _dir_size(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+STAGING = ".staging-"
+
+
+def is_staging(p: Path) -> bool:
+    """A build's private staging directory (<module name>.staging-XXXX), complete or not."""
+    return STAGING in p.name
+
+
 def read_meta(module: Path) -> dict | None:
     try:
         return json.loads((module / META).read_text())
@@ -135,7 +146,8 @@ def list_modules(root: Path | None = None, all_versions: bool = False) -> list[M
             if not archd.is_dir() or not archd.name.startswith("sm_"):
                 continue
             for mod in sorted(archd.iterdir()):
-                meta = read_meta(mod) if mod.is_dir() else None
+                # A staging dir of a running (or killed) build can already hold its meta.json.
+                meta = read_meta(mod) if mod.is_dir() and not is_staging(mod) else None
                 if meta is None:
                     continue
                 out.append(ModuleInfo(path=mod, arch=archd.name, family=meta.get("family", "?"),

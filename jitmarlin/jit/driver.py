@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import LaunchError
 
+_CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 _CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 _CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -133,9 +134,13 @@ class Function:
         self.dev = dev
         self.name = name
         lib = _cuda()
-        _check(lib, lib.cuFuncSetAttribute(handle, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                           dev.smem_per_block_optin), f"cuFuncSetAttribute({name})")
         v = ctypes.c_int()
+        _check(lib, lib.cuFuncGetAttribute(ctypes.byref(v), _CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, handle), "cuFuncGetAttribute")
+        self.static_smem = v.value
+        # let the kernel use all the shared memory a block may opt into, beside its static part
+        self.max_dynamic_smem = dev.smem_per_block_optin - self.static_smem
+        _check(lib, lib.cuFuncSetAttribute(handle, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                           self.max_dynamic_smem), f"cuFuncSetAttribute({name})")
         _check(lib, lib.cuFuncGetAttribute(ctypes.byref(v), _CU_FUNC_ATTRIBUTE_NUM_REGS, handle), "cuFuncGetAttribute")
         self.num_regs = v.value
         _check(lib, lib.cuFuncGetAttribute(ctypes.byref(v), _CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, handle), "cuFuncGetAttribute")

@@ -2,5 +2,6 @@
 
 from ._kernels import Workspace
 from .gemm import marlin_gemm
+from .moe import fused_marlin_moe, moe_align_block_size, moe_gemm
 
-__all__ = ["Workspace", "marlin_gemm"]
+__all__ = ["Workspace", "marlin_gemm", "fused_marlin_moe", "moe_align_block_size", "moe_gemm"]

@@ -29,15 +29,32 @@ class Plan:
     smem: int  # dynamic shared memory bytes
 
 
-# Preferred (tile, warps per CTA) per m class, most preferred first. Measured on the H200; see
-# benchmarks/NOTES.md for the sweep behind each entry.
-_PREFERENCES: dict[str, tuple[tuple[Tile, int], ...]] = {
-    "w8": ((Tile(1, True, 8, 4), 4), (Tile(1, True, 8, 6), 4), (Tile(1, True, 4, 8), 4)),
-    "m1": ((Tile(1, False, 8, 4), 4), (Tile(1, False, 8, 6), 4), (Tile(1, False, 4, 8), 4)),
-    "m2": ((Tile(2, False, 8, 4), 4), (Tile(2, False, 4, 6), 4)),
-    "m3": ((Tile(3, False, 8, 3), 4), (Tile(3, False, 4, 4), 4)),
-    "m4": ((Tile(4, False, 8, 3), 4), (Tile(4, False, 4, 4), 4)),
-}
+# Preferred (tile, warps per CTA), most preferred first, per m class and problem size. From the
+# H200 sweep of every tile config x CTA width on the six benchmark shapes (benchmarks/NOTES.md,
+# "tuning sweep"); the alternatives only serve shapes the first choice cannot take.
+_SMALL_KN = 1 << 26  # K*N below this: few tiles per SM, deeper pipelines and fewer CTAs win
+
+
+def _preferences(m: int, n: int, k: int) -> tuple[tuple[Tile, int], ...]:
+    small = k * n < _SMALL_KN
+    cls = m_class(m)
+    if cls == "w8":
+        first = (Tile(1, True, 4, 8), 4) if small else (Tile(1, True, 8, 6), 4)
+        return (first, (Tile(1, True, 8, 4), 4), (Tile(1, True, 4, 8), 4))
+    if cls == "m1":
+        first = (Tile(1, False, 8, 6), 4) if small else (Tile(1, False, 8, 4), 4)
+        return (first, (Tile(1, False, 8, 4), 4), (Tile(1, False, 4, 8), 4))
+    if cls == "m2":
+        return ((Tile(2, False, 8, 4), 2 if small else 4), (Tile(2, False, 4, 6), 4))
+    if cls == "m3":
+        return ((Tile(3, False, 8, 3), 4), (Tile(3, False, 4, 4), 4))
+    if n >= 16384:
+        return ((Tile(4, False, 8, 3), 8), (Tile(4, False, 4, 4), 4))
+    return ((Tile(4, False, 4, 4), 4), (Tile(4, False, 8, 3), 4))
+
+
+# Shared memory per block kept free for the kernels' static shared variables.
+SMEM_RESERVE = 1024
 
 
 def m_class(m: int) -> str:
@@ -67,7 +84,7 @@ def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int) -> Pla
     and fit the per-block shared memory. Fewer warps per CTA are tried before giving up."""
     check_problem(n, k, fam.group_size)
     strips = n // 64
-    prefs = _PREFERENCES[m_class(m)]
+    prefs = _preferences(m, n, k)
     for want_warps in (None, 4, 2, 1):
         for tile, warps in prefs:
             w = warps if want_warps is None else min(warps, want_warps)
@@ -143,7 +160,7 @@ def _cc(index: int) -> tuple[int, int]:
 def _prepared(m: int, n: int, k: int, fam: Family, index: int):
     cc = _cc(index)
     dev = driver.device(index)
-    plan = select_plan(m, n, k, fam, dev.smem_per_block_optin)
+    plan = select_plan(m, n, k, fam, dev.smem_per_block_optin - SMEM_RESERVE)
     fn = K.get_kernel(fam, plan.tile, index, cc)
     threads = 32 * plan.nwarps
     occ = fn.occupancy(threads, plan.smem)
@@ -151,14 +168,47 @@ def _prepared(m: int, n: int, k: int, fam: Family, index: int):
         raise RuntimeError(f"kernel {fn.name} cannot run one CTA of {threads} threads with {plan.smem} B shared "
                            f"memory on cuda:{index} ({fn.num_regs} registers per thread)")
     grid = grid_size(plan, m, n, k, dev.sm_count, occ)
-    slot_floats = plan.nwarps * 32 * plan.tile.acc
-    return fn, plan, grid, threads, grid * slot_floats
+    return fn, plan, grid, threads, K.workspace_floats(grid, plan.nwarps, plan.tile)
+
+
+# For large M the dense path dequantizes the weights once into fp16/bf16 and calls cuBLAS, whose
+# tensor-core GEMM beats an mma.sync kernel that re-dequantizes the weights for every m tile.
+def use_dequant_path(m: int, n: int, k: int) -> bool:
+    """Sweep result: dequantize + cuBLAS wins from M=512 everywhere, from M=256 unless K is large
+    (then the fused kernel's L2 reuse still wins), and already from M=64 on small matrices."""
+    return m >= 512 or (m >= 256 and k <= 8192) or (m >= 64 and k * n <= (1 << 24))
+
+
+def dequantize_weights(b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], fam: Family,
+                       n: int, k: int) -> torch.Tensor:
+    """Packed weights -> W^T [N, K] in the scales' dtype, with one kernel."""
+    index = b.device.index if b.device.index is not None else torch.cuda.current_device()
+    fn = K.get_kernel(fam, None, index, _cc(index))
+    wt = torch.empty(n, k, dtype=scales.dtype, device=b.device)
+    p = K.GemmParams()
+    p.b, p.s, p.c = b.data_ptr(), scales.data_ptr(), wt.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.n, p.k = n, k
+    threads = 256
+    grid = -(-(n // 64) * (k // 16) * 32 // threads)
+    fn.launch(grid, threads, 0, torch.cuda.current_stream(b.device).cuda_stream, p)
+    return wt
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family,
-                workspace: Workspace | None = None, plan_override: tuple[Tile, int] | None = None) -> None:
+                workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None) -> None:
+    """Compute out[m, n] = a @ dequant(b) (+ bias). plan_override (for tuning): a (tile, warps)
+    pair for the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if plan_override == "dequant" or (plan_override is None and use_dequant_path(m, n, k)):
+        wt = dequantize_weights(b, scales, zeros, fam, n, k)
+        a2, o2 = a.reshape(m, k), out.view(m, n)
+        if bias is not None:
+            torch.addmm(bias, a2, wt.t(), out=o2)
+        else:
+            torch.mm(a2, wt.t(), out=o2)
+        return
     if plan_override is None:
         fn, plan, grid, threads, floats = _prepared(m, n, k, fam, index)
     else:  # used by the tuning sweep
@@ -167,7 +217,7 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
         fn = K.get_kernel(fam, tile, index, _cc(index))
         threads = 32 * nwarps
         grid = grid_size(plan, m, n, k, driver.device(index).sm_count, fn.occupancy(threads, plan.smem))
-        floats = grid * nwarps * 32 * tile.acc
+        floats = K.workspace_floats(grid, nwarps, tile)
     ws = workspace if workspace is not None else K.default_workspace(a.device)
     ws.ensure(floats, grid)
     p = K.GemmParams()
@@ -183,24 +233,34 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
 
 
 # ---- the custom op (torch.compile and CUDA graphs see one opaque op) ----
+# Registered through torch.library.Library rather than the custom_op decorator: the decorator's
+# wrapper imports torch._dynamo on the first call (seconds), which a cached kernel must not cost.
+
+_lib = torch.library.Library("jitmarlin", "DEF")
+_lib.define("gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor? bias) -> Tensor")
 
 
-@torch.library.custom_op("jitmarlin::gemm", mutates_args=())
-def _gemm_op(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _gemm_cuda(a, b, scales, zeros, bias):
     m, n, k, fam = check_args(a, b, scales, zeros, bias)
-    if a.device.type != "cuda":
-        raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")
     out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
     if m > 0:
         launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, _workspace_override.get())
     return out
 
 
-@_gemm_op.register_fake
+def _gemm_cpu(a, b, scales, zeros, bias):
+    check_args(a, b, scales, zeros, bias)
+    raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")
+
+
 def _gemm_fake(a, b, scales, zeros, bias):
     _, n, _, _ = check_args(a, b, scales, zeros, bias)
     return a.new_empty(a.shape[:-1] + (n,))
+
+
+_lib.impl("gemm", _gemm_cuda, "CUDA")
+_lib.impl("gemm", _gemm_cpu, "CPU")
+torch.library.register_fake("jitmarlin::gemm", _gemm_fake, lib=_lib)
 
 
 class _WorkspaceOverride:
@@ -238,9 +298,9 @@ def marlin_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: t
     graph capture work; run once eagerly before capturing).
     """
     if workspace is None:
-        return _gemm_op(a, b, scales, zeros, bias)
+        return torch.ops.jitmarlin.gemm(a, b, scales, zeros, bias)
     _workspace_override.set(workspace)
     try:
-        return _gemm_op(a, b, scales, zeros, bias)
+        return torch.ops.jitmarlin.gemm(a, b, scales, zeros, bias)
     finally:
         _workspace_override.set(None)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One batched run on the GPU machine: build, GPU tests, JIT checks, benchmarks. Logs under $OUT.
+#   bash benchmarks/run_device.sh "tests jit bench sweep"     (stages to run, in order)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jm-out}
+mkdir -p "$OUT"
+STAGES=${1:-"tests jit bench"}
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export JITMARLIN_CACHE_DIR=${JITMARLIN_CACHE_DIR:-/tmp/jm-cache}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+python3 -m jitmarlin info > "$OUT/info.txt" 2>&1; tail -5 "$OUT/info.txt"
+for st in $STAGES; do
+  t0=$(date +%s)
+  case $st in
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs --maxfail=40 tests/gpu ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1
+           echo "tests rc=$?"; tail -25 "$OUT/tests.log";;
+    cputests) timeout 300 python3 -m pytest -q tests --ignore=tests/gpu -x > "$OUT/cputests.log" 2>&1
+           echo "cputests rc=$?"; tail -3 "$OUT/cputests.log";;
+    jit)   timeout 300 python3 benchmarks/bench_jit.py --json "$OUT/jit.json" > "$OUT/jit.log" 2>&1
+           echo "jit rc=$?"; tail -2 "$OUT/jit.log";;
+    bench) timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_gemm.py --json "$OUT/gemm.json" ${BENCH_ARGS:-} > "$OUT/gemm.log" 2>&1
+           echo "bench rc=$?"; grep -v "^done" "$OUT/gemm.log" | tail -60;;
+    sweep) timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --sweep --peers none --json "$OUT/sweep.json" \
+             --shapes ${SWEEP_SHAPES:-8192x28672,4096x4096,8192x8192} --m ${SWEEP_M:-1,16,32,64} > "$OUT/sweep.log" 2>&1
+           echo "sweep rc=$?"; tail -20 "$OUT/sweep.log";;
+    prof)  for spec in ${PROF_SPECS:-"8192 28672 1" "8192 28672 16" "4096 4096 1"}; do
+             set -- $spec
+             timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+               --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+               --section InstructionStats -k regex:jm_gemm -s 2 -c 1 \
+               python3 benchmarks/profile_gemm.py --k $1 --n $2 --m $3 > "$OUT/prof_$1_$2_$3.txt" 2>&1
+             echo "prof $spec rc=$?"; grep -E "Duration|Throughput|Registers|Achieved Occupancy|Stall|Issued Ipc|No Eligible" "$OUT/prof_$1_$2_$3.txt" | head -30
+           done;;
+    moe)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1
+           echo "moe rc=$?"; tail -30 "$OUT/moe.log";;
+  esac
+  echo "stage $st took $(( $(date +%s) - t0 )) s"
+done

@@ -1,0 +1,122 @@
+"""MarlinMoE: a mixture-of-experts layer with quantized experts (router in the activation dtype)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.moe import fused_marlin_moe
+from ..quant.packed import Packed, pack
+from ..quant.rtn import dequantize, quantize
+
+
+def _stack(packs: list[Packed], what: str):
+    bits = {p.bits for p in packs}
+    groups = {p.group_size for p in packs}
+    zps = {p.zeros is not None for p in packs}
+    shapes = {tuple(p.b.shape) for p in packs}
+    if len(bits) != 1 or len(groups) != 1 or len(zps) != 1 or len(shapes) != 1:
+        raise ValueError(f"all experts' {what} must share bits, group size, zero-point use and shape; got bits "
+                         f"{sorted(bits)}, group sizes {sorted(groups)}, shapes {sorted(shapes)}")
+    b = torch.stack([p.b for p in packs]).contiguous()
+    s = torch.stack([p.scales for p in packs]).contiguous()
+    z = torch.stack([p.zeros for p in packs]).contiguous() if packs[0].zeros is not None else None
+    return b, s, z, packs[0].bits, packs[0].group_size
+
+
+class MarlinMoE(nn.Module):
+    """Router (nn.Linear, no bias) -> softmax over all experts in fp32 -> top-k (renormalized if
+    `renormalize`, as Mixtral does) -> quantized experts (gate+up, SiLU(gate)*up, down) -> the
+    routing-weighted sum. Input [..., H] fp16/bf16 on a CUDA device."""
+
+    def __init__(self, w13: list[Packed], w2: list[Packed], router_weight: torch.Tensor, top_k: int, *,
+                 renormalize: bool = True, w13_perm: torch.Tensor | None = None,
+                 w2_perm: torch.Tensor | None = None):
+        super().__init__()
+        if len(w13) != len(w2) or len(w13) != router_weight.shape[0]:
+            raise ValueError(f"{len(w13)} gate/up experts, {len(w2)} down experts and a router for "
+                             f"{router_weight.shape[0]} experts: the three counts must match")
+        self.num_experts = len(w13)
+        if not 1 <= top_k <= self.num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={self.num_experts}]")
+        b13, s13, z13, bits, group = _stack(w13, "gate/up weights")
+        b2, s2, z2, bits2, group2 = _stack(w2, "down weights")
+        if (bits, group) != (bits2, group2):
+            raise ValueError(f"gate/up ({bits}-bit, group {group}) and down ({bits2}-bit, group {group2}) differ")
+        self.hidden_size = w13[0].k
+        self.intermediate_size = w13[0].n // 2
+        if w2[0].k != self.intermediate_size or w2[0].n != self.hidden_size:
+            raise ValueError(f"down projection is [{w2[0].k}, {w2[0].n}] but must be [I={self.intermediate_size}, "
+                             f"H={self.hidden_size}]")
+        if router_weight.shape != (self.num_experts, self.hidden_size):
+            raise ValueError(f"router weight must be [{self.num_experts}, {self.hidden_size}], got {tuple(router_weight.shape)}")
+        self.top_k, self.renormalize, self.bits, self.group_size = top_k, renormalize, bits, group
+        self.dtype = s13.dtype
+        self.router = nn.Linear(self.hidden_size, self.num_experts, bias=False, device=router_weight.device,
+                                dtype=self.dtype)
+        with torch.no_grad():
+            self.router.weight.copy_(router_weight.to(self.dtype))
+        self.register_buffer("w13_qweight", b13)
+        self.register_buffer("w13_scales", s13)
+        self.register_buffer("w13_qzeros", z13)
+        self.register_buffer("w2_qweight", b2)
+        self.register_buffer("w2_scales", s2)
+        self.register_buffer("w2_qzeros", z2)
+        self.register_buffer("w13_perm", w13_perm.to(torch.int32).contiguous() if w13_perm is not None else None)
+        self.register_buffer("w2_perm", w2_perm.to(torch.int32).contiguous() if w2_perm is not None else None)
+
+    @classmethod
+    def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, router_weight: torch.Tensor, top_k: int, *,
+                   renormalize: bool = True, bits: int = 4, group_size: int = 128, sym: bool = True) -> "MarlinMoE":
+        """RTN-quantize float experts: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]
+        (nn.Linear weight layout, [out, in]); router_weight [E, H]. Quantizes where the tensors are."""
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]:
+            raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+        p13 = [pack(quantize(w13[e].t(), bits, group_size, sym)) for e in range(w13.shape[0])]
+        p2 = [pack(quantize(w2[e].t(), bits, group_size, sym)) for e in range(w2.shape[0])]
+        return cls(p13, p2, router_weight, top_k, renormalize=renormalize)
+
+    def _packed(self, which: str, e: int) -> Packed:
+        b, s, z = (getattr(self, f"{which}_{x}") for x in ("qweight", "scales", "qzeros"))
+        return Packed(b[e], s[e], z[e] if z is not None else None, self.bits, self.group_size)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float experts (w13 [E, 2I, H], w2 [E, H, I]) this layer computes with, in the
+        original input order (act-order undone)."""
+        out = []
+        for which in ("w13", "w2"):
+            perm = getattr(self, f"{which}_perm")
+            mats = []
+            for e in range(self.num_experts):
+                u = self._packed(which, e).unpack()
+                w = dequantize(u.q, u.scales, u.zeros, u.bits, u.group_size)  # [K, N], rows in kernel order
+                if perm is not None:
+                    w = torch.empty_like(w).index_copy_(0, perm[e].long(), w)
+                mats.append(w.t())
+            out.append(torch.stack(mats).to(self.dtype))
+        return out[0], out[1]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights fp32 [T, k], topk_ids [T, k]) for x [T, H]."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            raise TypeError(f"input dtype {x.dtype} differs from the layer's {self.dtype}")
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden_size)
+        weights, ids = self.route(x2)
+        out = fused_marlin_moe(x2, self.w13_qweight, self.w13_scales, self.w2_qweight, self.w2_scales, weights, ids,
+                               w13_zeros=self.w13_qzeros, w2_zeros=self.w2_qzeros, w13_perm=self.w13_perm,
+                               w2_perm=self.w2_perm)
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, bits={self.bits}, group_size={self.group_size}, "
+                f"zero_points={self.w13_qzeros is not None}, act_order={self.w13_perm is not None}, "
+                f"renormalize={self.renormalize}")

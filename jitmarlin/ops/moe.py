@@ -1,0 +1,249 @@
+"""Quantized mixture-of-experts: token routing to blocks, the MoE GEMM, and the fused layer.
+
+The MoE GEMM is the dense GEMM template compiled with MOE=true (jitmarlin/ops/_kernels.py): each
+m tile of `block_size` rows belongs to one expert; A rows are gathered through the sorted
+(token, k) slot ids (token = slot // top_k), and output row = slot id, so the caller gets
+[T * top_k, N] in slot order. Shape tags: T tokens, E experts, k = top_k, H hidden, I
+intermediate, L = T*k + E*(B-1) padded slots (upper bound), B block size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..jit import driver
+from . import _kernels as K
+from ._kernels import DTYPES, Family
+from .gemm import SMEM_RESERVE, _cc, grid_size, select_plan
+
+BLOCK_SIZES = (8, 16, 32, 48, 64)
+
+
+def choose_block_size(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows per expert block (= the kernel's m tile): the first B with T*k/E/B < 0.9, else 64.
+    Small blocks waste few padded rows at small batch; large ones reuse weights at large batch."""
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    for b in BLOCK_SIZES:
+        if per_expert / b < 0.9:
+            return b
+    return BLOCK_SIZES[-1]
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """Sort the (token, k) slots by expert and pad every expert's run to a multiple of
+    block_size, on the device (no host synchronisation, CUDA-graph capturable).
+
+    topk_ids: [T, k] integer expert ids in [0, E).
+    Returns (sorted_ids int32 [L], expert_ids int32 [ceil(L/B)], num_padded int32 [1]) where
+    L = T*k + E*(B-1); padding slots hold the sentinel T*k; blocks past num_padded have expert
+    id E-1 (they are never read).
+    """
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [tokens, top_k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point:
+        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if block_size <= 0 or num_experts <= 0:
+        raise ValueError(f"block_size={block_size} and num_experts={num_experts} must be positive")
+    dev = topk_ids.device
+    with torch.cuda.device(dev) if dev.type == "cuda" else _null():
+        flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k] expert of each slot
+        numel = flat.numel()
+        max_len = numel + num_experts * (block_size - 1)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, flat.clamp(0, num_experts), torch.ones_like(flat))  # id >= E lands in a spare bin
+        counts = counts[:num_experts]
+        padded = (counts + block_size - 1) // block_size * block_size
+        pad_end = torch.cumsum(padded, 0)
+        pad_start = pad_end - padded
+        raw_start = torch.cumsum(counts, 0) - counts
+        order = torch.sort(flat, stable=True).indices  # slots grouped by expert
+        sorted_e = flat[order].clamp(max=num_experts - 1)
+        rank = torch.arange(numel, device=dev) - raw_start[sorted_e]
+        sorted_ids = torch.full((max_len,), numel, dtype=torch.int32, device=dev)
+        sorted_ids.scatter_(0, pad_start[sorted_e] + rank, order.to(torch.int32))
+        blocks = -(-max_len // block_size)
+        starts = torch.arange(blocks, device=dev, dtype=torch.int64) * block_size
+        expert_ids = torch.searchsorted(pad_end, starts, right=True).clamp(max=num_experts - 1).to(torch.int32)
+        num_padded = pad_end[-1:].to(torch.int32)
+    return sorted_ids, expert_ids, num_padded
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
+                    block_size):
+    if a.dtype not in DTYPES:
+        raise TypeError(f"activations must be float16 or bfloat16, got {a.dtype}")
+    if b.dtype != torch.int32 or b.dim() != 4 or b.shape[3] not in (128, 256):
+        raise TypeError(f"expert weights must be int32 [E, N/64, K/16, 32*bits], got {b.dtype} {tuple(b.shape)}")
+    e, bits = b.shape[0], b.shape[3] // 32
+    n, k = b.shape[1] * 64, b.shape[2] * 16
+    if a.dim() != 2 or a.shape[1] != k or not a.is_contiguous():
+        raise ValueError(f"MoE activations must be a contiguous [rows, {k}] matrix, got {tuple(a.shape)}")
+    if scales.dtype != a.dtype or scales.dim() != 3 or scales.shape[0] != e or scales.shape[2] != n \
+            or k % scales.shape[1] or not scales.is_contiguous():
+        raise ValueError(f"expert scales must be contiguous [{e}, groups, {n}] in {a.dtype}, got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    groups = scales.shape[1]
+    if zeros is not None and (zeros.dtype != torch.int32 or tuple(zeros.shape) != (e, groups, n * bits // 32)):
+        raise ValueError(f"expert zero points must be int32 [{e}, {groups}, {n * bits // 32}], got {tuple(zeros.shape)}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size={block_size} must be one of {BLOCK_SIZES}")
+    for name, t in (("sorted_ids", sorted_ids), ("expert_ids", expert_ids), ("num_padded", num_padded)):
+        if t.dtype != torch.int32 or t.device != a.device:
+            raise ValueError(f"{name} must be int32 on {a.device} (from moe_align_block_size), got {t.dtype} on {t.device}")
+    if topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.numel() != size_m):
+        raise ValueError(f"topk_weights must be float32 with {size_m} elements, got {topk_weights.dtype} "
+                         f"{tuple(topk_weights.shape)}")
+    for name, t in (("weights", b), ("scales", scales), ("zero points", zeros), ("topk_weights", topk_weights)):
+        if t is not None and t.device != a.device:
+            raise ValueError(f"{name} are on {t.device} but the activations on {a.device}")
+    group_size = -1 if groups == 1 else k // groups
+    return n, k, Family(DTYPES[a.dtype], bits, zeros is not None, group_size, moe=True)
+
+
+@functools.lru_cache(maxsize=1024)
+def _prepared(block_size: int, max_rows: int, n: int, k: int, fam: Family, index: int):
+    dev = driver.device(index)
+    plan = select_plan(block_size, n, k, fam, dev.smem_per_block_optin - SMEM_RESERVE)
+    assert plan.tile.rows == block_size, (plan, block_size)
+    fn = K.get_kernel(fam, plan.tile, index, _cc(index))
+    threads = 32 * plan.nwarps
+    occ = fn.occupancy(threads, plan.smem)
+    if occ < 1:
+        raise RuntimeError(f"kernel {fn.name} cannot run with {threads} threads and {plan.smem} B shared memory")
+    grid = grid_size(plan, max_rows, n, k, dev.sm_count, occ)
+    return fn, plan, grid, threads, K.workspace_floats(grid, plan.nwarps, plan.tile)
+
+
+from .gemm import _lib  # noqa: E402  (the "jitmarlin" op library)
+
+_lib.define("moe_gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor sorted_ids, Tensor expert_ids, "
+            "Tensor num_padded, Tensor? topk_weights, int size_m, int top_k, int block_size, "
+            "bool a_by_position=False) -> Tensor")
+
+
+def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_padded: torch.Tensor,
+                   topk_weights: Optional[torch.Tensor], size_m: int, top_k: int, block_size: int,
+                   a_by_position: bool = False) -> torch.Tensor:
+    """Grouped expert GEMM: out[slot] = A[row(slot)] @ dequant(b[expert of slot]) (* topk weight).
+
+    a: [rows, K]; row(slot) = slot // top_k, or the slot's position in sorted_ids when
+    a_by_position (A pre-gathered in padded order). b/scales/zeros: per-expert packed weights
+    [E, N/64, K/16, 32*bits], [E, K/G, N], [E, K/G, N*bits/32]. size_m = T*k slots.
+    Returns [size_m, N]; every slot's row is written exactly once.
+    """
+    n, k, fam = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
+                                top_k, block_size)
+    out = torch.empty(size_m, n, dtype=a.dtype, device=a.device)
+    if size_m == 0:
+        return out
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    fn, plan, grid, threads, floats = _prepared(block_size, sorted_ids.numel(), n, k, fam, index)
+    ws = K.default_workspace(a.device)
+    ws.ensure(floats, grid)
+    p = K.GemmParams()
+    p.a, p.b, p.s = a.data_ptr(), b.data_ptr(), scales.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.c = out.data_ptr()
+    p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
+    p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()
+    p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
+    p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
+    p.s_expert_stride = scales.shape[1] * scales.shape[2]
+    p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
+    p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, n
+    p.nwarps, p.grid, p.top_k, p.a_by_position = plan.nwarps, grid, top_k, int(a_by_position)
+    fn.launch(grid, threads, plan.smem, torch.cuda.current_stream(a.device).cuda_stream, p)
+    return out
+
+
+def _moe_gemm_fake(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
+                   block_size, a_by_position=False):
+    n, _, _ = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
+                              top_k, block_size)
+    return a.new_empty(size_m, n)
+
+
+def _moe_gemm_cpu(a, *args):
+    raise ValueError(f"jitmarlin's MoE kernels run on CUDA tensors; the activations are on {a.device}")
+
+
+_lib.impl("moe_gemm", _moe_gemm_cuda, "CUDA")
+_lib.impl("moe_gemm", _moe_gemm_cpu, "CPU")
+torch.library.register_fake("jitmarlin::moe_gemm", _moe_gemm_fake, lib=_lib)
+
+
+def moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m: int, top_k: int,
+             block_size: int, a_by_position: bool = False) -> torch.Tensor:
+    """Grouped expert GEMM (torch.ops.jitmarlin.moe_gemm); see _moe_gemm_cuda."""
+    return torch.ops.jitmarlin.moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights,
+                                        size_m, top_k, block_size, a_by_position)
+
+
+def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, perm: torch.Tensor,
+                       top_k: int, block_size: int) -> torch.Tensor:
+    """Act-order: A'[pos] = x[slot(pos) // top_k][perm[expert(pos)]] for every padded position
+    (padding positions get some row; the kernel never reads them). perm: [E, K]."""
+    numel = x.shape[0] * top_k
+    rows = sorted_ids.clamp(max=numel - 1).to(torch.int64) // top_k  # [L]
+    experts = expert_ids.to(torch.int64).repeat_interleave(block_size)[: sorted_ids.numel()]  # [L]
+    cols = perm.to(torch.int64)[experts]  # [L, K]
+    return torch.gather(x[rows], 1, cols)
+
+
+def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor,
+                     w2_scales: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                     w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
+                     w13_perm: torch.Tensor | None = None, w2_perm: torch.Tensor | None = None,
+                     block_size: int | None = None) -> torch.Tensor:
+    """Experts of a quantized MoE layer: gate+up GEMM -> SiLU(gate) * up -> down GEMM with the
+    routing weights -> sum over the top-k experts. No host synchronisation.
+
+    hidden [T, H]; w13 packed [E, 2I/64, H/16, 32*bits] with the gate columns first, then up;
+    w2 packed [E, H/64, I/16, 32*bits]; scales [E, groups, N]; topk_weights [T, k] (any float
+    dtype, used in fp32); topk_ids [T, k]; w13_perm [E, H] / w2_perm [E, I] for act-order.
+    Returns [T, H] in hidden's dtype.
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [tokens, hidden], got shape {tuple(hidden.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
+                         f"be [tokens={hidden.shape[0]}, top_k]")
+    t, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    e = w13.shape[0]
+    i2 = w13.shape[1] * 64
+    if i2 % 2 or w2.shape[2] * 16 != i2 // 2 or w2.shape[1] * 64 != h or w13.shape[2] * 16 != h or w2.shape[0] != e:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not form experts of hidden={h}: need "
+                         f"w13 [E, 2I/64, {h}/16, .] and w2 [E, {h}/64, I/16, .]")
+    inter = i2 // 2
+    bs = block_size or choose_block_size(t, top_k, e)
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
+    hidden = hidden.contiguous()
+    if w13_perm is None:
+        c1 = moe_gemm(hidden, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
+                      top_k, bs)  # [T*k, 2I]
+    else:
+        a1 = gather_by_position(hidden, sorted_ids, expert_ids, w13_perm, top_k, bs)
+        c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
+                      top_k, bs, True)
+    c2 = F.silu(c1[:, :inter]) * c1[:, inter:]  # [T*k, I]
+    tw = topk_weights.reshape(-1).to(torch.float32)
+    if w2_perm is None:
+        c3 = moe_gemm(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, bs)
+    else:
+        a2 = gather_by_position(c2, sorted_ids, expert_ids, w2_perm, 1, bs)
+        c3 = moe_gemm(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, bs, True)
+    return c3.view(t, top_k, h).sum(1)  # [T, H]

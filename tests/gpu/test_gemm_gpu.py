@@ -1,0 +1,196 @@
+"""The dense GEMM against a plain-PyTorch reference on the dequantized weight.
+
+Every call writes into an output poisoned with NaN; the reference is fp32 a @ W; the arrival
+counters must be all zero again after every call (what makes CUDA-graph replay safe), and the
+same call twice gives bit-identical results (split units are summed in a fixed order).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import jitmarlin
+from jitmarlin.ops import _kernels as K
+from jitmarlin.ops import gemm as G
+
+from .helpers import check_close, random_weights
+
+M_LIST = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 63, 64, 65, 127, 200, 511, 1024, 4099]
+KN_LIST = [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (8192, 28672), (28672, 8192),
+           (256, 256), (128, 64)]
+
+
+def run_poisoned(a, packed, bias=None, override=None, workspace=None):
+    """Launch into a NaN-filled output through the internal entry (the public op allocates its
+    own output, so it cannot be poisoned)."""
+    m, n, k, fam = G.check_args(a, packed.b, packed.scales, packed.zeros, bias)
+    out = torch.full((m, n), float("nan"), dtype=a.dtype, device=a.device)
+    G.launch_gemm(a, packed.b, packed.scales, packed.zeros, bias, out, m, n, k, fam,
+                  workspace=workspace, plan_override=override)
+    return out
+
+
+def assert_workspace_clean(device=None):
+    ws = K.default_workspace(torch.device("cuda") if device is None else device)
+    torch.cuda.synchronize()
+    assert int(ws.counters.abs().sum()) == 0, "split-unit arrival counters not reset"
+
+
+@pytest.mark.parametrize("group", [128, -1])
+@pytest.mark.parametrize("k,n", KN_LIST)
+def test_fp16_int4_all_m(k, n, group):
+    packed, w = random_weights(k, n, 4, group)
+    for m in M_LIST:
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        out = run_poisoned(a, packed)
+        ref = a.float() @ w
+        check_close(out, ref, 1e-3, f"M={m} K={k} N={n} g={group}")
+    assert_workspace_clean()
+
+
+@pytest.mark.parametrize("k,n", [(4096, 4096), (11008, 4096), (5120, 13824)])
+def test_both_large_m_paths(k, n):
+    """At large M both the fused kernel (several 64-row m tiles) and dequantize + cuBLAS must be
+    right, whichever the heuristic picks."""
+    packed, w = random_weights(k, n, 4, 128)
+    for m in (65, 511, 1031):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        ref = a.float() @ w
+        check_close(run_poisoned(a, packed, override=(K.Tile(4, False, 8, 3), 4)), ref, 1e-3, f"fused M={m}")
+        check_close(run_poisoned(a, packed, override="dequant"), ref, 1e-3, f"dequant M={m}")
+    assert_workspace_clean()
+
+
+def _all_overrides():
+    out = []
+    for tile, nw in itertools.product(K.TILES, (1, 2, 4, 8)):
+        out.append(pytest.param((tile, nw), id=f"{tile.tag()}-w{nw}"))
+    return out
+
+
+@pytest.mark.parametrize("override", _all_overrides())
+def test_every_tile_config(override):
+    """Every compiled tile config and CTA width, not only the heuristic's choice."""
+    tile, nw = override
+    k, n = 1024, 512 * 3  # N/64 = 24 strips: divisible by 1, 2, 4, 8
+    packed, w = random_weights(k, n, 4, 128)
+    fam = K.Family("f16", 4, False, 128)
+    if K.smem_bytes(fam, tile, nw) > torch.cuda.get_device_properties(0).shared_memory_per_block_optin - G.SMEM_RESERVE:
+        pytest.skip("does not fit shared memory")
+    for m in sorted({1, tile.rows - 1, tile.rows, tile.rows + 3, 3 * tile.rows + 1}):
+        if m < 1:
+            continue
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        out = run_poisoned(a, packed, override=override)
+        check_close(out, a.float() @ w, 1e-3, f"{tile} nwarps={nw} M={m}")
+    assert_workspace_clean()
+
+
+def test_deterministic():
+    k, n = 4096, 4096  # M=1 splits every unit over many CTAs
+    packed, _ = random_weights(k, n, 4, 128)
+    for m in (1, 16, 200):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        first = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
+        for _ in range(5):
+            assert torch.equal(jitmarlin.marlin_gemm(a, packed.b, packed.scales), first), f"M={m}"
+
+
+def test_bias_and_leading_dims():
+    k, n = 1024, 768
+    packed, w = random_weights(k, n, 4, 128)
+    bias = torch.randn(n, device="cuda", dtype=torch.float16)
+    a = torch.randn(2, 3, 5, k, device="cuda", dtype=torch.float16)
+    out = jitmarlin.marlin_gemm(a, packed.b, packed.scales, None, bias)
+    assert out.shape == (2, 3, 5, n) and out.dtype == torch.float16
+    check_close(out, (a.float() @ w) + bias.float(), 1e-3, "bias")
+
+
+def test_empty_m():
+    packed, _ = random_weights(256, 256, 4, 128)
+    a = torch.randn(0, 256, device="cuda", dtype=torch.float16)
+    out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
+    assert out.shape == (0, 256)
+
+
+def test_errors():
+    packed, _ = random_weights(256, 256, 4, 128)
+    a = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        jitmarlin.marlin_gemm(a.float(), packed.b, packed.scales)
+    with pytest.raises(ValueError, match="K=256"):
+        jitmarlin.marlin_gemm(torch.randn(4, 192, device="cuda", dtype=torch.float16), packed.b, packed.scales)
+    with pytest.raises(ValueError, match="contiguous"):
+        jitmarlin.marlin_gemm(torch.randn(256, 4, device="cuda", dtype=torch.float16).t(), packed.b, packed.scales)
+    with pytest.raises(ValueError, match="CUDA|cuda"):
+        jitmarlin.marlin_gemm(a.cpu(), packed.b.cpu(), packed.scales.cpu())
+    with pytest.raises(TypeError, match="scales must have the activation dtype"):
+        jitmarlin.marlin_gemm(a, packed.b, packed.scales.bfloat16())
+    with pytest.raises(TypeError, match="int32"):
+        jitmarlin.marlin_gemm(a, packed.b.float(), packed.scales)
+
+
+def test_cuda_graph_replay_matches_eager():
+    k, n = 4096, 4096
+    packed, w = random_weights(k, n, 4, 128)
+    for m in (1, 16, 100):
+        static_a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        jitmarlin.marlin_gemm(static_a, packed.b, packed.scales)  # warm-up: load + workspace
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_out = jitmarlin.marlin_gemm(static_a, packed.b, packed.scales)
+        for _ in range(3):
+            static_a.copy_(torch.randn(m, k, device="cuda", dtype=torch.float16))
+            g.replay()
+            eager = jitmarlin.marlin_gemm(static_a, packed.b, packed.scales)
+            torch.cuda.synchronize()
+            check_close(static_out, static_a.float() @ w, 1e-3, f"graph M={m}")
+            assert (static_out.float() - eager.float()).abs().max().item() <= 1e-2 * eager.float().abs().max().item()
+    assert_workspace_clean()
+
+
+def test_torch_compile():
+    k, n = 1024, 512
+    packed, w = random_weights(k, n, 4, 128)
+
+    class Mod(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", packed.b)
+            self.register_buffer("s", packed.scales)
+
+        def forward(self, x):
+            return torch.relu(jitmarlin.marlin_gemm(x * 2, self.b, self.s))
+
+    mod = Mod()
+    cmod = torch.compile(mod, fullgraph=True)
+    x = torch.randn(7, k, device="cuda", dtype=torch.float16)
+    check_close(cmod(x), torch.relu((x.float() * 2) @ w), 1e-3, "torch.compile")
+
+
+def test_opcheck():
+    k, n = 512, 256
+    packed, _ = random_weights(k, n, 4, 128)
+    a = torch.randn(5, k, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(torch.ops.jitmarlin.gemm.default, (a, packed.b, packed.scales, None, None),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the nvidia-h200-x2 machine)")
+def test_non_current_device():
+    k, n = 2048, 1024
+    packed0, w = random_weights(k, n, 4, 128)
+    packed = jitmarlin.Packed(packed0.b.to("cuda:1"), packed0.scales.to("cuda:1"), None, 4, 128)
+    with torch.cuda.device(0):
+        for m in (1, 16, 300):
+            a = torch.randn(m, k, device="cuda:1", dtype=torch.float16)
+            out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
+            assert out.device == torch.device("cuda:1")
+            torch.cuda.synchronize(1)
+            check_close(out, (a.float() @ w.to("cuda:1")), 1e-3, f"cuda:1 M={m}")
+        assert torch.cuda.current_device() == 0
+    assert_workspace_clean(torch.device("cuda:1"))

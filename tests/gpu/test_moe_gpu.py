@@ -1,0 +1,128 @@
+"""MarlinMoE / fused_marlin_moe against a plain-PyTorch MoE on the dequantized experts."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jitmarlin.nn.moe import MarlinMoE
+from jitmarlin.ops import _kernels as K
+from jitmarlin.ops.moe import fused_marlin_moe
+from jitmarlin.quant import pack_weights, permute_scales
+from jitmarlin.quant.packed import Packed
+
+from .helpers import check_close
+
+MIXTRAL = (8, 4096, 14336, 2)
+QWEN = (64, 2048, 1408, 6)
+
+
+def _expert(k, n, bits, group, dtype, gen, device):
+    q = torch.randint(0, 1 << bits, (k, n), device=device, dtype=torch.int32, generator=gen)
+    groups = 1 if group == -1 else k // group
+    s = (torch.rand(groups, n, device=device, generator=gen) * 0.02 + 0.005).to(dtype) / (1 if bits == 4 else 16)
+    return Packed(pack_weights(q, bits), permute_scales(s), None, bits, group)
+
+
+@functools.lru_cache(maxsize=4)
+def make_moe(e, h, i, top_k, dtype=torch.float16, act_order=False, bits=4, group=128, device="cuda:0", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13 = [_expert(h, 2 * i, bits, group, dtype, gen, device) for _ in range(e)]
+    w2 = [_expert(i, h, bits, group, dtype, gen, device) for _ in range(e)]
+    router = torch.randn(e, h, device=device, generator=gen) * 0.05
+    p13 = p2 = None
+    if act_order:
+        p13 = torch.stack([torch.randperm(h, device=device, generator=gen) for _ in range(e)])
+        p2 = torch.stack([torch.randperm(i, device=device, generator=gen) for _ in range(e)])
+    moe = MarlinMoE(w13, w2, router, top_k, renormalize=True, w13_perm=p13, w2_perm=p2)
+    w13f, w2f = moe.dequantize()
+    return moe, w13f.float(), w2f.float()
+
+
+def reference(x, w13, w2, weights, ids, dtype):
+    """Per-expert loop in fp32, rounding to the activation dtype where an fp16/bf16 model would."""
+    t, h = x.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros(t, h, device=x.device, dtype=torch.float32)
+    xf = x.float()
+    for e in range(w13.shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h1 = (xf[tok] @ w13[e].t()).to(dtype).float()
+        h2 = (F.silu(h1[:, :inter]) * h1[:, inter:]).to(dtype).float()
+        h3 = ((h2 @ w2[e].t()) * weights[tok, slot].float()[:, None]).to(dtype).float()
+        out.index_add_(0, tok, h3)
+    return out
+
+
+def run_fused(moe, x, weights, ids):
+    return fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
+                            w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
+                            w2_perm=moe.w2_perm)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [MIXTRAL, QWEN], ids=["mixtral", "e64"])
+def test_moe_module(shape, dtype, act_order):
+    e, h, i, top_k = shape
+    moe, w13, w2 = make_moe(e, h, i, top_k, dtype, act_order)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for t in (1, 3, 16, 64, 257, 1024):
+        x = torch.randn(t, h, device="cuda", dtype=dtype)
+        out = moe(x)
+        assert out.shape == (t, h) and out.dtype == dtype
+        weights, ids = moe.route(x)
+        check_close(out, reference(x, w13, w2, weights, ids, dtype), tol, f"T={t}")
+    ws = K.default_workspace(torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("routing", ["one_expert", "empty_experts"])
+def test_moe_skewed_routing(routing):
+    e, h, i, top_k = QWEN
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    t = 300
+    x = torch.randn(t, h, device="cuda", dtype=torch.float16)
+    if routing == "one_expert":  # slot 0 of every token on expert 5, the rest on 6 others
+        ids = torch.stack([torch.tensor([5, 1, 2, 3, 4, 6])] * t).cuda()
+    else:  # only experts 0..7 receive tokens
+        ids = torch.stack([torch.randperm(8)[:top_k] for _ in range(t)]).cuda()
+    weights = torch.softmax(torch.randn(t, top_k, device="cuda"), -1)
+    out = run_fused(moe, x, weights, ids)
+    check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, routing)
+
+
+def test_moe_cuda_graph():
+    e, h, i, top_k = QWEN
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    x = torch.randn(16, h, device="cuda", dtype=torch.float16)
+    moe(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = moe(x)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        weights, ids = moe.route(x)
+        check_close(y, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "graph")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the nvidia-h200-x2 machine)")
+def test_moe_on_second_device():
+    e, h, i, top_k = QWEN
+    moe, w13, w2 = make_moe(e, h, i, top_k, device="cuda:1")
+    with torch.cuda.device(0):
+        for t in (1, 64):
+            x = torch.randn(t, h, device="cuda:1", dtype=torch.float16)
+            out = moe(x)
+            torch.cuda.synchronize(1)
+            weights, ids = moe.route(x)
+            check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"cuda:1 T={t}")

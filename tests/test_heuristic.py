@@ -1,0 +1,61 @@
+"""The GEMM tile heuristic is a pure function: check it on the CPU over a sweep of shapes and of
+the shared-memory limits of the GPUs we support (sm_80 A100: 163 KB, sm_86/89: 99 KB, sm_90: 227 KB)."""
+
+import itertools
+
+import pytest
+
+from jitmarlin.ops import _kernels as K
+from jitmarlin.ops.gemm import grid_size, m_class, select_plan, use_dequant_path
+
+SMEM = {"sm_80": 166912 - 1024, "sm_86": 101376 - 1024, "sm_90": 232448 - 1024}
+FAMILIES = [K.Family(d, b, z, g) for d, b, z, g in itertools.product(("f16", "bf16"), (4, 8), (False, True),
+                                                                       (-1, 32, 64, 128, 256))]
+MS = [1, 2, 7, 8, 9, 16, 17, 32, 33, 48, 49, 64, 65, 100, 128, 255, 256, 1000, 4099]
+KN = [(64, 64), (128, 64), (192, 320), (256, 256), (4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824),
+      (14336, 4096), (8192, 28672), (28672, 8192), (1408, 2048), (2048, 2816)]
+
+
+@pytest.mark.parametrize("arch", SMEM)
+@pytest.mark.parametrize("fam", FAMILIES, ids=str)
+def test_plan_is_valid(fam, arch):
+    limit = SMEM[arch]
+    for m, (k, n) in itertools.product(MS, KN):
+        if fam.group_size != -1 and k % fam.group_size:
+            continue
+        plan = select_plan(m, n, k, fam, limit)
+        t = plan.tile
+        assert k % t.tile_k == 0, (m, k, n, plan)
+        assert (n // 64) % plan.nwarps == 0 and plan.nwarps in (1, 2, 4, 8)
+        assert plan.smem == K.smem_bytes(fam, t, plan.nwarps) <= limit
+        assert K.tile_fits(fam, t)
+        assert t in K.TILES, "the plan must use a compiled tile"
+        # the m tile serves the row count it was chosen for
+        assert m_class(t.rows) == m_class(m)
+        grid = grid_size(plan, m, n, k, sms=132, ctas_per_sm=2)
+        total = (n // (64 * plan.nwarps)) * -(-m // t.rows) * (k // t.tile_k)
+        assert 1 <= grid <= min(264, total)
+
+
+def test_small_batch_uses_the_transposed_mma():
+    fam = K.Family("f16", 4, False, 128)
+    for m in range(1, 9):
+        assert select_plan(m, 28672, 8192, fam, SMEM["sm_90"]).tile.swap
+    assert not select_plan(9, 28672, 8192, fam, SMEM["sm_90"]).tile.swap
+
+
+def test_dequant_path_only_for_large_m():
+    assert not any(use_dequant_path(m, n, k) for m in (1, 16, 32, 48) for k, n in KN)
+    assert all(use_dequant_path(1024, n, k) for k, n in KN)
+
+
+@pytest.mark.parametrize("k,n,match", [(4100, 4096, "K=4100"), (4096, 4100, "N=4100"),
+                                       (4160, 4096, "multiple of group_size=128")])
+def test_bad_shapes(k, n, match):
+    with pytest.raises(ValueError, match=match):
+        select_plan(1, n, k, K.Family("f16", 4, False, 128), SMEM["sm_90"])
+
+
+def test_bad_group_size():
+    with pytest.raises(ValueError, match="group_size=96"):
+        K.Family("f16", 4, False, 96)

@@ -1,0 +1,63 @@
+"""Real compiles with nvcc and ninja (no GPU needed): a small GEMM family for sm_80 and sm_90.
+
+Kept to 2 tile configs x 2 architectures so it takes seconds. Checks the cubins, the ptxas
+report in meta.json (no spills, no stack: a spill in the GEMM main loop costs a lot of speed),
+loading back from the cache, and a compile error surfacing as BuildError.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jitmarlin.errors import BuildError
+from jitmarlin.jit import build, cache
+from jitmarlin.jit.build import get_module
+from jitmarlin.jit.spec import BuildSpec
+from jitmarlin.ops import _kernels as K
+
+pytestmark = pytest.mark.nvcc
+
+FAMILY = K.Family("f16", 4, False, 128)
+TILES = K.TILES[:2]
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_small_family_compiles_without_spills(cuda_toolchain, cc):
+    spec = K.build_spec(FAMILY, cc, TILES)
+    mod = get_module(spec)
+    assert mod.path.name == spec.module_name(cuda_toolchain.version_full)
+    assert mod.meta["nvcc_version"] == cuda_toolchain.version_full
+    assert mod.meta["arch"] == f"sm_{cc[0]}{cc[1]}"
+    names = [stem for stem, _ in spec.sources]  # the tile kernels and any helper kernels of the family
+    assert {K.kernel_name(FAMILY, t) for t in TILES} <= set(names)
+    assert mod.meta["kernels"] == names
+    for name in names:
+        data = mod.cubin(name).read_bytes()
+        assert data[:4] == b"\x7fELF", f"{name}.cubin is not an ELF image"
+        assert name.encode() in data  # extern "C": the kernel's plain name is its symbol
+        info = mod.meta["ptxas"][name]
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (name, info)
+        assert info["stack"] == 0, (name, info)
+        assert 0 < info["registers"] <= 255, (name, info)
+    assert mod.meta["compile_seconds"] > 0 and mod.meta["jobs"] >= 1
+
+    # a later process (memo cleared) loads it without compiling
+    build._memo.clear()
+    again = get_module(spec, compile_fn=None)
+    assert again.path == mod.path and again.meta["built_at"] == mod.meta["built_at"]
+    assert [m.path for m in cache.list_modules()] == [mod.path]
+
+
+def test_compile_error_is_a_build_error_with_command_and_log(cuda_toolchain, jm_cache):
+    spec = BuildSpec(family="gemm", cc=(8, 0), key=(("case", "broken"),),
+                     sources=(("broken_kernel", '#include "jm_common.cuh"\n'
+                                                'extern "C" __global__ void broken_kernel() { undefined_thing(); }\n'),))
+    with pytest.raises(BuildError) as ei:
+        get_module(spec)
+    msg = str(ei.value)
+    assert str(cuda_toolchain.nvcc) in msg and "broken_kernel.cu" in msg  # the command
+    assert "undefined_thing" in msg  # nvcc's message, from the log tail
+    adir = cache.arch_dir("sm_80", jm_cache)
+    assert [p.name for p in adir.iterdir() if p.is_dir()] == ["logs"]
+    (log,) = (adir / "logs").iterdir()
+    assert "undefined_thing" in log.read_text()

@@ -1,0 +1,113 @@
+"""Host-side checks of the kernel sources, compiled with nvcc on the CPU (no GPU needed):
+
+- the ctypes launch struct matches JmGemmParams field by field;
+- the Python shared-memory formula matches GemmShape::stage_bytes for every family x tile;
+- the stream-K partition (jm_schedule.cuh, the very functions the kernel calls) covers every
+  (unit, k tile) exactly once, gives every split unit a unique fixup slot < grid, and counts
+  the CTAs of each unit right.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import random
+import subprocess
+
+import pytest
+
+from jitmarlin.errors import ToolchainError
+from jitmarlin.jit.spec import source_dir
+from jitmarlin.jit.toolchain import find_cuda
+from jitmarlin.ops import _kernels as K
+
+pytestmark = pytest.mark.nvcc
+
+
+@pytest.fixture(scope="module")
+def nvcc():
+    try:
+        return find_cuda().nvcc
+    except ToolchainError as e:
+        pytest.skip(f"nvcc not available: {e}")
+
+
+def _run_host(nvcc, tmp_path, body: str, stdin: str = "") -> str:
+    src = tmp_path / "host.cu"
+    src.write_text('#include <cstdio>\n#include <cstddef>\n#include "jm_gemm.cuh"\nint main() {\n' + body + "\nreturn 0;\n}\n")
+    exe = tmp_path / "host"
+    subprocess.run([str(nvcc), "-std=c++17", "-O1", f"-I{source_dir()}", "-o", str(exe), str(src)],
+                   check=True, capture_output=True, text=True)
+    return subprocess.run([str(exe)], input=stdin, check=True, capture_output=True, text=True).stdout
+
+
+def test_params_struct_matches_ctypes(nvcc, tmp_path):
+    names = [f[0] for f in K.GemmParams._fields_]
+    body = 'printf("size %zu\\n", sizeof(JmGemmParams));\n' + "".join(
+        f'printf("{n} %zu\\n", offsetof(JmGemmParams, {n}));\n' for n in names)
+    out = dict(line.split() for line in _run_host(nvcc, tmp_path, body).splitlines())
+    assert int(out["size"]) == ctypes.sizeof(K.GemmParams)
+    for n in names:
+        assert int(out[n]) == getattr(K.GemmParams, n).offset, n
+
+
+def test_smem_formula_matches_kernel(nvcc, tmp_path):
+    cases = []
+    for bits, zp, g in itertools.product((4, 8), (False, True), (-1, 32, 64, 128, 256)):
+        fam = K.Family("f16", bits, zp, g)
+        for tile in K.TILES:
+            if K.tile_fits(fam, tile):
+                cases.append((fam, tile))
+    body = ""
+    for fam, t in cases:
+        shape = (f"jm::GemmShape<{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
+                 f"{t.m_blocks}, {'true' if t.swap else 'false'}, {t.k_blocks}>")
+        body += (f'printf("%d %d %d %d\\n", {shape}::stage_bytes(1), {shape}::stage_bytes(4), '
+                 f'{shape}::stage_bytes(8), {shape}::kAcc);\n')
+    lines = _run_host(nvcc, tmp_path, body).splitlines()
+    assert len(lines) == len(cases)
+    for (fam, t), line in zip(cases, lines):
+        s1, s4, s8, acc = map(int, line.split())
+        assert (s1, s4, s8) == tuple(K.stage_bytes(fam, t, w) for w in (1, 4, 8)), (fam, t)
+        assert acc == t.acc
+
+
+def test_schedule_partition(nvcc, tmp_path):
+    rng = random.Random(0)
+    cases = [(1, 1, 1, 1), (1, 1, 2, 2), (3, 3, 3, 5), (448, 1, 64, 264), (56, 65, 128, 132), (7, 2, 5, 1000)]
+    cases += [(rng.randint(1, 60), rng.randint(1, 9), rng.randint(1, 70), rng.randint(1, 400)) for _ in range(300)]
+    body = r"""
+    int nt, mt, kt, grid;
+    while (scanf("%d %d %d %d", &nt, &mt, &kt, &grid) == 4) {
+      jm::Schedule s = jm::make_schedule(nt, mt, kt, grid);
+      printf("%d %d", s.total, s.iters);
+      for (int u = 0; u < s.units; u++) printf(" %d %d", jm::unit_slot(s, u), jm::unit_ctas(s, u));
+      printf("\n");
+    }"""
+    stdin = "".join(f"{a} {b} {c} {d}\n" for a, b, c, d in cases)
+    lines = _run_host(nvcc, tmp_path, body, stdin).splitlines()
+    assert len(lines) == len(cases)
+    for (nt, mt, kt, grid), line in zip(cases, lines):
+        vals = list(map(int, line.split()))
+        total, iters = vals[0], vals[1]
+        units = nt * mt
+        assert total == units * kt
+        assert iters * grid >= total and (iters - 1) * grid < total  # iters = ceil(total / grid)
+        slots, ctas = vals[2::2], vals[3::2]
+        assert len(slots) == units
+        # simulate the CTA runs the kernel takes: [b*iters, min(total, (b+1)*iters))
+        cover = [0] * total
+        touching = [set() for _ in range(units)]
+        for b in range(grid):
+            for it in range(b * iters, min(total, (b + 1) * iters)):
+                cover[it] += 1
+                touching[it // kt].add(b)
+        assert all(c == 1 for c in cover)
+        split_slots = []
+        for u in range(units):
+            assert ctas[u] == len(touching[u])
+            assert slots[u] == min(touching[u])  # the CTA that holds tile 0 of the unit
+            assert 0 <= slots[u] < grid
+            if ctas[u] > 1:
+                split_slots.append(slots[u])
+        assert len(split_slots) == len(set(split_slots)), "two split units share a fixup slot"
