@@ -38,6 +38,16 @@ for st in $STAGES; do
                python3 benchmarks/profile_gemm.py --k $1 --n $2 --m $3 > "$OUT/prof_$1_$2_$3.txt" 2>&1
              echo "prof $spec rc=$?"; grep -E "Duration|Throughput|Registers|Achieved Occupancy|Stall|Issued Ipc|No Eligible" "$OUT/prof_$1_$2_$3.txt" | head -30
            done;;
+    demo)  timeout 240 python3 -m jitmarlin demo > "$OUT/demo.log" 2>&1
+           echo "demo rc=$?"; tail -12 "$OUT/demo.log";;
+    gpu2)  timeout 240 python3 -m pytest -q -rs tests/gpu -k "non_current or second_device" > "$OUT/gpu2.log" 2>&1
+           echo "gpu2 rc=$?"; tail -5 "$OUT/gpu2.log";;
+    ab)    timeout 200 python3 benchmarks/bench_gemm.py --json "$OUT/ab_default.json" --variants none \
+             --shapes 8192x28672,8192x8192,4096x4096 --m 1,16 --peers humming > "$OUT/ab_default.log" 2>&1
+           echo "ab default rc=$?"; grep -E "^\| [0-9]" "$OUT/ab_default.log"
+           JITMARLIN_NVCC_FLAGS=-DJM_NO_SCALE_ACC timeout 100 python3 benchmarks/bench_gemm.py --json "$OUT/ab_noscale.json" \
+             --variants none --shapes 8192x28672,8192x8192,4096x4096 --m 1,16 --peers none > "$OUT/ab_noscale.log" 2>&1
+           echo "ab no-scale-acc rc=$?"; grep -E "^\| [0-9]" "$OUT/ab_noscale.log";;
     moe)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1
            echo "moe rc=$?"; tail -30 "$OUT/moe.log";;
   esac

@@ -41,7 +41,11 @@ struct GemmShape {
   // Small m tiles with one scale row per tile: multiply the tile's fp32 partial sums by the
   // scales once (kAcc FFMA per tile) instead of every dequantized weight pair (16 HMUL2 per 16 k
   // per warp). Only pays when kAcc is small and a tile does not span several groups.
+#ifdef JM_NO_SCALE_ACC  // tuning switch (JITMARLIN_NVCC_FLAGS=-DJM_NO_SCALE_ACC): always scale weights
+  static constexpr bool kScaleAcc = false;
+#else
   static constexpr bool kScaleAcc = kGrouped && GROUP_BLOCKS >= K_BLOCKS && (SWAP || M_BLOCKS == 1);
+#endif
 
   static_assert(K_BLOCKS == 4 || K_BLOCKS == 8, "TILE_K must be 64 or 128 (A swizzle needs >= 8 chunks)");
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");

@@ -29,7 +29,6 @@ from .errors import JitMarlinError, ToolchainError, UnsupportedDeviceError
 
 EXIT_ERROR = 2  # jitmarlin error or bad value (argparse's usage errors use 2 as well)
 EXIT_NO_GPU = 3  # `demo` without a usable GPU
-EXIT_NO_DEMO = 4  # `demo` on a GPU, but jitmarlin.demo is not part of this installation
 
 DTYPE_CHOICES = ("f16", "bf16")
 EXAMPLES = {"--arch": "8.0,9.0", "--dtype": "f16,bf16", "--bits": "4,8", "--group-size": "128,64"}
@@ -326,16 +325,6 @@ def cmd_build(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- demo
 
 
-def _demo_module():
-    """jitmarlin.demo, or None when this installation has no demo."""
-    try:
-        return importlib.import_module("jitmarlin.demo")
-    except ModuleNotFoundError as e:
-        if e.name == "jitmarlin.demo":
-            return None
-        raise  # the demo exists but one of its own imports is missing: show that
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     ccs, why = _usable_capabilities()
     if not ccs:
@@ -344,10 +333,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _err(f"jitmarlin: demo: cannot run: {why}. The demo runs jitmarlin's kernels, which need a "
              "CUDA GPU with compute capability >= 8.0 (Ampere or newer).")
         return EXIT_NO_GPU
-    demo = _demo_module()
-    if demo is None or not hasattr(demo, "run"):
-        _err("jitmarlin: demo not available yet (this installation has no jitmarlin.demo.run)")
-        return EXIT_NO_DEMO
+    demo = importlib.import_module("jitmarlin.demo")
     rc = demo.run()
     return rc if isinstance(rc, int) else 0
 

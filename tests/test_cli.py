@@ -339,13 +339,6 @@ def test_demo_with_only_an_old_gpu(capsys, monkeypatch):
     assert rc == 3 and "Tesla V100" in err and "7.0" in err
 
 
-def test_demo_not_available_yet(capsys, monkeypatch):
-    fake_gpus(monkeypatch, ("NVIDIA H200", (9, 0)))
-    monkeypatch.setitem(sys.modules, "jitmarlin.demo", None)  # as if the module did not exist
-    rc, out, err = run_cli(capsys, "demo")
-    assert rc == 4 and "demo not available yet" in err
-
-
 def test_demo_runs_jitmarlin_demo(capsys, monkeypatch):
     fake_gpus(monkeypatch, ("NVIDIA H200", (9, 0)))
     calls = []

@@ -138,8 +138,17 @@ def build_spec(fam: Family, cc: tuple[int, int], tiles: tuple[Tile, ...] = TILES
     if not fam.moe:
         sources += ((dequant_kernel_name(fam), dequant_kernel_source(fam)),)
     return BuildSpec(
-        family="moe" if fam.moe else "gemm", cc=cc, key=fam.key(), sources=sources,
+        family="moe" if fam.moe else "gemm", cc=cc, key=fam.key(), sources=sources, flags=extra_nvcc_flags(),
         cli_hint=f"jitmarlin build --arch {cc[0]}.{cc[1]} {fam.cli_args()}")
+
+
+def extra_nvcc_flags() -> tuple[str, ...]:
+    """$JITMARLIN_NVCC_FLAGS (whitespace-separated), appended to every kernel compile; part of the
+    cache hash, so modules built with other flags never mix."""
+    import os
+    import shlex
+
+    return tuple(shlex.split(os.environ.get("JITMARLIN_NVCC_FLAGS", "")))
 
 
 def module(fam: Family, cc: tuple[int, int]) -> CompiledModule:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .gptq import _FLOAT_DTYPES, _fields, check_kernel_shape
+from .gptq import _fields, check_kernel_shape, check_scales
 from .packed import Packed, pack
 from .rtn import Quantized, check_group
 
@@ -46,12 +46,7 @@ def repack_awq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor
     k, n = qweight.shape[0], qweight.shape[1] * 8
     groups = check_group(k, group_size)
     check_kernel_shape(k, n)
-    if not isinstance(scales, torch.Tensor) or scales.dtype not in _FLOAT_DTYPES:
-        got = scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__
-        raise TypeError(f"scales must be a float16 or bfloat16 tensor, got {got}")
-    if tuple(scales.shape) != (groups, n):
-        raise ValueError(f"scales must be [K/group_size, N] = [{groups}, {n}] for K={k}, N={n}, "
-                         f"group_size={group_size}, got {tuple(scales.shape)}")
+    check_scales(scales, k, n, group_size)
     if tuple(qzeros.shape) != (groups, n // 8):
         raise ValueError(f"qzeros must be [K/group_size, N/8] = [{groups}, {n // 8}], got {tuple(qzeros.shape)}")
     dev = qweight.device

@@ -53,6 +53,17 @@ def check_kernel_shape(k: int, n: int) -> None:
                          "works on 64-column strips")
 
 
+
+def check_scales(scales, k: int, n: int, group_size: int) -> None:
+    """scales must be a float16/bfloat16 [K/group_size, N] tensor."""
+    groups = check_group(k, group_size)
+    if not isinstance(scales, torch.Tensor) or scales.dtype not in _FLOAT_DTYPES:
+        got = scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__
+        raise TypeError(f"scales must be a float16 or bfloat16 tensor, got {got}")
+    if tuple(scales.shape) != (groups, n):
+        raise ValueError(f"scales must be [K/group_size, N] = [{groups}, {n}] for K={k}, N={n}, "
+                         f"group_size={group_size}, got {tuple(scales.shape)}")
+
 def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 words [...] -> int32 fields [..., 32/bits], field j = bits [bits*j, bits*(j+1))."""
     shifts = torch.arange(0, 32, bits, device=words.device, dtype=torch.int32)
@@ -146,12 +157,7 @@ def repack_gptq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tenso
                          f"K={k} input rows ({qweight.shape[0]} rows x {32 // bits} per int32): they must agree")
     groups = check_group(k, group_size)
     check_kernel_shape(k, n)
-    if not isinstance(scales, torch.Tensor) or scales.dtype not in _FLOAT_DTYPES:
-        got = scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__
-        raise TypeError(f"scales must be a float16 or bfloat16 tensor, got {got}")
-    if tuple(scales.shape) != (groups, n):
-        raise ValueError(f"scales must be [K/group_size, N] = [{groups}, {n}] for K={k}, N={n}, "
-                         f"group_size={group_size}, got {tuple(scales.shape)}")
+    check_scales(scales, k, n, group_size)
     dev = qweight.device
     mid = 1 << (bits - 1)
     zeros = None
