@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+import jitmarlin.demo
+
 
 def l2_bytes() -> int:
     try:
@@ -31,32 +33,7 @@ def copies_for(bytes_per_copy: int, factor: float = 3.0, cap: int = 64) -> int:
 
 def time_graph(step, n_copies: int, calls: int = 20, replays: int = 15, warmup: int = 2) -> float:
     """Median µs per call of step(i) (i = copy index), timed as a CUDA graph of `calls` calls."""
-    for i in range(min(n_copies, calls)):
-        step(i % n_copies)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(warmup):
-            step(i % n_copies)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            step(i % n_copies)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1000.0 / calls)
-    del g
-    return statistics.median(times)
+    return jitmarlin.demo.time_graph(step, n_copies, calls, replays, warmup)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

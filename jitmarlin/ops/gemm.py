@@ -156,19 +156,49 @@ def _cc(index: int) -> tuple[int, int]:
     return device_capability(torch.device("cuda", index))
 
 
-@functools.lru_cache(maxsize=4096)
-def _prepared(m: int, n: int, k: int, fam: Family, index: int):
-    cc = _cc(index)
-    dev = driver.device(index)
-    plan = select_plan(m, n, k, fam, dev.smem_per_block_optin - SMEM_RESERVE)
-    fn = K.get_kernel(fam, plan.tile, index, cc)
-    threads = 32 * plan.nwarps
-    occ = fn.occupancy(threads, plan.smem)
+@dataclass(frozen=True)
+class Launch:
+    """A kernel and how to launch it for one problem size on one device."""
+
+    fn: driver.Function
+    plan: Plan
+    grid: int
+    ws_floats: int  # partial-sum space the launch needs
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.plan.nwarps
+
+
+def _make_launch(plan: Plan, rows: int, n: int, k: int, fam: Family, index: int) -> Launch:
+    fn = K.get_kernel(fam, plan.tile, index, _cc(index))
+    occ = fn.occupancy(32 * plan.nwarps, plan.smem)
     if occ < 1:
-        raise RuntimeError(f"kernel {fn.name} cannot run one CTA of {threads} threads with {plan.smem} B shared "
-                           f"memory on cuda:{index} ({fn.num_regs} registers per thread)")
-    grid = grid_size(plan, m, n, k, dev.sm_count, occ)
-    return fn, plan, grid, threads, K.workspace_floats(grid, plan.nwarps, plan.tile)
+        raise RuntimeError(f"kernel {fn.name} cannot run one CTA of {32 * plan.nwarps} threads with {plan.smem} B "
+                           f"shared memory on cuda:{index} ({fn.num_regs} registers per thread)")
+    grid = grid_size(plan, rows, n, k, driver.device(index).sm_count, occ)
+    return Launch(fn, plan, grid, K.workspace_floats(grid, plan.nwarps, plan.tile))
+
+
+@functools.lru_cache(maxsize=4096)
+def prepare_launch(m: int, rows: int, n: int, k: int, fam: Family, index: int) -> Launch:
+    """The launch for `rows` rows of A in m tiles chosen for M = m (dense: m == rows; MoE: m = the
+    block size, rows = the padded slot count, an upper bound the kernel refines on the device)."""
+    plan = select_plan(m, n, k, fam, driver.device(index).smem_per_block_optin - SMEM_RESERVE)
+    return _make_launch(plan, rows, n, k, fam, index)
+
+
+def launch_params(launch: Launch, ws: Workspace, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
+                  zeros: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int) -> K.GemmParams:
+    """The kernel parameters shared by the dense and the MoE GEMM; reserves the workspace."""
+    ws.ensure(launch.ws_floats, launch.grid)
+    p = K.GemmParams()
+    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
+    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+    p.nwarps, p.grid, p.top_k = launch.plan.nwarps, launch.grid, 1
+    return p
 
 
 # For large M the dense path dequantizes the weights once into fp16/bf16 and calls cuBLAS, whose
@@ -210,26 +240,14 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
             torch.mm(a2, wt.t(), out=o2)
         return
     if plan_override is None:
-        fn, plan, grid, threads, floats = _prepared(m, n, k, fam, index)
+        launch = prepare_launch(m, m, n, k, fam, index)
     else:  # used by the tuning sweep
         tile, nwarps = plan_override
-        plan = Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps))
-        fn = K.get_kernel(fam, tile, index, _cc(index))
-        threads = 32 * nwarps
-        grid = grid_size(plan, m, n, k, driver.device(index).sm_count, fn.occupancy(threads, plan.smem))
-        floats = K.workspace_floats(grid, nwarps, tile)
+        launch = _make_launch(Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps)), m, n, k, fam, index)
     ws = workspace if workspace is not None else K.default_workspace(a.device)
-    ws.ensure(floats, grid)
-    p = K.GemmParams()
-    p.a, p.b, p.s = a.data_ptr(), b.data_ptr(), scales.data_ptr()
-    p.z = zeros.data_ptr() if zeros is not None else None
+    p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
     p.bias = bias.data_ptr() if bias is not None else None
-    p.c = out.data_ptr()
-    p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
-    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
-    p.nwarps, p.grid, p.top_k = plan.nwarps, grid, 1
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    fn.launch(grid, threads, plan.smem, stream, p)
+    launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, torch.cuda.current_stream(a.device).cuda_stream, p)
 
 
 # ---- the custom op (torch.compile and CUDA graphs see one opaque op) ----
@@ -240,11 +258,13 @@ _lib = torch.library.Library("jitmarlin", "DEF")
 _lib.define("gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor? bias) -> Tensor")
 
 
-def _gemm_cuda(a, b, scales, zeros, bias):
+def _gemm_cuda(a, b, scales, zeros, bias, workspace: Workspace | None = None):
     m, n, k, fam = check_args(a, b, scales, zeros, bias)
+    if a.device.type != "cuda":
+        raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")
     out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
     if m > 0:
-        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, _workspace_override.get())
+        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace)
     return out
 
 
@@ -263,24 +283,6 @@ _lib.impl("gemm", _gemm_cpu, "CPU")
 torch.library.register_fake("jitmarlin::gemm", _gemm_fake, lib=_lib)
 
 
-class _WorkspaceOverride:
-    """A workspace given explicitly to marlin_gemm, for the duration of one call."""
-
-    def __init__(self):
-        import threading
-
-        self._local = threading.local()
-
-    def get(self) -> Workspace | None:
-        return getattr(self._local, "ws", None)
-
-    def set(self, ws: Workspace | None) -> None:
-        self._local.ws = ws
-
-
-_workspace_override = _WorkspaceOverride()
-
-
 def marlin_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, workspace: Workspace | None = None) -> torch.Tensor:
     """C = a @ dequant(b) (+ bias).
@@ -293,14 +295,11 @@ def marlin_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: t
         symmetric weights (zero 2**(bits-1)).
     bias: [N] in a's dtype, or None.
     workspace: a jitmarlin.ops.Workspace; by default one per device. Calls that may run at the
-        same time (different streams) need different workspaces.
+        same time (different streams) need different workspaces. With an explicit workspace the
+        call runs eagerly, outside the registered op.
     Returns [..., N] in a's dtype. Registered as torch.ops.jitmarlin.gemm (torch.compile and CUDA
     graph capture work; run once eagerly before capturing).
     """
     if workspace is None:
         return torch.ops.jitmarlin.gemm(a, b, scales, zeros, bias)
-    _workspace_override.set(workspace)
-    try:
-        return torch.ops.jitmarlin.gemm(a, b, scales, zeros, bias)
-    finally:
-        _workspace_override.set(None)
+    return _gemm_cuda(a, b, scales, zeros, bias, workspace)  # eager only: the op schema takes tensors

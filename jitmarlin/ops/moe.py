@@ -9,16 +9,14 @@ intermediate, L = T*k + E*(B-1) padded slots (upper bound), B block size.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..jit import driver
 from . import _kernels as K
 from ._kernels import DTYPES, Family
-from .gemm import SMEM_RESERVE, _cc, grid_size, select_plan
+from .gemm import launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
 
@@ -112,20 +110,6 @@ def _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, top
     return n, k, Family(DTYPES[a.dtype], bits, zeros is not None, group_size, moe=True)
 
 
-@functools.lru_cache(maxsize=1024)
-def _prepared(block_size: int, max_rows: int, n: int, k: int, fam: Family, index: int):
-    dev = driver.device(index)
-    plan = select_plan(block_size, n, k, fam, dev.smem_per_block_optin - SMEM_RESERVE)
-    assert plan.tile.rows == block_size, (plan, block_size)
-    fn = K.get_kernel(fam, plan.tile, index, _cc(index))
-    threads = 32 * plan.nwarps
-    occ = fn.occupancy(threads, plan.smem)
-    if occ < 1:
-        raise RuntimeError(f"kernel {fn.name} cannot run with {threads} threads and {plan.smem} B shared memory")
-    grid = grid_size(plan, max_rows, n, k, dev.sm_count, occ)
-    return fn, plan, grid, threads, K.workspace_floats(grid, plan.nwarps, plan.tile)
-
-
 from .gemm import _lib  # noqa: E402  (the "jitmarlin" op library)
 
 _lib.define("moe_gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor sorted_ids, Tensor expert_ids, "
@@ -150,22 +134,16 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     if size_m == 0:
         return out
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    fn, plan, grid, threads, floats = _prepared(block_size, sorted_ids.numel(), n, k, fam, index)
-    ws = K.default_workspace(a.device)
-    ws.ensure(floats, grid)
-    p = K.GemmParams()
-    p.a, p.b, p.s = a.data_ptr(), b.data_ptr(), scales.data_ptr()
-    p.z = zeros.data_ptr() if zeros is not None else None
-    p.c = out.data_ptr()
-    p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
+    launch = prepare_launch(block_size, sorted_ids.numel(), n, k, fam, index)
+    assert launch.plan.tile.rows == block_size, (launch.plan, block_size)
+    p = launch_params(launch, K.default_workspace(a.device), a, b, scales, zeros, out, size_m, n, k)
     p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()
     p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
     p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
     p.s_expert_stride = scales.shape[1] * scales.shape[2]
     p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
-    p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, n
-    p.nwarps, p.grid, p.top_k, p.a_by_position = plan.nwarps, grid, top_k, int(a_by_position)
-    fn.launch(grid, threads, plan.smem, torch.cuda.current_stream(a.device).cuda_stream, p)
+    p.top_k, p.a_by_position = top_k, int(a_by_position)
+    launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, torch.cuda.current_stream(a.device).cuda_stream, p)
     return out
 
 
