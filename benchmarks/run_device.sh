@@ -30,8 +30,8 @@ for st in $STAGES; do
     sweep) timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --sweep --peers none --json "$OUT/sweep.json" \
              --shapes ${SWEEP_SHAPES:-8192x28672,4096x4096,8192x8192} --m ${SWEEP_M:-1,16,32,64} > "$OUT/sweep.log" 2>&1
            echo "sweep rc=$?"; tail -20 "$OUT/sweep.log";;
-    prof)  for spec in ${PROF_SPECS:-"8192 28672 1" "8192 28672 16" "4096 4096 1"}; do
-             set -- $spec
+    prof)  for spec in ${PROF_SPECS:-8192,28672,1 8192,28672,16 4096,4096,1}; do  # K,N,M triples
+             IFS=, read -r k n m <<< "$spec"; set -- $k $n $m
              timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
                --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
                --section InstructionStats -k regex:jm_gemm -s 2 -c 1 \
@@ -48,6 +48,14 @@ for st in $STAGES; do
            JITMARLIN_NVCC_FLAGS=-DJM_NO_SCALE_ACC timeout 100 python3 benchmarks/bench_gemm.py --json "$OUT/ab_noscale.json" \
              --variants none --shapes 8192x28672,8192x8192,4096x4096 --m 1,16 --peers none > "$OUT/ab_noscale.log" 2>&1
            echo "ab no-scale-acc rc=$?"; grep -E "^\| [0-9]" "$OUT/ab_noscale.log";;
+    pdl)   timeout 200 python3 benchmarks/bench_gemm.py --json "$OUT/pdl_on.json" --variants none \
+             --shapes ${PDL_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,4096x4096} --m 1,16 \
+             --peers ${PDL_PEERS:-humming,torch_int4} > "$OUT/pdl_on.log" 2>&1
+           echo "pdl on rc=$?"; grep -E "^\| [0-9]" "$OUT/pdl_on.log"
+           JITMARLIN_PDL=0 timeout 120 python3 benchmarks/bench_gemm.py --json "$OUT/pdl_off.json" --variants none \
+             --shapes ${PDL_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,4096x4096} --m 1,16 --peers none \
+             > "$OUT/pdl_off.log" 2>&1
+           echo "pdl off rc=$?"; grep -E "^\| [0-9]" "$OUT/pdl_off.log";;
     moe)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1
            echo "moe rc=$?"; tail -30 "$OUT/moe.log";;
   esac

@@ -13,8 +13,9 @@
 //   scales/zero points into shared memory; one barrier per tile.
 // - Activations use an XOR swizzle of 16-byte chunks (chunk ^ (row & 7)) so that both the
 //   cp.async writes and the ldmatrix reads are free of bank conflicts.
-// - Small batch (SWAP, M <= 8): the MMA is issued transposed, weights in the 16-row A slot and
-//   up to 8 tokens in the 8-column B slot, so no half of the m16 tile is wasted.
+// - Small batch (SWAP, M <= 16): the MMA is issued transposed, weights in the 16-row A slot and
+//   8 tokens in the 8-column B slot (M_BLOCKS groups of 8 tokens), so no half of the m16 tile is
+//   wasted at M <= 8 and the group scales stay per lane (no shuffles) at M <= 16.
 // - Work is striped over CTAs (jm_schedule.cuh); split units meet in an fp32 fixup slot.
 #pragma once
 
@@ -24,20 +25,24 @@
 
 namespace jm {
 
-template <int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS>
+template <int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS, bool BULK = false>
 struct GemmShape {
-  static constexpr int kRows = SWAP ? 8 : 16 * M_BLOCKS;  // rows of an m tile
+  static constexpr int kRows = SWAP ? 8 * M_BLOCKS : 16 * M_BLOCKS;  // rows of an m tile
   static constexpr int kTileK = 16 * K_BLOCKS;
   static constexpr bool kGrouped = GROUP_BLOCKS > 0;       // else one scale per column (epilogue)
   // scale / zero-point rows one stage needs (several when a group is shorter than the tile)
   static constexpr int kGroupRows = (kGrouped && GROUP_BLOCKS < K_BLOCKS) ? K_BLOCKS / GROUP_BLOCKS : 1;
   static constexpr int kAChunksPerRow = kTileK / 8;        // 16-byte chunks of one A row
-  static constexpr int kAStageBytes = kRows * kTileK * 2;
+  // A row pitch in shared memory: the cp.async ring swizzles 16-byte chunks within a row; the
+  // bulk-copy ring lands whole rows, so it pads each row by 16 bytes instead (8 rows read by one
+  // ldmatrix phase then start in 8 different bank groups).
+  static constexpr int kAPitch = BULK ? kTileK * 2 + 16 : kTileK * 2;
+  static constexpr int kAStageBytes = kRows * kAPitch;
   static constexpr int kBWarpBytes = K_BLOCKS * 16 * 64 * BITS / 8;  // one strip, one tile
   static constexpr int kSWarpBytes = kGrouped ? kGroupRows * 64 * 2 : 0;
   static constexpr int kZWarpBytes = HAS_ZP ? kGroupRows * 64 * BITS / 8 : 0;
   static constexpr int kWordsPerK16 = 16 * 64 * BITS / 32;  // int32 words of one strip per 16 k
-  static constexpr int kAcc = SWAP ? 16 : 32 * M_BLOCKS;     // fp32 accumulators per thread
+  static constexpr int kAcc = SWAP ? 16 * M_BLOCKS : 32 * M_BLOCKS;  // fp32 accumulators per thread
   // Small m tiles with one scale row per tile: multiply the tile's fp32 partial sums by the
   // scales once (kAcc FFMA per tile) instead of every dequantized weight pair (16 HMUL2 per 16 k
   // per warp). Only pays when kAcc is small and a tile does not span several groups.
@@ -49,7 +54,7 @@ struct GemmShape {
 
   static_assert(K_BLOCKS == 4 || K_BLOCKS == 8, "TILE_K must be 64 or 128 (A swizzle needs >= 8 chunks)");
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
-  static_assert(M_BLOCKS >= 1 && M_BLOCKS <= 4 && (!SWAP || M_BLOCKS == 1), "m tile of 8, 16, 32, 48, 64 rows");
+  static_assert(M_BLOCKS >= 1 && M_BLOCKS <= 4 && (!SWAP || M_BLOCKS <= 2), "m tile of 8, 16, 32, 48, 64 rows");
   static_assert(!kGrouped || K_BLOCKS % GROUP_BLOCKS == 0 || GROUP_BLOCKS % K_BLOCKS == 0,
                 "group size and TILE_K must divide one another");
 
@@ -60,17 +65,17 @@ struct GemmShape {
 
 // Row (within the m tile) and column (within the warp's 64-column strip) of accumulator i.
 //   normal: i = (mb * 8 + e) * 4 + c  ->  row mb*16 + g + 8*(c>>1), column 8e + 2t + (c&1)
-//   SWAP:   i = j * 4 + c             ->  row 2t + (c&1),            column 16j + g + 8*(c>>1)
+//   SWAP:   i = (tg * 4 + j) * 4 + c  ->  row 8tg + 2t + (c&1),      column 16j + g + 8*(c>>1)
 template <bool SWAP>
 JM_DEVICE int acc_row(int i, int g, int t) {
   const int c = i & 3;
-  if constexpr (SWAP) return 2 * t + (c & 1);
+  if constexpr (SWAP) return 8 * (i >> 4) + 2 * t + (c & 1);
   else return (i >> 5) * 16 + g + 8 * (c >> 1);
 }
 template <bool SWAP>
 JM_DEVICE int acc_col(int i, int g, int t) {
   const int c = i & 3;
-  if constexpr (SWAP) return 16 * (i >> 2) + g + 8 * (c >> 1);
+  if constexpr (SWAP) return 16 * ((i >> 2) & 3) + g + 8 * (c >> 1);
   else return 8 * ((i >> 2) & 7) + 2 * t + (c & 1);
 }
 
@@ -97,9 +102,12 @@ JM_DEVICE float half_to_float(uint32_t r, int hi) {
 }
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS,
-          int STAGES, bool MOE>
+          int STAGES, bool MOE, bool BULK>
 JM_DEVICE void gemm_body(const JmGemmParams p) {
-  using S = GemmShape<BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS>;
+  using S = GemmShape<BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, BULK>;
+#if defined(__CUDA_ARCH__) && !JM_HAS_BULK
+  static_assert(!BULK, "BULK tiles (bulk copies, mbarriers) need sm_90");
+#endif
   static_assert(STAGES >= 2, "at least two stages");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
@@ -110,6 +118,8 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   const int n_tiles = p.n / (64 * nwarps);
   const int k_tiles = p.k / S::kTileK;
   int m_tiles;
+  // MoE: the routing tables come from the previous kernel (programmatic dependent launch).
+  if constexpr (MOE) griddep_wait();
   if constexpr (MOE) m_tiles = *p.num_padded / S::kRows;
   else m_tiles = ceil_div(p.m, S::kRows);
   const Schedule sch = make_schedule(n_tiles, m_tiles, k_tiles, p.grid);
@@ -124,6 +134,16 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   const int z_off = S::kAStageBytes + nwarps * (S::kBWarpBytes + S::kSWarpBytes) + warp * S::kZWarpBytes;
   const int64_t strip_words = static_cast<int64_t>(p.k / 16) * S::kWordsPerK16;
   const int group_k = 16 * GROUP_BLOCKS;
+  // Byte offset of 16-byte chunk `ch` of A row `row` within a stage.
+  auto a_offset = [](int row, int ch) {
+    if constexpr (BULK) return row * S::kAPitch + ch * 16;
+    else return row * S::kAPitch + ((ch ^ (row & 7)) * 16);
+  };
+  // Barrier over the threads that compute (the producer warp of BULK tiles stays out of it).
+  auto math_sync = [&]() {
+    if constexpr (BULK) named_sync(32 * nwarps);
+    else __syncthreads();
+  };
 
   // Position of a tile in the schedule; stepped forward without divisions.
   struct Cursor {
@@ -195,7 +215,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         if (!valid) src_row = 0;
       }
       const T* src = static_cast<const T*>(p.a) + static_cast<int64_t>(src_row) * p.lda + kt * S::kTileK + ch * 8;
-      cp_async16(st + row * (S::kTileK * 2) + ((ch ^ (row & 7)) * 16), src, valid);
+      cp_async16(st + a_offset(row, ch), src, valid);
     }
   };
 
@@ -267,15 +287,18 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       }
 
       uint32_t af[M_BLOCKS][4];
-      uint32_t bt[2];
+      uint32_t bt[M_BLOCKS][2];
       if constexpr (SWAP) {
-        const int row = lane & 7, ch = 2 * kb + ((lane >> 3) & 1);
-        ldmatrix_x2(bt, st + row * (S::kTileK * 2) + ((ch ^ row) * 16));
+#pragma unroll
+        for (int tg = 0; tg < M_BLOCKS; tg++) {
+          const int row = 8 * tg + (lane & 7), ch = 2 * kb + ((lane >> 3) & 1);
+          ldmatrix_x2(bt[tg], st + a_offset(row, ch));
+        }
       } else {
 #pragma unroll
         for (int mb = 0; mb < M_BLOCKS; mb++) {
           const int row = mb * 16 + (lane & 15), ch = 2 * kb + (lane >> 4);
-          ldmatrix_x4(af[mb], st + row * (S::kTileK * 2) + ((ch ^ (row & 7)) * 16));
+          ldmatrix_x4(af[mb], st + a_offset(row, ch));
         }
       }
 
@@ -296,7 +319,8 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         }
         if constexpr (SWAP) {
           const uint32_t wa[4] = {f0.b0, f1.b0, f0.b1, f1.b1};
-          mma_at(4 * j, wa, bt[0], bt[1], kb == 0);
+#pragma unroll
+          for (int tg = 0; tg < M_BLOCKS; tg++) mma_at(16 * tg + 4 * j, wa, bt[tg][0], bt[tg][1], kb == 0);
         } else {
 #pragma unroll
           for (int mb = 0; mb < M_BLOCKS; mb++) {
@@ -308,10 +332,10 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     }
     if constexpr (S::kScaleAcc) {
       if constexpr (SWAP) {
-        // accumulator 4j + c is column 16j + 8(c>>1) + g: lane g's own scale, n8-block 2j + (c>>1)
+        // accumulator 16tg + 4j + c is column 16j + 8(c>>1) + g: lane g's own scale, n8-block 2j + (c>>1)
 #pragma unroll
         for (int i = 0; i < S::kAcc; i++) {
-          const int e = 2 * (i >> 2) + ((i & 3) >> 1);
+          const int e = 2 * ((i >> 2) & 3) + ((i & 3) >> 1);
           acc[i] = fmaf(half_to_float<T>(sr[e >> 1], e & 1), accg[i], acc[i]);
         }
       } else {
@@ -363,9 +387,9 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         __stcg(reinterpret_cast<float4*>(mine + q * 128),
                make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
       __threadfence();
-      __syncthreads();
+      math_sync();
       if (tid == 0) s_last = atomicAdd(p.counters + first, 1) == ctas - 1;
-      __syncthreads();
+      math_sync();
       if (!s_last) {
 #pragma unroll
         for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
@@ -435,40 +459,198 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
   };
 
-  // ---- the pipeline: STAGES-1 tiles in flight while one is computed ----
-  Cursor fcur = cursor_at(begin);  // next tile to fetch
-  Cursor ccur = fcur;               // next tile to compute
+  if constexpr (BULK) {
+    // ---- producer warp + bulk copies (sm_90) ----
+    // Warp `nwarps` streams every tile of the CTA's run into a ring of STAGES slots with bulk
+    // copies (one per weight strip, scale row and activation row, spread over its lanes); the
+    // math warps wait on a slot's "full" barrier (its bytes have landed) and arrive on its
+    // "empty" barrier when done, so no CTA-wide barrier sits in the main loop and the weight
+    // stream runs ahead of the math by up to STAGES tiles. (Producer/consumer rings with
+    // mbarriers and the bulk copy engine: the Hopper tuning guide and PTX ISA; our code.)
+    __shared__ __align__(8) uint64_t full_bar[STAGES];
+    __shared__ __align__(8) uint64_t empty_bar[STAGES];
+    if (tid == 0) {
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; s++) {
-    if (s < n_it) {
-      fetch_tile(fcur, s);
-      advance(fcur);
+      for (int s = 0; s < STAGES; s++) {
+        mbar_init(&full_bar[s], 1);
+        mbar_init(&empty_bar[s], nwarps);
+      }
+      mbar_fence_init();
     }
-    cp_async_commit();
-  }
-  int fslot = STAGES - 1, cslot = 0;
-  for (int i = 0; i < n_it; i++) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile i has landed for every thread; every warp is done with tile i-1
-    if (i + STAGES - 1 < n_it) {  // refill the slot of tile i-1
-      fetch_tile(fcur, fslot);
-      advance(fcur);
+    // Activation rows a copy never fills (rows past M) enter the MMA as zeros.
+    for (int i = tid; i < STAGES * (S::kAStageBytes / 16); i += blockDim.x) {
+      const int slot = i / (S::kAStageBytes / 16), off = i - slot * (S::kAStageBytes / 16);
+      *reinterpret_cast<int4*>(smem + slot * stage_bytes + off * 16) = make_int4(0, 0, 0, 0);
     }
-    cp_async_commit();
-    fslot = fslot == STAGES - 1 ? 0 : fslot + 1;
-    compute_tile(cslot);
-    cslot = cslot == STAGES - 1 ? 0 : cslot + 1;
-    if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
-    advance(ccur);
+    fence_proxy_async_smem();
+    __syncthreads();
+    griddep_launch_dependents();
+
+    if (warp == nwarps) {  // the producer
+      constexpr uint32_t kRowBytes = S::kTileK * 2;
+      const uint32_t weight_bytes = nwarps * (S::kBWarpBytes + S::kSWarpBytes + S::kZWarpBytes);
+      // A row r of the m tile at cursor c: (valid, source row)
+      auto a_row = [&](const Cursor& c, int r, int& src_row) {
+        if constexpr (MOE) {
+          const int pos = c.m_tile * S::kRows + r;
+          const int slot_id = __ldg(p.sorted_ids + pos);
+          src_row = p.a_by_position ? pos : slot_id / p.top_k;
+          return slot_id < p.m;
+        } else {
+          src_row = c.m_tile * S::kRows + r;
+          return src_row < p.m;
+        }
+      };
+      auto valid_rows = [&](const Cursor& c) {
+        int count = 0;
+        for (int r0 = 0; r0 < S::kRows; r0 += 32) {
+          int src;
+          const bool v = r0 + lane < S::kRows && a_row(c, r0 + lane, src);
+          count += __popc(__ballot_sync(0xFFFFFFFFu, v));
+        }
+        return count;
+      };
+      auto issue_weights = [&](const Cursor& c, int slot) {
+        uint8_t* st = smem + slot * stage_bytes;
+        int expert = 0;
+        if constexpr (MOE) expert = __ldg(p.expert_ids + c.m_tile);
+        const uint32_t* b = static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
+                            static_cast<int64_t>(c.kt) * K_BLOCKS * S::kWordsPerK16;
+        for (int w = lane; w < nwarps; w += 32) {
+          const int strip = c.n_tile * nwarps + w;
+          bulk_copy_g2s(st + S::kAStageBytes + w * S::kBWarpBytes, b + strip * strip_words, S::kBWarpBytes,
+                        &full_bar[slot]);
+        }
+        int grow0 = 0;
+        if constexpr (S::kGrouped) grow0 = (c.kt * S::kTileK) / group_k;
+        if constexpr (S::kGrouped) {
+          const T* sb = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
+          for (int j = lane; j < nwarps * S::kGroupRows; j += 32) {
+            const int w = j / S::kGroupRows, r = j - w * S::kGroupRows;
+            const int strip = c.n_tile * nwarps + w;
+            bulk_copy_g2s(st + S::kAStageBytes + nwarps * S::kBWarpBytes + w * S::kSWarpBytes + r * 128,
+                          sb + static_cast<int64_t>(grow0 + r) * p.n + strip * 64, 128, &full_bar[slot]);
+          }
+        }
+        if constexpr (HAS_ZP) {
+          const uint32_t* zb = static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride;
+          for (int j = lane; j < nwarps * S::kGroupRows; j += 32) {
+            const int w = j / S::kGroupRows, r = j - w * S::kGroupRows;
+            const int strip = c.n_tile * nwarps + w;
+            bulk_copy_g2s(st + S::kAStageBytes + nwarps * (S::kBWarpBytes + S::kSWarpBytes) + w * S::kZWarpBytes +
+                              r * (8 * BITS),
+                          zb + static_cast<int64_t>(grow0 + r) * (p.n * BITS / 32) + strip * 2 * BITS, 8 * BITS,
+                          &full_bar[slot]);
+          }
+        }
+      };
+      auto issue_acts = [&](const Cursor& c, int slot) {
+        uint8_t* st = smem + slot * stage_bytes;
+        for (int r = lane; r < S::kRows; r += 32) {
+          int src_row;
+          if (a_row(c, r, src_row))
+            bulk_copy_g2s(st + r * S::kAPitch,
+                          static_cast<const T*>(p.a) + static_cast<int64_t>(src_row) * p.lda + c.kt * S::kTileK,
+                          kRowBytes, &full_bar[slot]);
+        }
+      };
+
+      Cursor c = cursor_at(begin);
+      // Dense: the weights of the first fills go out before waiting for the previous kernel
+      // (they never depend on it); the activations follow once it has finished.
+      const int pre = MOE ? 0 : min(STAGES, n_it);
+      for (int i = 0; i < pre; i++) {
+        const int rows = valid_rows(c);
+        if (lane == 0) mbar_arrive_expect_tx(&full_bar[i], weight_bytes + rows * kRowBytes);
+        __syncwarp();
+        issue_weights(c, i);
+        advance(c);
+      }
+      griddep_wait();
+      c = cursor_at(begin);
+      for (int i = 0; i < pre; i++) {
+        issue_acts(c, i);
+        advance(c);
+      }
+      int slot = pre % STAGES;
+      uint32_t phase = pre / STAGES;  // fills of this slot so far, mod 2
+      for (int i = pre; i < n_it; i++) {
+        if (i >= STAGES) mbar_wait(&empty_bar[slot], (phase & 1) ^ 1);
+        const int rows = valid_rows(c);
+        if (lane == 0) mbar_arrive_expect_tx(&full_bar[slot], weight_bytes + rows * kRowBytes);
+        __syncwarp();
+        issue_weights(c, slot);
+        issue_acts(c, slot);
+        advance(c);
+        if (++slot == STAGES) {
+          slot = 0;
+          ++phase;
+        }
+      }
+      return;
+    }
+
+    // the math warps
+    griddep_wait();
+    Cursor ccur = cursor_at(begin);
+    int slot = 0;
+    uint32_t phase = 0;
+    for (int i = 0; i < n_it; i++) {
+      mbar_wait(&full_bar[slot], phase);
+      compute_tile(slot);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty_bar[slot]);
+      if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
+      advance(ccur);
+      if (++slot == STAGES) {
+        slot = 0;
+        phase ^= 1;
+      }
+    }
+    return;
+  } else {
+#if JM_HAS_BULK
+    // Programmatic dependent launch on sm_90: nothing of the previous kernel is read before it
+    // has finished.
+    griddep_wait();
+    griddep_launch_dependents();
+#endif
+    // ---- the pipeline: STAGES-1 tiles in flight while one is computed ----
+    Cursor fcur = cursor_at(begin);  // next tile to fetch
+    Cursor ccur = fcur;               // next tile to compute
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+      if (s < n_it) {
+        fetch_tile(fcur, s);
+        advance(fcur);
+      }
+      cp_async_commit();
+    }
+    int fslot = STAGES - 1, cslot = 0;
+    for (int i = 0; i < n_it; i++) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // tile i has landed for every thread; every warp is done with tile i-1
+      if (i + STAGES - 1 < n_it) {  // refill the slot of tile i-1
+        fetch_tile(fcur, fslot);
+        advance(fcur);
+      }
+      cp_async_commit();
+      fslot = fslot == STAGES - 1 ? 0 : fslot + 1;
+      compute_tile(cslot);
+      cslot = cslot == STAGES - 1 ? 0 : cslot + 1;
+      if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
+      advance(ccur);
+    }
   }
 }
 
 }  // namespace jm
 
 // One extern "C" kernel per template instantiation, so the launcher finds it by a plain name.
-#define JM_GEMM_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, MIN_BLOCKS) \
-  extern "C" __global__ void __launch_bounds__(JM_MAX_THREADS, MIN_BLOCKS) NAME(const JmGemmParams p) {     \
-    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE>(p);                \
+#define JM_GEMM_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK, \
+                       MAX_THREADS, MIN_BLOCKS)                                                             \
+  extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) NAME(const JmGemmParams p) {        \
+    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK>(p);           \
   }
 
 namespace jm {

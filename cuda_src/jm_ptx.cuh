@@ -110,4 +110,92 @@ JM_DEVICE uint32_t mul2(uint32_t a, uint32_t b) {
   return d;
 }
 
+// ---- Hopper (sm_90) only: bulk copies, mbarriers, programmatic dependent launch ----
+// Used by the producer-warp pipeline of jm_gemm.cuh (BULK tiles). PTX ISA: "cp.async.bulk",
+// "mbarrier", "griddepcontrol". The Python side compiles BULK tiles only for sm_90.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define JM_HAS_BULK 1
+#else
+#define JM_HAS_BULK 0
+#endif
+
+// One mbarrier: `count` arrivals complete a phase (plus the transaction bytes announced with
+// arrive_expect_tx, which bulk copies count down as they land).
+JM_DEVICE void mbar_init(uint64_t* bar, uint32_t count) {
+#if JM_HAS_BULK
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+
+// Make the initialised barriers visible to the async proxy (the bulk copy engine).
+JM_DEVICE void mbar_fence_init() {
+#if JM_HAS_BULK
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// Order this thread's earlier generic-proxy shared-memory writes before later async-proxy
+// (bulk copy) accesses of the same memory.
+JM_DEVICE void fence_proxy_async_smem() {
+#if JM_HAS_BULK
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+JM_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if JM_HAS_BULK
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+
+JM_DEVICE void mbar_arrive(uint64_t* bar) {
+#if JM_HAS_BULK
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
+// Spin until the phase of parity `parity` of the barrier has completed.
+JM_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if JM_HAS_BULK
+  const uint32_t addr = smem_addr(bar);
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  }
+#endif
+}
+
+// Global -> shared copy of `bytes` (multiple of 16, both addresses 16-byte aligned) by the bulk
+// copy engine; completion is counted on `bar` in bytes. One thread issues it, no registers hold
+// the data, and the issuing warp does not wait.
+JM_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+#if JM_HAS_BULK
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(smem)),
+               "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+#endif
+}
+
+// Programmatic dependent launch: wait until the previous kernel in the stream has completed and
+// its memory is visible (a no-op when the launch did not allow overlap), and let the next kernel
+// start launching early (it still waits in its own griddep_wait before touching our outputs).
+JM_DEVICE void griddep_wait() {
+#if JM_HAS_BULK
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+JM_DEVICE void griddep_launch_dependents() {
+#if JM_HAS_BULK
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Barrier over the first `threads` threads of the CTA (named barrier 1; 0 is __syncthreads).
+JM_DEVICE void named_sync(int threads) { asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory"); }
+
 }  // namespace jm

@@ -302,17 +302,18 @@ def cmd_build(args: argparse.Namespace) -> int:
             raise UnsupportedDeviceError(
                 f"cannot build for this machine's GPU: {why}. To build without a GPU, name the target "
                 "architectures, e.g. `jitmarlin build --arch 8.0,9.0`.")
-    tiles = K.TILES[:2] if args.tiles == "small" else K.TILES
+    small = args.tiles == "small"
     families = [K.Family(d, b, args.zero_points, g, moe=args.moe)
                 for d, b, g in itertools.product(dtypes, bits, groups)]
 
     jobs = [(fam, cc) for cc in ccs for fam in families]
     _out(f"building {len(jobs)} module(s): {len(families)} famil{'y' if len(families) == 1 else 'ies'} x "
-         f"{len(ccs)} arch(s) ({', '.join(arch_name(c) for c in ccs)}), {len(tiles)} tile configs each")
+         f"{len(ccs)} arch(s) ({', '.join(arch_name(c) for c in ccs)}), "
+         f"{'2' if small else ', '.join(str(len(K.tiles_for(c))) for c in ccs)} tile configs each")
     t_all = time.time()
     for n, (fam, cc) in enumerate(jobs, 1):
         t0 = time.time()
-        spec = K.build_spec(fam, cc, tuple(tiles))
+        spec = K.build_spec(fam, cc, K.TILES[:2] if small else None)
         mod = build.get_module(spec)
         dt = time.time() - t0
         how = "built" if float(mod.meta.get("built_at", 0.0)) >= t0 else "cached"

@@ -9,6 +9,7 @@ from jitmarlin.ops import _kernels as K
 from jitmarlin.ops.gemm import grid_size, m_class, select_plan, use_dequant_path
 
 SMEM = {"sm_80": 166912 - 1024, "sm_86": 101376 - 1024, "sm_90": 232448 - 1024}
+CC = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_90": (9, 0)}
 FAMILIES = [K.Family(d, b, z, g) for d, b, z, g in itertools.product(("f16", "bf16"), (4, 8), (False, True),
                                                                        (-1, 32, 64, 128, 256))]
 MS = [1, 2, 7, 8, 9, 16, 17, 32, 33, 48, 49, 64, 65, 100, 128, 255, 256, 1000, 4099]
@@ -23,13 +24,13 @@ def test_plan_is_valid(fam, arch):
     for m, (k, n) in itertools.product(MS, KN):
         if fam.group_size != -1 and k % fam.group_size:
             continue
-        plan = select_plan(m, n, k, fam, limit)
+        plan = select_plan(m, n, k, fam, limit, CC[arch])
         t = plan.tile
         assert k % t.tile_k == 0, (m, k, n, plan)
-        assert (n // 64) % plan.nwarps == 0 and plan.nwarps in (1, 2, 4, 8)
+        assert (n // 64) % plan.nwarps == 0 and plan.nwarps in (1, 2, 4, 8, 16) and plan.nwarps <= t.max_warps
         assert plan.smem == K.smem_bytes(fam, t, plan.nwarps) <= limit
         assert K.tile_fits(fam, t)
-        assert t in K.TILES, "the plan must use a compiled tile"
+        assert t in K.tiles_for(CC[arch]), "the plan must use a tile compiled for the arch"
         # the m tile serves the row count it was chosen for
         assert m_class(t.rows) == m_class(m)
         grid = grid_size(plan, m, n, k, sms=132, ctas_per_sm=2)
@@ -42,6 +43,10 @@ def test_small_batch_uses_the_transposed_mma():
     for m in range(1, 9):
         assert select_plan(m, 28672, 8192, fam, SMEM["sm_90"]).tile.swap
     assert not select_plan(9, 28672, 8192, fam, SMEM["sm_90"]).tile.swap
+    for m in (1, 8):  # the bulk-copy ring only where it is compiled (sm_90)
+        assert select_plan(m, 28672, 8192, fam, SMEM["sm_90"], (9, 0)).tile.bulk
+        assert not select_plan(m, 28672, 8192, fam, SMEM["sm_80"], (8, 0)).tile.bulk
+    assert not select_plan(64, 28672, 8192, fam, SMEM["sm_90"], (9, 0)).tile.bulk
 
 
 def test_dequant_path_only_for_large_m():

@@ -1,6 +1,7 @@
 """Host-side checks of the kernel sources, compiled with nvcc on the CPU (no GPU needed):
 
-- the ctypes launch struct matches JmGemmParams field by field;
+- the ctypes launch struct matches JmGemmParams field by field, and the driver's ctypes mirrors of
+  CUlaunchConfig / CUlaunchAttribute (programmatic dependent launch) match cuda.h;
 - the Python shared-memory formula matches GemmShape::stage_bytes for every family x tile;
 - the stream-K partition (jm_schedule.cuh, the very functions the kernel calls) covers every
   (unit, k tile) exactly once, gives every split unit a unique fixup slot < grid, and counts
@@ -32,9 +33,10 @@ def nvcc():
         pytest.skip(f"nvcc not available: {e}")
 
 
-def _run_host(nvcc, tmp_path, body: str, stdin: str = "") -> str:
+def _run_host(nvcc, tmp_path, body: str, stdin: str = "", include: str = "jm_gemm.cuh") -> str:
     src = tmp_path / "host.cu"
-    src.write_text('#include <cstdio>\n#include <cstddef>\n#include "jm_gemm.cuh"\nint main() {\n' + body + "\nreturn 0;\n}\n")
+    src.write_text(f'#include <cstdio>\n#include <cstddef>\n#include "{include}"\nint main() {{\n' + body +
+                   "\nreturn 0;\n}\n")
     exe = tmp_path / "host"
     subprocess.run([str(nvcc), "-std=c++17", "-O1", f"-I{source_dir()}", "-o", str(exe), str(src)],
                    check=True, capture_output=True, text=True)
@@ -51,17 +53,32 @@ def test_params_struct_matches_ctypes(nvcc, tmp_path):
         assert int(out[n]) == getattr(K.GemmParams, n).offset, n
 
 
+def test_launch_config_structs_match_cuda_h(nvcc, tmp_path):
+    from jitmarlin.jit import driver
+
+    body = 'printf("%zu %zu %zu %zu %zu %zu\\n", sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value), '
+    body += 'sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs), '
+    body += 'offsetof(CUlaunchConfig, numAttrs));\n'
+    body += 'printf("%d\\n", (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);\n'
+    lines = _run_host(nvcc, tmp_path, body, include="cuda.h").splitlines()
+    sizes = tuple(map(int, lines[0].split()))
+    LA, LC = driver._LaunchAttribute, driver._LaunchConfig
+    assert sizes == (ctypes.sizeof(LA), LA.value.offset, ctypes.sizeof(LC), LC.hStream.offset, LC.attrs.offset,
+                     LC.numAttrs.offset)
+    assert int(lines[1]) == driver._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 def test_smem_formula_matches_kernel(nvcc, tmp_path):
     cases = []
     for bits, zp, g in itertools.product((4, 8), (False, True), (-1, 32, 64, 128, 256)):
         fam = K.Family("f16", bits, zp, g)
-        for tile in K.TILES:
+        for tile in K.TILES + K.BULK_TILES:
             if K.tile_fits(fam, tile):
                 cases.append((fam, tile))
     body = ""
     for fam, t in cases:
         shape = (f"jm::GemmShape<{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
-                 f"{t.m_blocks}, {'true' if t.swap else 'false'}, {t.k_blocks}>")
+                 f"{t.m_blocks}, {'true' if t.swap else 'false'}, {t.k_blocks}, {'true' if t.bulk else 'false'}>")
         body += (f'printf("%d %d %d %d\\n", {shape}::stage_bytes(1), {shape}::stage_bytes(4), '
                  f'{shape}::stage_bytes(8), {shape}::kAcc);\n')
     lines = _run_host(nvcc, tmp_path, body).splitlines()

@@ -23,6 +23,19 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
 
 _lib = None
 _lib_lock = threading.Lock()
@@ -59,6 +72,9 @@ def _cuda():
                     fn = getattr(lib, name)
                     fn.argtypes = args
                     fn.restype = ctypes.c_int
+                if hasattr(lib, "cuLaunchKernelEx"):  # CUDA >= 11.8 drivers
+                    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), vp, pp, pp]
+                    lib.cuLaunchKernelEx.restype = ctypes.c_int
                 _check(lib, lib.cuInit(0), "cuInit")
                 _lib = lib
     return _lib
@@ -160,11 +176,24 @@ class Function:
             n = self._occ[key] = v.value
         return n
 
-    def launch(self, grid: int, threads: int, smem: int, stream: int, params: ctypes.Structure) -> None:
+    def launch(self, grid: int, threads: int, smem: int, stream: int, params: ctypes.Structure,
+               pdl: bool = False) -> None:
+        """Launch on `stream`. pdl: allow programmatic dependent launch (sm_90): the kernel may
+        start while the previous one in the stream finishes; it must call griddepcontrol.wait
+        before reading anything that kernel wrote (ours do)."""
         lib = _cuda()
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         with self.dev:
-            res = lib.cuLaunchKernel(self.handle, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), args, None)
+            if pdl and hasattr(lib, "cuLaunchKernelEx"):
+                attr = _LaunchAttribute()
+                attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attr.value[0] = 1
+                cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
+                                    ctypes.pointer(attr), 1)
+                res = lib.cuLaunchKernelEx(ctypes.byref(cfg), self.handle, args, None)
+            else:
+                res = lib.cuLaunchKernel(self.handle, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
+                                         args, None)
         if res != 0:
             _check(lib, res, f"launching {self.name} (grid {grid}, {threads} threads, {smem} B shared memory)")
 

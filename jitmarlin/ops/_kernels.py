@@ -68,30 +68,44 @@ def check_group_size(g: int) -> None:
 
 @dataclass(frozen=True)
 class Tile:
-    m_blocks: int  # m tile = 16 * m_blocks rows (8 rows when swap)
-    swap: bool  # transposed MMA for <= 8 rows
+    m_blocks: int  # m tile = 16 * m_blocks rows (8 * m_blocks when swap)
+    swap: bool  # transposed MMA (weights in the 16-row slot, groups of 8 tokens in the 8-column slot)
     k_blocks: int  # k tile = 16 * k_blocks
-    stages: int  # cp.async pipeline depth
+    stages: int  # pipeline depth (shared-memory ring slots)
+    bulk: bool = False  # sm_90: producer warp + bulk copies + mbarrier ring (else cp.async ring)
 
     @property
     def rows(self) -> int:
-        return 8 if self.swap else 16 * self.m_blocks
+        return 8 * self.m_blocks if self.swap else 16 * self.m_blocks
 
     @property
     def tile_k(self) -> int:
         return 16 * self.k_blocks
 
     @property
-    def min_blocks(self) -> int:  # __launch_bounds__ minimum CTAs/SM of 256 threads
+    def max_warps(self) -> int:  # math warps a CTA may have
+        return 16 if (self.bulk and self.swap and self.m_blocks == 1) else 8
+
+    @property
+    def max_threads(self) -> int:  # __launch_bounds__: math warps + the producer warp of bulk tiles
+        return 32 * (self.max_warps + (1 if self.bulk else 0))
+
+    def threads(self, nwarps: int) -> int:
+        return 32 * (nwarps + (1 if self.bulk else 0))
+
+    @property
+    def min_blocks(self) -> int:  # __launch_bounds__ minimum CTAs/SM
+        if self.bulk:
+            return 1
         return 2 if self.m_blocks == 1 else 1
 
     @property
     def acc(self) -> int:  # fp32 accumulators per thread
-        return 16 if self.swap else 32 * self.m_blocks
+        return 16 * self.m_blocks if self.swap else 32 * self.m_blocks
 
     def tag(self) -> str:
-        m = "w8" if self.swap else f"m{self.m_blocks}"
-        return f"{m}_k{self.tile_k}_s{self.stages}"
+        m = f"w{8 * self.m_blocks}" if self.swap else f"m{self.m_blocks}"
+        return f"{m}_k{self.tile_k}_s{self.stages}" + ("_bk" if self.bulk else "")
 
 
 # Compiled in every family. Chosen from the tuning sweep in benchmarks/ (see NOTES.md).
@@ -102,6 +116,18 @@ TILES: tuple[Tile, ...] = (
     Tile(3, False, 8, 3), Tile(3, False, 4, 4),
     Tile(4, False, 8, 3), Tile(4, False, 4, 4),
 )
+
+
+# sm_90 and newer also get the producer-warp / bulk-copy tiles for small M.
+BULK_TILES: tuple[Tile, ...] = (
+    Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 6, True), Tile(1, True, 4, 8, True),
+    Tile(1, False, 8, 4, True), Tile(1, False, 4, 6, True),
+    Tile(2, True, 8, 4, True), Tile(2, True, 8, 6, True), Tile(2, True, 4, 8, True),
+)
+
+
+def tiles_for(cc: tuple[int, int]) -> tuple[Tile, ...]:
+    return TILES + (BULK_TILES if cc >= (9, 0) else ())
 
 
 def kernel_name(fam: Family, tile: Tile) -> str:
@@ -116,7 +142,8 @@ def kernel_source(fam: Family, tile: Tile) -> str:
         f"JM_GEMM_KERNEL({kernel_name(fam, tile)}, {CTYPES[fam.dtype]}, {fam.bits}, "
         f"{'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {tile.m_blocks}, "
         f"{'true' if tile.swap else 'false'}, {tile.k_blocks}, {tile.stages}, "
-        f"{'true' if fam.moe else 'false'}, {tile.min_blocks})\n")
+        f"{'true' if fam.moe else 'false'}, {'true' if tile.bulk else 'false'}, {tile.max_threads}, "
+        f"{tile.min_blocks})\n")
 
 
 def dequant_kernel_name(fam: Family) -> str:
@@ -133,7 +160,9 @@ def dequant_kernel_source(fam: Family) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def build_spec(fam: Family, cc: tuple[int, int], tiles: tuple[Tile, ...] = TILES) -> BuildSpec:
+def build_spec(fam: Family, cc: tuple[int, int], tiles: tuple[Tile, ...] | None = None) -> BuildSpec:
+    if tiles is None:
+        tiles = tiles_for(cc)
     sources = tuple((kernel_name(fam, t), kernel_source(fam, t)) for t in tiles)
     if not fam.moe:
         sources += ((dequant_kernel_name(fam), dequant_kernel_source(fam)),)
@@ -163,7 +192,7 @@ def group_rows(fam: Family, tile: Tile) -> int:
 
 
 def stage_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
-    a = tile.rows * tile.tile_k * 2
+    a = tile.rows * (tile.tile_k * 2 + (16 if tile.bulk else 0))
     b = tile.k_blocks * 16 * 64 * fam.bits // 8
     s = group_rows(fam, tile) * 128 if fam.group_size != -1 else 0
     z = group_rows(fam, tile) * 64 * fam.bits // 8 if fam.zero_points else 0

@@ -35,9 +35,13 @@ class Plan:
 _SMALL_KN = 1 << 26  # K*N below this: few tiles per SM, deeper pipelines and fewer CTAs win
 
 
-def _preferences(m: int, n: int, k: int) -> tuple[tuple[Tile, int], ...]:
+def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0)) -> tuple[tuple[Tile, int], ...]:
     small = k * n < _SMALL_KN
     cls = m_class(m)
+    if cc >= (9, 0) and cls == "w8":
+        # sm_90: the producer-warp / bulk-copy ring (NOTES.md, "bulk-copy pipeline")
+        first = (Tile(1, True, 4, 8, True), 2) if small else (Tile(1, True, 8, 6, True), 4)
+        return (first,) + _preferences(m, n, k)
     if cls == "w8":
         first = (Tile(1, True, 4, 8), 4) if small else (Tile(1, True, 8, 6), 4)
         return (first, (Tile(1, True, 8, 4), 4), (Tile(1, True, 4, 8), 4))
@@ -78,13 +82,13 @@ def check_problem(n: int, k: int, group_size: int) -> None:
         raise ValueError(f"K={k} must be a multiple of group_size={group_size}")
 
 
-def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int) -> Plan:
+def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int, cc: tuple[int, int] = (8, 0)) -> Plan:
     """Tile config and CTA width for an M x N x K problem. Candidates are tried in order of
     preference; a candidate must divide K (k tile) and N (64 * warps), agree with the group size
     and fit the per-block shared memory. Fewer warps per CTA are tried before giving up."""
     check_problem(n, k, fam.group_size)
     strips = n // 64
-    prefs = _preferences(m, n, k)
+    prefs = _preferences(m, n, k, cc)
     for want_warps in (None, 4, 2, 1):
         for tile, warps in prefs:
             w = warps if want_warps is None else min(warps, want_warps)
@@ -164,27 +168,37 @@ class Launch:
     plan: Plan
     grid: int
     ws_floats: int  # partial-sum space the launch needs
+    pdl: bool = False  # programmatic dependent launch (sm_90 kernels wait on the previous kernel)
 
     @property
     def threads(self) -> int:
-        return 32 * self.plan.nwarps
+        return self.plan.tile.threads(self.plan.nwarps)
 
 
 def _make_launch(plan: Plan, rows: int, n: int, k: int, fam: Family, index: int) -> Launch:
     fn = K.get_kernel(fam, plan.tile, index, _cc(index))
-    occ = fn.occupancy(32 * plan.nwarps, plan.smem)
+    threads = plan.tile.threads(plan.nwarps)
+    occ = fn.occupancy(threads, plan.smem)
     if occ < 1:
-        raise RuntimeError(f"kernel {fn.name} cannot run one CTA of {32 * plan.nwarps} threads with {plan.smem} B "
+        raise RuntimeError(f"kernel {fn.name} cannot run one CTA of {threads} threads with {plan.smem} B "
                            f"shared memory on cuda:{index} ({fn.num_regs} registers per thread)")
     grid = grid_size(plan, rows, n, k, driver.device(index).sm_count, occ)
-    return Launch(fn, plan, grid, K.workspace_floats(grid, plan.nwarps, plan.tile))
+    return Launch(fn, plan, grid, K.workspace_floats(grid, plan.nwarps, plan.tile), pdl=use_pdl(_cc(index)))
+
+
+def use_pdl(cc: tuple[int, int]) -> bool:
+    """Programmatic dependent launch: on by default on sm_90 and newer (every sm_90 kernel
+    waits for the previous kernel before reading its outputs); JITMARLIN_PDL=0 turns it off."""
+    import os
+
+    return cc >= (9, 0) and os.environ.get("JITMARLIN_PDL", "1") != "0"
 
 
 @functools.lru_cache(maxsize=4096)
 def prepare_launch(m: int, rows: int, n: int, k: int, fam: Family, index: int) -> Launch:
     """The launch for `rows` rows of A in m tiles chosen for M = m (dense: m == rows; MoE: m = the
     block size, rows = the padded slot count, an upper bound the kernel refines on the device)."""
-    plan = select_plan(m, n, k, fam, driver.device(index).smem_per_block_optin - SMEM_RESERVE)
+    plan = select_plan(m, n, k, fam, driver.device(index).smem_per_block_optin - SMEM_RESERVE, _cc(index))
     return _make_launch(plan, rows, n, k, fam, index)
 
 
@@ -247,7 +261,8 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     ws = workspace if workspace is not None else K.default_workspace(a.device)
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
     p.bias = bias.data_ptr() if bias is not None else None
-    launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, torch.cuda.current_stream(a.device).cuda_stream, p)
+    launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, torch.cuda.current_stream(a.device).cuda_stream, p,
+                     pdl=launch.pdl)
 
 
 # ---- the custom op (torch.compile and CUDA graphs see one opaque op) ----
@@ -262,6 +277,9 @@ def _gemm_cuda(a, b, scales, zeros, bias, workspace: Workspace | None = None):
     m, n, k, fam = check_args(a, b, scales, zeros, bias)
     if a.device.type != "cuda":
         raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")
+    if a.data_ptr() % 16:
+        raise ValueError(f"activations must start at a 16-byte aligned address (the kernel copies 16-byte "
+                         f"chunks); this view starts at byte offset {a.data_ptr() % 16}: call .clone() first")
     out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
     if m > 0:
         launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace)

@@ -66,8 +66,9 @@ def test_both_large_m_paths(k, n):
 
 def _all_overrides():
     out = []
-    for tile, nw in itertools.product(K.TILES, (1, 2, 4, 8)):
-        out.append(pytest.param((tile, nw), id=f"{tile.tag()}-w{nw}"))
+    for tile, nw in itertools.product(K.TILES + K.BULK_TILES, (1, 2, 4, 8, 16)):
+        if nw <= tile.max_warps:
+            out.append(pytest.param((tile, nw), id=f"{tile.tag()}-w{nw}"))
     return out
 
 
@@ -75,9 +76,11 @@ def _all_overrides():
 def test_every_tile_config(override):
     """Every compiled tile config and CTA width, not only the heuristic's choice."""
     tile, nw = override
-    k, n = 1024, 512 * 3  # N/64 = 24 strips: divisible by 1, 2, 4, 8
+    k, n = 1024, 1024 * 3  # N/64 = 48 strips: divisible by 1, 2, 4, 8, 16
     packed, w = random_weights(k, n, 4, 128)
     fam = K.Family("f16", 4, False, 128)
+    if tile.bulk and torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("bulk-copy tiles are built for sm_90 and newer only")
     if K.smem_bytes(fam, tile, nw) > torch.cuda.get_device_properties(0).shared_memory_per_block_optin - G.SMEM_RESERVE:
         pytest.skip("does not fit shared memory")
     for m in sorted({1, tile.rows - 1, tile.rows, tile.rows + 3, 3 * tile.rows + 1}):
@@ -194,3 +197,13 @@ def test_non_current_device():
             check_close(out, (a.float() @ w.to("cuda:1")), 1e-3, f"cuda:1 M={m}")
         assert torch.cuda.current_device() == 0
     assert_workspace_clean(torch.device("cuda:1"))
+
+
+def test_misaligned_activations_are_refused():
+    k, n = 256, 128
+    packed, w = random_weights(k, n, 4, 128)
+    flat = torch.randn(2 * k + 1, device="cuda", dtype=torch.float16)
+    a = flat[1:].view(2, k)  # contiguous, but 2 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        jitmarlin.marlin_gemm(a, packed.b, packed.scales)
+    check_close(jitmarlin.marlin_gemm(a.clone(), packed.b, packed.scales), a.float() @ w, 1e-3, "after clone")
