@@ -61,6 +61,8 @@ struct GemmShape {
   JM_HD static int stage_bytes(int nwarps) {
     return kAStageBytes + nwarps * (kBWarpBytes + kSWarpBytes + kZWarpBytes);
   }
+  // fp32 exchange space after the ring when KSPLIT warps share a strip (in-CTA k reduction)
+  JM_HD static int reduce_bytes(int nwarps, int ksplit) { return (ksplit - 1) * nwarps * 32 * kAcc * 4; }
 };
 
 // Row (within the m tile) and column (within the warp's 64-column strip) of accumulator i.
@@ -102,9 +104,13 @@ JM_DEVICE float half_to_float(uint32_t r, int hi) {
 }
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS,
-          int STAGES, bool MOE, bool BULK>
+          int STAGES, bool MOE, bool BULK, int KSPLIT>
 JM_DEVICE void gemm_body(const JmGemmParams p) {
   using S = GemmShape<BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, BULK>;
+  // KSPLIT warps share each 64-column strip, each taking K_BLOCKS / KSPLIT of every k tile, and
+  // meet in shared memory when a unit ends: more warps per SM without a deeper ring.
+  static_assert(KSPLIT == 1 || (BULK && K_BLOCKS % KSPLIT == 0), "k-split warps: bulk tiles, KSPLIT | K_BLOCKS");
+  constexpr int KPW = K_BLOCKS / KSPLIT;  // 16-k blocks per warp per tile
 #if defined(__CUDA_ARCH__) && !JM_HAS_BULK
   static_assert(!BULK, "BULK tiles (bulk copies, mbarriers) need sm_90");
 #endif
@@ -112,9 +118,12 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp_id = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int nwarps = p.nwarps;
+  const int nwarps = p.nwarps;  // strips (of 64 columns) per CTA
+  const int nmath = nwarps * KSPLIT;  // warps that compute
+  const int warp = KSPLIT > 1 ? warp_id % nwarps : warp_id;  // this warp's strip
+  const int kpart = KSPLIT > 1 ? warp_id / nwarps : 0;       // and its part of each k tile
   const int n_tiles = p.n / (64 * nwarps);
   const int k_tiles = p.k / S::kTileK;
   int m_tiles;
@@ -141,7 +150,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   };
   // Barrier over the threads that compute (the producer warp of BULK tiles stays out of it).
   auto math_sync = [&]() {
-    if constexpr (BULK) named_sync(32 * nwarps);
+    if constexpr (BULK) named_sync(32 * nmath);
     else __syncthreads();
   };
 
@@ -223,6 +232,16 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 #pragma unroll
   for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
   float accg[S::kScaleAcc ? S::kAcc : 1];  // this tile's unscaled partial sums (kScaleAcc)
+  // Raw fp16 weights (transposed MMA, one group per tile): the MMA multiplies the exact values
+  // (1024 + q) / (1024 + 16 q) (dequant4_raw), and the end of the tile removes base and zero
+  // point per column with sum(a) over the tile, which one more MMA per 16 k (weights = 1)
+  // provides. Saves 4 of 9 ALU instructions per 8 weights. Cancellation costs at most
+  // log2(1024 / 4.6) ~ 8 of fp32's 24 mantissa bits, far below the fp16 output's rounding.
+#ifdef JM_NO_RAW  // tuning switch (JITMARLIN_NVCC_FLAGS=-DJM_NO_RAW): subtract per weight pair
+  constexpr bool kRaw = false;
+#else
+  constexpr bool kRaw = !DType<T>::kBF16 && S::kScaleAcc && SWAP;
+#endif
 
   // MMA into accumulator block i (4 floats): the running sums, or with kScaleAcc the tile's
   // partial sums, started from zero at the tile's first 16 k.
@@ -245,14 +264,23 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     uint32_t sr[4];     // raw group scales of lane g: half e = column 8e + g
     uint32_t sc[8];     // group scale of n8-block e, broadcast to both halves
     ZeroConst zc[8];    // zero point of n8-block e, as dequant constants
+    float cz[8];        // kRaw: base + zero point of n8-block e as the raw sums carry it
+    float sa[kRaw ? M_BLOCKS : 1][4];  // kRaw: sum of a over the tile, per token (columns 2t, 2t+1)
+    // raw 4-bit: block 2j holds 1024 + q, block 2j+1 holds (1024 + 16 q) / 16 = 64 + q after the
+    // epilogue's 1/16; raw 8-bit: 1024 + q
+    auto raw_base = [](int e, uint32_t z) { return static_cast<float>((BITS == 4 && (e & 1) ? 64u : 1024u) + z); };
     if constexpr (!HAS_ZP) {
 #pragma unroll
-      for (int e = 0; e < 8; e++) zc[e] = make_zero_const<T, BITS>(BITS == 4 ? 8u : 128u);
+      for (int e = 0; e < 8; e++) {
+        zc[e] = make_zero_const<T, BITS>(BITS == 4 ? 8u : 128u);
+        cz[e] = raw_base(e, BITS == 4 ? 8u : 128u);
+      }
     }
 #pragma unroll
-    for (int kb = 0; kb < K_BLOCKS; kb++) {
+    for (int kk = 0; kk < KPW; kk++) {
+      const int kb = kpart * KPW + kk;
       const int gr = S::kGroupRows > 1 ? kb / GROUP_BLOCKS : 0;
-      const bool new_group = kb == 0 || (S::kGroupRows > 1 && kb % GROUP_BLOCKS == 0);
+      const bool new_group = kk == 0 || (S::kGroupRows > 1 && kb % GROUP_BLOCKS == 0);
       if (new_group) {
         if constexpr (S::kGrouped) {
           const uint4 v = *reinterpret_cast<const uint4*>(st + s_off + gr * 128 + g * 16);
@@ -266,11 +294,17 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
           if constexpr (BITS == 4) {
             const uint32_t w = *reinterpret_cast<const uint32_t*>(st + z_off + gr * 32 + g * 4);
 #pragma unroll
-            for (int e = 0; e < 8; e++) zc[e] = make_zero_const<T, 4>((w >> (4 * e)) & 0xFu);
+            for (int e = 0; e < 8; e++) {
+              zc[e] = make_zero_const<T, 4>((w >> (4 * e)) & 0xFu);
+              cz[e] = raw_base(e, (w >> (4 * e)) & 0xFu);
+            }
           } else {
             const uint2 w = *reinterpret_cast<const uint2*>(st + z_off + gr * 64 + g * 8);
 #pragma unroll
-            for (int e = 0; e < 8; e++) zc[e] = make_zero_const<T, 8>(((e < 4 ? w.x : w.y) >> (8 * (e & 3))) & 0xFFu);
+            for (int e = 0; e < 8; e++) {
+              zc[e] = make_zero_const<T, 8>(((e < 4 ? w.x : w.y) >> (8 * (e & 3))) & 0xFFu);
+              cz[e] = raw_base(e, ((e < 4 ? w.x : w.y) >> (8 * (e & 3))) & 0xFFu);
+            }
           }
         }
       }
@@ -293,6 +327,11 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         for (int tg = 0; tg < M_BLOCKS; tg++) {
           const int row = 8 * tg + (lane & 7), ch = 2 * kb + ((lane >> 3) & 1);
           ldmatrix_x2(bt[tg], st + a_offset(row, ch));
+          if constexpr (kRaw) {
+            constexpr uint32_t kOnes[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
+            if (kk == 0) sa[tg][0] = sa[tg][1] = sa[tg][2] = sa[tg][3] = 0.f;
+            mma_16816<T>(sa[tg], kOnes, bt[tg][0], bt[tg][1]);
+          }
         }
       } else {
 #pragma unroll
@@ -305,7 +344,14 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         Frag f0, f1;  // n8-blocks 2j and 2j+1
-        if constexpr (BITS == 4) {
+        if constexpr (kRaw) {
+          if constexpr (BITS == 4) {
+            dequant4_raw(qw[j], f0, f1);
+          } else {
+            f0 = dequant8_raw(qw[2 * j]);
+            f1 = dequant8_raw(qw[2 * j + 1]);
+          }
+        } else if constexpr (BITS == 4) {
           dequant4<T>(qw[j], zc[2 * j], zc[2 * j + 1], f0, f1);
         } else {
           f0 = dequant8<T>(qw[2 * j], zc[2 * j]);
@@ -320,23 +366,29 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         if constexpr (SWAP) {
           const uint32_t wa[4] = {f0.b0, f1.b0, f0.b1, f1.b1};
 #pragma unroll
-          for (int tg = 0; tg < M_BLOCKS; tg++) mma_at(16 * tg + 4 * j, wa, bt[tg][0], bt[tg][1], kb == 0);
+          for (int tg = 0; tg < M_BLOCKS; tg++) mma_at(16 * tg + 4 * j, wa, bt[tg][0], bt[tg][1], kk == 0);
         } else {
 #pragma unroll
           for (int mb = 0; mb < M_BLOCKS; mb++) {
-            mma_at((mb * 8 + 2 * j) * 4, af[mb], f0.b0, f0.b1, kb == 0);
-            mma_at((mb * 8 + 2 * j + 1) * 4, af[mb], f1.b0, f1.b1, kb == 0);
+            mma_at((mb * 8 + 2 * j) * 4, af[mb], f0.b0, f0.b1, kk == 0);
+            mma_at((mb * 8 + 2 * j + 1) * 4, af[mb], f1.b0, f1.b1, kk == 0);
           }
         }
       }
     }
     if constexpr (S::kScaleAcc) {
       if constexpr (SWAP) {
-        // accumulator 16tg + 4j + c is column 16j + 8(c>>1) + g: lane g's own scale, n8-block 2j + (c>>1)
+        // accumulator 16tg + 4j + c is column 16j + 8(c>>1) + g: lane g's own scale, n8-block 2j + (c>>1),
+        // token 8tg + 2t + (c&1)
 #pragma unroll
         for (int i = 0; i < S::kAcc; i++) {
           const int e = 2 * ((i >> 2) & 3) + ((i & 3) >> 1);
-          acc[i] = fmaf(half_to_float<T>(sr[e >> 1], e & 1), accg[i], acc[i]);
+          float v = accg[i];
+          if constexpr (kRaw) {
+            const float mul = (BITS == 4 && (e & 1)) ? 0.0625f : 1.f;
+            v = fmaf(v, mul, -cz[e] * sa[i >> 4][i & 1]);
+          }
+          acc[i] = fmaf(half_to_float<T>(sr[e >> 1], e & 1), v, acc[i]);
         }
       } else {
         // accumulator 4e + c is column 8e + 2t + (c&1): the scale that lane g' = 2t + (c&1) holds
@@ -358,6 +410,26 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 
   // ---- a unit is complete in this CTA: fixup if split, then write C ----
   auto finish_unit = [&](const Cursor& cur) {
+    if constexpr (KSPLIT > 1) {
+      // the k parts of each strip meet in shared memory, in a fixed order
+      float* red = reinterpret_cast<float*>(smem + STAGES * stage_bytes);
+      if (kpart > 0) {
+        float* dst = red + ((kpart - 1) * nwarps + warp) * (S::kAcc * 32) + lane;
+#pragma unroll
+        for (int i = 0; i < S::kAcc; i++) dst[i * 32] = acc[i];
+      }
+      math_sync();
+      if (kpart == 0) {
+#pragma unroll
+        for (int kp = 1; kp < KSPLIT; kp++) {
+          const float* src = red + ((kp - 1) * nwarps + warp) * (S::kAcc * 32) + lane;
+#pragma unroll
+          for (int i = 0; i < S::kAcc; i++) acc[i] += src[i * 32];
+        }
+      }
+      math_sync();  // the exchange space is free again
+    }
+    const bool owner = kpart == 0;  // the warp that writes its strip's results
     const int n_tile = cur.n_tile, m_tile = cur.m_tile;
     const int u = n_tile * m_tiles + m_tile;
     const int n0 = (n_tile * nwarps + warp) * 64;
@@ -381,16 +453,18 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         const int r = u == (cta * sch.iters) / k_tiles ? 0 : 1;
         return p.ws + (2 * static_cast<int64_t>(cta) + r) * region_floats + warp * (32 * S::kAcc) + lane * 4;
       };
-      float* mine = region(blockIdx.x);
+      if (owner) {
+        float* mine = region(blockIdx.x);
 #pragma unroll
-      for (int q = 0; q < S::kAcc / 4; q++)
-        __stcg(reinterpret_cast<float4*>(mine + q * 128),
-               make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+        for (int q = 0; q < S::kAcc / 4; q++)
+          __stcg(reinterpret_cast<float4*>(mine + q * 128),
+                 make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+      }
       __threadfence();
       math_sync();
       if (tid == 0) s_last = atomicAdd(p.counters + first, 1) == ctas - 1;
       math_sync();
-      if (!s_last) {
+      if (!s_last || !owner) {
 #pragma unroll
         for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
         return;
@@ -419,6 +493,11 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       }
     }
 
+    if (!owner) {
+#pragma unroll
+      for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
+      return;
+    }
     T* cbase = static_cast<T*>(p.c);
     const T* bias = static_cast<const T*>(p.bias);
     // one output row per accumulator pair (normal) or element (SWAP)
@@ -473,7 +552,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 #pragma unroll
       for (int s = 0; s < STAGES; s++) {
         mbar_init(&full_bar[s], 1);
-        mbar_init(&empty_bar[s], nwarps);
+        mbar_init(&empty_bar[s], nmath);
       }
       mbar_fence_init();
     }
@@ -486,7 +565,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     __syncthreads();
     griddep_launch_dependents();
 
-    if (warp == nwarps) {  // the producer
+    if (warp_id == nmath) {  // the producer
       constexpr uint32_t kRowBytes = S::kTileK * 2;
       const uint32_t weight_bytes = nwarps * (S::kBWarpBytes + S::kSWarpBytes + S::kZWarpBytes);
       // A row r of the m tile at cursor c: (valid, source row)
@@ -523,24 +602,41 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         }
         int grow0 = 0;
         if constexpr (S::kGrouped) grow0 = (c.kt * S::kTileK) / group_k;
+        // Scales and zero points of the CTA's strips are adjacent in global memory: one copy per
+        // group row for all strips (bulk copies have a fixed cost each; NOTES.md).
         if constexpr (S::kGrouped) {
+          static_assert(S::kGroupRows == 1 || S::kSWarpBytes == S::kGroupRows * 128, "scale rows");
           const T* sb = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
-          for (int j = lane; j < nwarps * S::kGroupRows; j += 32) {
-            const int w = j / S::kGroupRows, r = j - w * S::kGroupRows;
-            const int strip = c.n_tile * nwarps + w;
-            bulk_copy_g2s(st + S::kAStageBytes + nwarps * S::kBWarpBytes + w * S::kSWarpBytes + r * 128,
-                          sb + static_cast<int64_t>(grow0 + r) * p.n + strip * 64, 128, &full_bar[slot]);
+          if (S::kGroupRows == 1) {
+            if (lane == 0)
+              bulk_copy_g2s(st + S::kAStageBytes + nwarps * S::kBWarpBytes,
+                            sb + static_cast<int64_t>(grow0) * p.n + c.n_tile * nwarps * 64, nwarps * 128,
+                            &full_bar[slot]);
+          } else {  // several group rows per tile: one copy per (strip, row), rows of a strip together
+            for (int j = lane; j < nwarps * S::kGroupRows; j += 32) {
+              const int w = j / S::kGroupRows, r = j - w * S::kGroupRows;
+              const int strip = c.n_tile * nwarps + w;
+              bulk_copy_g2s(st + S::kAStageBytes + nwarps * S::kBWarpBytes + w * S::kSWarpBytes + r * 128,
+                            sb + static_cast<int64_t>(grow0 + r) * p.n + strip * 64, 128, &full_bar[slot]);
+            }
           }
         }
         if constexpr (HAS_ZP) {
           const uint32_t* zb = static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride;
-          for (int j = lane; j < nwarps * S::kGroupRows; j += 32) {
-            const int w = j / S::kGroupRows, r = j - w * S::kGroupRows;
-            const int strip = c.n_tile * nwarps + w;
-            bulk_copy_g2s(st + S::kAStageBytes + nwarps * (S::kBWarpBytes + S::kSWarpBytes) + w * S::kZWarpBytes +
-                              r * (8 * BITS),
-                          zb + static_cast<int64_t>(grow0 + r) * (p.n * BITS / 32) + strip * 2 * BITS, 8 * BITS,
-                          &full_bar[slot]);
+          if (S::kGroupRows == 1) {
+            if (lane == 0)
+              bulk_copy_g2s(st + S::kAStageBytes + nwarps * (S::kBWarpBytes + S::kSWarpBytes),
+                            zb + static_cast<int64_t>(grow0) * (p.n * BITS / 32) + c.n_tile * nwarps * 2 * BITS,
+                            nwarps * 8 * BITS, &full_bar[slot]);
+          } else {
+            for (int j = lane; j < nwarps * S::kGroupRows; j += 32) {
+              const int w = j / S::kGroupRows, r = j - w * S::kGroupRows;
+              const int strip = c.n_tile * nwarps + w;
+              bulk_copy_g2s(st + S::kAStageBytes + nwarps * (S::kBWarpBytes + S::kSWarpBytes) + w * S::kZWarpBytes +
+                                r * (8 * BITS),
+                            zb + static_cast<int64_t>(grow0 + r) * (p.n * BITS / 32) + strip * 2 * BITS, 8 * BITS,
+                            &full_bar[slot]);
+            }
           }
         }
       };
@@ -597,7 +693,9 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     uint32_t phase = 0;
     for (int i = 0; i < n_it; i++) {
       mbar_wait(&full_bar[slot], phase);
+#ifndef JM_STREAM_ONLY  // diagnostic switch: stream the weights, compute nothing (wrong results)
       compute_tile(slot);
+#endif
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty_bar[slot]);
       if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
@@ -648,9 +746,9 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 
 // One extern "C" kernel per template instantiation, so the launcher finds it by a plain name.
 #define JM_GEMM_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK, \
-                       MAX_THREADS, MIN_BLOCKS)                                                             \
+                       KSPLIT, MAX_THREADS, MIN_BLOCKS)                                                     \
   extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) NAME(const JmGemmParams p) {        \
-    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK>(p);           \
+    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK, KSPLIT>(p);   \
   }
 
 namespace jm {

@@ -79,14 +79,15 @@ def test_smem_formula_matches_kernel(nvcc, tmp_path):
     for fam, t in cases:
         shape = (f"jm::GemmShape<{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
                  f"{t.m_blocks}, {'true' if t.swap else 'false'}, {t.k_blocks}, {'true' if t.bulk else 'false'}>")
-        body += (f'printf("%d %d %d %d\\n", {shape}::stage_bytes(1), {shape}::stage_bytes(4), '
-                 f'{shape}::stage_bytes(8), {shape}::kAcc);\n')
+        body += (f'printf("%d %d %d %d %d\\n", {shape}::stage_bytes(1), {shape}::stage_bytes(4), '
+                 f'{shape}::stage_bytes(8), {shape}::kAcc, {shape}::reduce_bytes(4, {t.ksplit}));\n')
     lines = _run_host(nvcc, tmp_path, body).splitlines()
     assert len(lines) == len(cases)
     for (fam, t), line in zip(cases, lines):
-        s1, s4, s8, acc = map(int, line.split())
+        s1, s4, s8, acc, red = map(int, line.split())
         assert (s1, s4, s8) == tuple(K.stage_bytes(fam, t, w) for w in (1, 4, 8)), (fam, t)
         assert acc == t.acc
+        assert red == K.reduce_bytes(t, 4)
 
 
 def test_schedule_partition(nvcc, tmp_path):

@@ -73,6 +73,7 @@ class Tile:
     k_blocks: int  # k tile = 16 * k_blocks
     stages: int  # pipeline depth (shared-memory ring slots)
     bulk: bool = False  # sm_90: producer warp + bulk copies + mbarrier ring (else cp.async ring)
+    ksplit: int = 1  # warps sharing one 64-column strip, each on 1/ksplit of every k tile (bulk only)
 
     @property
     def rows(self) -> int:
@@ -83,15 +84,15 @@ class Tile:
         return 16 * self.k_blocks
 
     @property
-    def max_warps(self) -> int:  # math warps a CTA may have
-        return 16 if (self.bulk and self.swap and self.m_blocks == 1) else 8
+    def max_warps(self) -> int:  # strips (64 columns each) a CTA may have
+        return (16 if (self.bulk and self.swap and self.m_blocks == 1) else 8) // self.ksplit
 
     @property
     def max_threads(self) -> int:  # __launch_bounds__: math warps + the producer warp of bulk tiles
-        return 32 * (self.max_warps + (1 if self.bulk else 0))
+        return self.threads(self.max_warps)
 
     def threads(self, nwarps: int) -> int:
-        return 32 * (nwarps + (1 if self.bulk else 0))
+        return 32 * (nwarps * self.ksplit + (1 if self.bulk else 0))
 
     @property
     def min_blocks(self) -> int:  # __launch_bounds__ minimum CTAs/SM
@@ -105,7 +106,8 @@ class Tile:
 
     def tag(self) -> str:
         m = f"w{8 * self.m_blocks}" if self.swap else f"m{self.m_blocks}"
-        return f"{m}_k{self.tile_k}_s{self.stages}" + ("_bk" if self.bulk else "")
+        return (f"{m}_k{self.tile_k}_s{self.stages}" + ("_bk" if self.bulk else "")
+                + (f"_ks{self.ksplit}" if self.ksplit > 1 else ""))
 
 
 # Compiled in every family. Chosen from the tuning sweep in benchmarks/ (see NOTES.md).
@@ -119,10 +121,10 @@ TILES: tuple[Tile, ...] = (
 
 
 # sm_90 and newer also get the producer-warp / bulk-copy tiles for small M.
+# (The H200 sweeps of benchmarks/NOTES.md kept these out of 15 candidates.)
 BULK_TILES: tuple[Tile, ...] = (
-    Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 6, True), Tile(1, True, 4, 8, True),
-    Tile(1, False, 8, 4, True), Tile(1, False, 4, 6, True),
-    Tile(2, True, 8, 4, True), Tile(2, True, 8, 6, True), Tile(2, True, 4, 8, True),
+    Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 8, True), Tile(1, True, 8, 6, True, 2),
+    Tile(2, True, 8, 4, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),
 )
 
 
@@ -142,7 +144,7 @@ def kernel_source(fam: Family, tile: Tile) -> str:
         f"JM_GEMM_KERNEL({kernel_name(fam, tile)}, {CTYPES[fam.dtype]}, {fam.bits}, "
         f"{'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {tile.m_blocks}, "
         f"{'true' if tile.swap else 'false'}, {tile.k_blocks}, {tile.stages}, "
-        f"{'true' if fam.moe else 'false'}, {'true' if tile.bulk else 'false'}, {tile.max_threads}, "
+        f"{'true' if fam.moe else 'false'}, {'true' if tile.bulk else 'false'}, {tile.ksplit}, {tile.max_threads}, "
         f"{tile.min_blocks})\n")
 
 
@@ -199,8 +201,13 @@ def stage_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
     return a + nwarps * (b + s + z)
 
 
+def reduce_bytes(tile: Tile, nwarps: int) -> int:
+    """fp32 exchange space of the in-CTA k reduction (ksplit warps per strip)."""
+    return (tile.ksplit - 1) * nwarps * 32 * tile.acc * 4
+
+
 def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
-    return tile.stages * stage_bytes(fam, tile, nwarps)
+    return tile.stages * stage_bytes(fam, tile, nwarps) + reduce_bytes(tile, nwarps)
 
 
 def tile_fits(fam: Family, tile: Tile) -> bool:

@@ -40,8 +40,10 @@ def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0)) -> tuple[
     cls = m_class(m)
     if cc >= (9, 0) and cls == "w8":
         # sm_90: the producer-warp / bulk-copy ring (NOTES.md, "bulk-copy pipeline")
-        first = (Tile(1, True, 4, 8, True), 2) if small else (Tile(1, True, 8, 6, True), 4)
+        first = (Tile(1, True, 8, 6, True, 2), 4) if small else (Tile(1, True, 8, 6, True), 4)
         return (first,) + _preferences(m, n, k)
+    if cc >= (9, 0) and cls == "m1" and not small:
+        return ((Tile(2, True, 8, 4, True), 4),) + _preferences(m, n, k)
     if cls == "w8":
         first = (Tile(1, True, 4, 8), 4) if small else (Tile(1, True, 8, 6), 4)
         return (first, (Tile(1, True, 8, 4), 4), (Tile(1, True, 4, 8), 4))

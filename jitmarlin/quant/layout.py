@@ -12,9 +12,10 @@ With k = 16*kt + 8*a + 2*t + b (a, b in {0,1}, t in [0,4)) and, inside a strip,
 n = 16*j + 8*h + g (j in [0,4), h in {0,1}, g in [0,8)), lane = 4*g + t (g = groupID,
 t = threadID_in_group of the mma.m16n8k16 fragment tables in the PTX ISA):
 
-- 4-bit: word[strip, kt, 4*lane + j], nibble a + 2*h + 4*b.
-  Nibbles (0, 4) are the b0 register pair (k 2t, 2t+1) of n8-block 2j, (1, 5) its b1 pair
-  (k 2t+8, 2t+9), (2, 6) and (3, 7) those of n8-block 2j+1: one lop3 per pair extracts them.
+- 4-bit: word[strip, kt, 4*lane + j], nibble h + 2*a + 4*b.
+  Nibbles (0, 4) are the b0 register pair (k 2t, 2t+1) of n8-block 2j, (2, 6) its b1 pair
+  (k 2t+8, 2t+9), (1, 5) and (3, 7) those of n8-block 2j+1: one lop3 per pair extracts them, and
+  the low nibble of every byte belongs to block 2j, the high nibble to block 2j+1.
 - 8-bit: with column n = 8*e + g (e in [0,8), e = 4*eh + el),
   word[strip, kt, 128*eh + 4*lane + el], byte a + 2*b: bytes (0, 2) form b0 and (1, 3) b1 of
   n8-block e.
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 
 # logical axes of a [K, N] matrix viewed as [K/16, a, t, b, N/64, j, h, g] (4-bit) ...
-_PERM4 = (4, 0, 7, 2, 5, 3, 6, 1)  # -> [strip, kt, g, t, j, b, h, a]
+_PERM4 = (4, 0, 7, 2, 5, 3, 1, 6)  # -> [strip, kt, g, t, j, b, a, h]
 # ... or [K/16, a, t, b, N/64, eh, el, g] (8-bit)
 _PERM8 = (4, 0, 5, 7, 2, 6, 3, 1)  # -> [strip, kt, eh, g, t, el, b, a]
 

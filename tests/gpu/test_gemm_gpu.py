@@ -207,3 +207,27 @@ def test_misaligned_activations_are_refused():
     with pytest.raises(ValueError, match="16-byte aligned"):
         jitmarlin.marlin_gemm(a, packed.b, packed.scales)
     check_close(jitmarlin.marlin_gemm(a.clone(), packed.b, packed.scales), a.float() @ w, 1e-3, "after clone")
+
+
+@pytest.mark.parametrize("bits,zp", [(4, False), (4, True), (8, False), (8, True)])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_outlier_activations(bits, zp, m):
+    """Activations with large outliers (as in LLM hidden states): the small-M kernels feed raw
+    (1024 + q) weights to the MMA and remove the base per column afterwards, which cancels
+    large fp32 sums; the result must stay as accurate as the fp16 output allows, row by row."""
+    k, n = 8192, 1024
+    packed, w = random_weights(k, n, bits, 128, zp)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    a = torch.randn(m, k, device="cuda", generator=gen)
+    cols = torch.randperm(k, device="cuda", generator=gen)[: k // 100]
+    a[:, cols] *= 300.0
+    a = a.half()
+    ref = a.float() @ w
+    plans = [None]  # the heuristic's choice, and the transposed (raw) tile of this M
+    if torch.cuda.get_device_capability(0) >= (9, 0):
+        plans.append((K.Tile(1 if m <= 8 else 2, True, 8, 4, True), 4))
+    for plan in plans:
+        out = run_poisoned(a, packed, override=plan)
+        check_close(out, ref, 1e-3, f"bits={bits} zp={zp} M={m} plan={plan}")
+        for r in range(m):
+            check_close(out[r:r + 1], ref[r:r + 1], 1e-3, f"bits={bits} zp={zp} M={m} plan={plan} row {r}")

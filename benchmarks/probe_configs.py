@@ -1,0 +1,49 @@
+"""Time a few explicit GEMM configs (tile tag + CTA width) on a few shapes, for A/B experiments
+with kernel build switches ($JITMARLIN_NVCC_FLAGS). Prints one line per (shape, M, config).
+
+    JITMARLIN_NVCC_FLAGS=-DJM_STREAM_ONLY python benchmarks/probe_configs.py \
+        --shapes 8192x28672 --m 1 --configs w8_k128_s6_bk-w4,w8_k128_s6_bk-w8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from bench_gemm import bench_ours, floor_us, make_weights  # noqa: E402
+
+from jitmarlin.ops import _kernels as K  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="8192x28672")
+    ap.add_argument("--m", default="1")
+    ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN, e.g. w8_k128_s6_bk-w4")
+    args = ap.parse_args()
+    tiles = {t.tag(): t for t in K.tiles_for(torch.cuda.get_device_capability(0))}
+    bw = common.copy_bandwidth()
+    flags = os.environ.get("JITMARLIN_NVCC_FLAGS", "")
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        q, s = make_weights(k, n)
+        for cfg in args.configs.split(","):
+            tag, w = cfg.rsplit("-w", 1)
+            results: dict = {}
+            ms = [int(x) for x in args.m.split(",")]
+            bench_ours(k, n, ms, q, s, results, override=(tiles[tag], int(w)), tag=cfg)
+            for m in ms:
+                r = results.get((cfg, k, n, m))
+                what = f"{r['us']:.1f} us (floor {floor_us(k, n, m, bw):.1f}) err {r['err']:.1e}" if r else \
+                    f"failed: {results.get('errors')}"
+                print(f"[{flags or 'default'}] {k}x{n} M={m} {cfg}: {what}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
