@@ -3,17 +3,21 @@
 Builds the kernels it needs (one progress line per module), quantizes a random-weight
 Llama-like MLP block and a Mixtral-like MoE block to 4-bit (group 128), checks both against the
 float computation on the dequantized weights, and times them against fp16 at decode batch
-sizes (CUDA graphs). Exit status 0 only if every check passes.
+sizes (CUDA graphs). Then quantizes a small hand-built decoder (attention projections, an MLP
+layer and a MoE layer, on the CPU) with jitmarlin.quantize_model onto the GPU and checks its
+logits the same way. Exit status 0 only if every check passes.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def time_graph(step, n_copies: int = 1, calls: int = 20, replays: int = 10, warmup: int = 2) -> float:
@@ -153,8 +157,115 @@ def run(hidden: int = 4096, intermediate: int = 11008, experts: int = 8, moe_int
         t_f = a.elapsed_time(b) * 100
         print(f"  batch {m:>2}: jitmarlin MoE {t_q:7.1f} us (graph), fp16 per-expert loop {t_f:7.1f} us (eager) "
               f"-> {t_f / t_q:.1f}x", flush=True)
+    ok &= model_check(dev)
     print("demo: all checks passed" if ok else "demo: a check FAILED", flush=True)
     return 0 if ok else 1
+
+
+# ---- a small hand-built decoder for quantize_model (no transformers needed) ----
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _SparseMoE(nn.Module):
+    """Mixtral-style routing: softmax in fp32, top-k, renormalized; one _MLP per expert."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(_MLP(hidden, inter) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = torch.topk(torch.softmax(self.gate(x).float(), -1), self.top_k, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)
+            if tok.numel():
+                out.index_add_(0, tok, (expert(x[tok]).float() * weights[tok, slot, None]).to(x.dtype))
+        return out.reshape(shape)
+
+
+class _Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int, mlp: nn.Module):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.mlp = mlp
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.norm1(x)
+        q, k, v = (p(y).view(b, s, self.heads, h // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + self.o_proj(a)
+        return x + self.mlp(self.norm2(x))
+
+
+class _Decoder(nn.Module):
+    def __init__(self, vocab=8192, hidden=2048, heads=16, inter=5632, experts=8, moe_inter=1408, top_k=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList([_Layer(hidden, heads, _MLP(hidden, inter)),
+                                     _Layer(hidden, heads, _SparseMoE(hidden, moe_inter, experts, top_k))])
+        self.norm = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def model_check(dev: torch.device, **sizes) -> bool:
+    """quantize_model on a float decoder that lives on the CPU; logits vs the float model that
+    holds the dequantized weights (relative error, as above)."""
+    from . import MarlinLinear, MoESpec, quantize_model, register_moe
+    from .model import MarlinMoEBlock
+
+    register_moe(_SparseMoE, lambda b: MoESpec.from_module_list(b.gate, b.experts, top_k=b.top_k))
+    torch.manual_seed(0)
+    model = _Decoder(**sizes).half()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2 if name.endswith("mlp.gate.weight") else 0.02)  # decisive routing
+    reference = copy.deepcopy(model)
+    t0 = time.time()
+    report = quantize_model(model, device=dev)
+    print(f"quantize_model on a 2-layer decoder (CPU -> {dev}) in {time.time() - t0:.1f} s: {report.summary()}",
+          flush=True)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, MarlinLinear):
+                reference.get_submodule(name).weight.copy_(m.dequantize())
+            elif isinstance(m, MarlinMoEBlock):
+                w13, w2 = m.moe.dequantize()
+                inter = w13.shape[1] // 2
+                for e, expert in enumerate(reference.get_submodule(name).experts):
+                    expert.gate_proj.weight.copy_(w13[e, :inter])
+                    expert.up_proj.weight.copy_(w13[e, inter:])
+                    expert.down_proj.weight.copy_(w2[e])
+        reference.to(dev)
+        ids = torch.randint(0, model.embed.num_embeddings, (2, 16), device=dev)
+        err = _rel(model(ids), reference(ids))
+    print(f"  logits: error vs float on the dequantized weights {err:.1e}", flush=True)
+    return err < 1e-2
 
 
 if __name__ == "__main__":
