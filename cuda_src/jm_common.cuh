@@ -9,9 +9,6 @@
 #define JM_DEVICE __device__ __forceinline__
 #define JM_HD __host__ __device__ __forceinline__
 
-// Largest CTA we launch: 8 warps, each owning a 64-column strip of the output.
-#define JM_MAX_THREADS 256
-
 namespace jm {
 
 // 16-bit element type of activations, scales and outputs.

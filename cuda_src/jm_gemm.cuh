@@ -3,16 +3,19 @@
 //   C[m, n] = sum_k A[m, k] * s[grp(k), n] * (q[k, n] - z[grp(k), n])
 //
 // Design (after the Marlin paper, Frantar et al. 2024; our code):
-// - A CTA has nwarps warps (runtime); warp w owns one 64-column strip of the output and all
-//   R rows of the m tile, and runs over K in tiles of TILE_K. No warp splits K with another, so
-//   there is no in-CTA reduction.
+// - A CTA covers nwarps 64-column strips (runtime); warp w owns strip w of the output and all
+//   R rows of the m tile, and runs over K in tiles of TILE_K. With KSPLIT > 1 (bulk tiles)
+//   KSPLIT warps share a strip, each taking a part of every k tile, and meet in shared memory
+//   when a unit ends.
 // - Weights are pre-shuffled (jitmarlin/quant/layout.py) so that one 16-byte shared-memory load
 //   per lane per 16 k yields all B fragments of the warp's 64 columns, and a strip's weights
 //   are contiguous along K: a tile of one strip is one contiguous block of memory.
-// - A multi-stage cp.async ring (STAGES) streams the weights, activation tile and group
-//   scales/zero points into shared memory; one barrier per tile.
+// - A multi-stage ring (STAGES) streams the weights, activation tile and group scales/zero
+//   points into shared memory: cp.async by all threads with one barrier per tile, or on sm_90
+//   (BULK) bulk copies by a producer warp with full/empty mbarriers per slot (see below).
 // - Activations use an XOR swizzle of 16-byte chunks (chunk ^ (row & 7)) so that both the
-//   cp.async writes and the ldmatrix reads are free of bank conflicts.
+//   cp.async writes and the ldmatrix reads are free of bank conflicts (BULK: rows padded by 16
+//   bytes instead, since a bulk copy lands a whole row).
 // - Small batch (SWAP, M <= 16): the MMA is issued transposed, weights in the 16-row A slot and
 //   8 tokens in the 8-column B slot (M_BLOCKS groups of 8 tokens), so no half of the m16 tile is
 //   wasted at M <= 8 and the group scales stay per lane (no shuffles) at M <= 16.
