@@ -58,6 +58,8 @@ for st in $STAGES; do
            echo "pdl off rc=$?"; grep -E "^\| [0-9]" "$OUT/pdl_off.log";;
     moe)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1
            echo "moe rc=$?"; tail -30 "$OUT/moe.log";;
+    e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
+           echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
   esac
   echo "stage $st took $(( $(date +%s) - t0 )) s"
 done

@@ -64,3 +64,19 @@ def test_bad_shapes(k, n, match):
 def test_bad_group_size():
     with pytest.raises(ValueError, match="group_size=96"):
         K.Family("f16", 4, False, 96)
+
+
+def test_workspace_growth_keeps_old_buffers_alive():
+    """A CUDA graph captured before the workspace grew still launches kernels on the old buffers:
+    growing must not free them (the caching allocator would hand them to other tensors)."""
+    import torch
+
+    ws = K.Workspace(torch.device("cpu"), floats=16, slots=4)
+    old_ws, old_counters = ws.ws, ws.counters
+    ptrs = (old_ws.data_ptr(), old_counters.data_ptr())
+    ws.ensure(1024, 64)
+    assert ws.ws.numel() >= 1024 and ws.counters.numel() >= 64 and not bool(ws.counters.any())
+    del old_ws, old_counters
+    assert {t.data_ptr() for t in ws._retired} == set(ptrs)
+    ws.ensure(512, 8)  # already large enough: nothing changes
+    assert len(ws._retired) == 2

@@ -247,19 +247,24 @@ class Workspace:
         self.device = torch.device(device)
         self.ws = torch.empty(floats, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(slots, dtype=torch.int32, device=self.device)
+        # Buffers replaced by a larger one stay allocated: a CUDA graph captured earlier still
+        # launches kernels that use them (the counters stay all zero after every launch).
+        self._retired: list[torch.Tensor] = []
 
     def ensure(self, floats: int, slots: int) -> None:
         if floats <= self.ws.numel() and slots <= self.counters.numel():
             return
-        if torch.cuda.is_current_stream_capturing():
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"jitmarlin needs a larger GEMM workspace ({floats} floats, {slots} counters; it has "
                 f"{self.ws.numel()}, {self.counters.numel()}) while a CUDA graph is being captured. Run "
                 "the largest shape once eagerly before capturing (a usual warm-up), or pass a "
                 "jitmarlin.ops.Workspace of the needed size.")
         if floats > self.ws.numel():
+            self._retired.append(self.ws)
             self.ws = torch.empty(floats, dtype=torch.float32, device=self.device)
         if slots > self.counters.numel():
+            self._retired.append(self.counters)
             self.counters = torch.zeros(slots, dtype=torch.int32, device=self.device)
 
     def zero_(self) -> None:
