@@ -41,15 +41,6 @@ class MarlinMoEBlock(nn.Module):
     def num_experts(self) -> int:
         return self.moe.num_experts
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_weights fp32 [T, k], topk_ids [T, k]) from router logits [T, E]: softmax in fp32
-        over all experts, top-k, renormalized to sum 1 if the MoE renormalizes."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
-        if self.moe.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
-
     def forward(self, hidden_states: torch.Tensor):
         moe = self.moe
         if hidden_states.dtype != moe.dtype:
@@ -61,7 +52,7 @@ class MarlinMoEBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits = moe.router(x)
-        weights, ids = self.route(logits)
+        weights, ids = moe.route_logits(logits)
         out = fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
                                w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
                                w2_perm=moe.w2_perm)

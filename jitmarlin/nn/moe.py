@@ -180,7 +180,12 @@ class MarlinMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights fp32 [T, k], topk_ids [T, k]) for x [T, H]."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)
+        return self.route_logits(self.router(x))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights fp32 [T, k], topk_ids [T, k]) from router logits [T, E]: softmax in fp32
+        over all experts, top-k, renormalized to sum 1 if the layer renormalizes."""
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
