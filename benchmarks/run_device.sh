@@ -58,6 +58,16 @@ for st in $STAGES; do
            echo "pdl off rc=$?"; grep -E "^\| [0-9]" "$OUT/pdl_off.log";;
     moe)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1
            echo "moe rc=$?"; tail -30 "$OUT/moe.log";;
+    readme) timeout 240 python3 -m pytest -q -rs tests/test_readme.py > "$OUT/readme.log" 2>&1
+           echo "readme rc=$?"; tail -3 "$OUT/readme.log";;
+    examples) ex=0
+           for cmd in "examples/quantize_hf_model.py" "examples/quantize_hf_model.py --arch mixtral --layers 2" \
+                      "examples/load_gptq_checkpoint.py --synthetic" "examples/moe_custom_model.py"; do
+             echo "== $cmd" >> "$OUT/examples.log"
+             timeout 240 python3 $cmd >> "$OUT/examples.log" 2>&1; rc=$?; echo "example $cmd rc=$rc"; [ $rc = 0 ] || ex=1
+           done
+           timeout 300 bash examples/prebuild_cache.sh /tmp/jm-prebuilt >> "$OUT/examples.log" 2>&1; echo "prebuild rc=$?"
+           tail -15 "$OUT/examples.log";;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
            echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
   esac

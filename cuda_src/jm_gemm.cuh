@@ -828,3 +828,37 @@ JM_DEVICE void dequant_body(const JmGemmParams p) {
   extern "C" __global__ void __launch_bounds__(256) NAME(const JmGemmParams p) {    \
     jm::dequant_body<T, BITS, HAS_ZP, GROUP_BLOCKS>(p);                             \
   }
+
+namespace jm {
+
+// Act-order: C[r, j] = A[r, perm[j]] for r < p.m, j < p.k (row strides p.lda, p.ldc), the
+// activation columns in the order of the sorted weight rows. One thread per 8 output columns
+// (one 16-byte store). Under programmatic dependent launch (sm_90) it lets the GEMM after it
+// launch at once, so that the GEMM's first weight copies overlap this kernel, and it waits for
+// the kernel that wrote A before reading it.
+template <typename T>
+JM_DEVICE void gather_body(const JmGemmParams p) {
+  griddep_launch_dependents();
+  griddep_wait();
+  const int chunks = p.k / 8;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(p.m) * chunks) return;
+  const int row = static_cast<int>(idx / chunks), j0 = static_cast<int>(idx % chunks) * 8;
+  const int4 c0 = __ldg(reinterpret_cast<const int4*>(p.perm + j0));
+  const int4 c1 = __ldg(reinterpret_cast<const int4*>(p.perm + j0 + 4));
+  const unsigned short* src = static_cast<const unsigned short*>(p.a) + static_cast<int64_t>(row) * p.lda;
+  const int cols[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+  uint32_t packed[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    packed[i] = static_cast<uint32_t>(__ldg(src + cols[2 * i])) | (static_cast<uint32_t>(__ldg(src + cols[2 * i + 1])) << 16);
+  *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.c) + static_cast<int64_t>(row) * p.ldc + j0) =
+      make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+}  // namespace jm
+
+#define JM_GATHER_KERNEL(NAME, T)                                                 \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmGemmParams p) { \
+    jm::gather_body<T>(p);                                                        \
+  }

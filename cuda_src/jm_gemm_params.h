@@ -18,6 +18,7 @@ struct JmGemmParams {
   const int* expert_ids;     // MoE: expert of each m tile
   const int* num_padded;     // MoE: number of rows of the padded list (device scalar)
   const float* topk_weights; // MoE: routing weight of each (token, k) slot, or null
+  const int* perm;           // column gather kernel (act-order): output column j = input column perm[j]
   int64_t b_expert_stride;   // MoE: int32 words between two experts' packed weights
   int64_t s_expert_stride;   // MoE: elements between two experts' scales
   int64_t z_expert_stride;   // MoE: int32 words between two experts' zero points

@@ -11,8 +11,8 @@
 from ._version import __version__
 from .errors import (BuildError, CacheMissError, CachePermissionError, JitMarlinError, LaunchError,
                      ToolchainError, UnsupportedDeviceError)
-from .model import (MarlinMoEBlock, MoESpec, QuantReport, init_empty_weights, load_quantized, quantize_model,
-                    register_moe, save_quantized)
+from .model import (MarlinMoEBlock, MoESpec, QuantReport, fuse_projections, init_empty_weights, load_quantized,
+                    quantize_model, register_moe, save_quantized)
 from .nn import MarlinLinear, MarlinMoE
 from .ops import Workspace, fused_marlin_moe, marlin_gemm, moe_align_block_size
 from .quant import Packed, Quantized, dequantize, pack, quantize
@@ -21,7 +21,7 @@ __all__ = [
     "__version__", "quantize", "pack", "dequantize", "Packed", "Quantized", "marlin_gemm", "Workspace", "MarlinLinear",
     "MarlinMoE", "fused_marlin_moe", "moe_align_block_size",
     "quantize_model", "QuantReport", "save_quantized", "load_quantized", "register_moe", "MoESpec", "MarlinMoEBlock",
-    "init_empty_weights",
+    "init_empty_weights", "fuse_projections",
     "JitMarlinError", "UnsupportedDeviceError", "ToolchainError", "BuildError", "CacheMissError",
     "CachePermissionError", "LaunchError",
 ]

@@ -45,7 +45,7 @@ def no_cuda(monkeypatch):
 
 BATCHES = [1, 2]
 CASES = [(8, 4), (16, 4), (8, 6)]  # --prefill 8,16 --decode 4,6 --base-prefill 8 --base-decode 4
-VARIANT_LABELS = ["fp16", "jitmarlin W4 g128", "jitmarlin W4 g128 act_order"]
+VARIANT_LABELS = ["fp16", "jitmarlin W4 g128", "jitmarlin W4 g128 fused", "jitmarlin W4 g128 act_order"]
 
 
 def test_smoke_runs_every_case_on_cpu(bench, cpu_kernels, no_cuda, tmp_path, capsys):  # noqa: F811
@@ -154,3 +154,18 @@ def test_cases_and_arguments(bench):
 def test_no_gpu_without_smoke_is_a_clear_error(bench, no_cuda):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main([])
+
+
+def test_check_steps_stops_after_a_token_divergence(bench):
+    E = bench
+    r = [torch.tensor([[1.0, 0.999, 0.0]]), torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[5.0, 0.0, 0.0]])]
+    # identical: all steps compared, no difference
+    assert E.check_steps([t.clone() for t in r], r) == (0.0, 3)
+    # a near tie swaps the argmax at step 1: step 1 is compared (small difference), later steps not
+    g = [torch.tensor([[0.999, 1.0, 0.0]]), torch.tensor([[9.0, -9.0, 9.0]]), torch.tensor([[0.0, 0.0, 7.0]])]
+    diff, compared = E.check_steps(g, r)
+    assert compared == 1 and diff == pytest.approx(0.001, rel=1e-3)
+    # same tokens but a large difference is reported, not hidden
+    g = [r[0].clone(), torch.tensor([[0.0, 1.0, 0.5]]), r[2].clone()]
+    diff, compared = E.check_steps(g, r)
+    assert compared == 3 and diff == pytest.approx(0.5)

@@ -51,7 +51,9 @@ def _deq(b, s, z):
     return Packed(b, s, z, bits, -1 if groups == 1 else k // groups).dequantize(torch.float32)  # [K, N]
 
 
-def ref_gemm(a, b, scales, zeros=None, bias=None, workspace=None):
+def ref_gemm(a, b, scales, zeros=None, bias=None, workspace=None, perm=None):
+    if perm is not None:  # act-order: the packed rows are W[perm]
+        a = a.index_select(-1, perm)
     out = a.float() @ _deq(b, scales, zeros)
     if bias is not None:
         out = out + bias.float()

@@ -39,6 +39,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 _lib = None
 _lib_lock = threading.Lock()
+_PDL_ATTR = None  # pointer to the one CUlaunchAttribute "programmatic stream serialization = 1"
 
 
 def _cuda():
@@ -76,6 +77,12 @@ def _cuda():
                     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), vp, pp, pp]
                     lib.cuLaunchKernelEx.restype = ctypes.c_int
                 _check(lib, lib.cuInit(0), "cuInit")
+                if hasattr(lib, "cuLaunchKernelEx"):
+                    global _PDL_ATTR
+                    attr = _LaunchAttribute()
+                    attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                    attr.value[0] = 1
+                    _PDL_ATTR = ctypes.pointer(attr)  # read-only after this, shared by every launch
                 _lib = lib
     return _lib
 
@@ -183,17 +190,23 @@ class Function:
         before reading anything that kernel wrote (ours do)."""
         lib = _cuda()
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        with self.dev:
-            if pdl and hasattr(lib, "cuLaunchKernelEx"):
-                attr = _LaunchAttribute()
-                attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-                attr.value[0] = 1
-                cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
-                                    ctypes.pointer(attr), 1)
+        # the device's primary context is current already unless another device's is (cuda:1
+        # tensors while cuda:0 is current): push it only then
+        cur = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(cur))
+        pushed = cur.value != self.dev.ctx.value
+        if pushed:
+            _check(lib, lib.cuCtxPushCurrent_v2(self.dev.ctx), "cuCtxPushCurrent")
+        try:
+            if pdl and _PDL_ATTR is not None:
+                cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, stream, _PDL_ATTR, 1)
                 res = lib.cuLaunchKernelEx(ctypes.byref(cfg), self.handle, args, None)
             else:
-                res = lib.cuLaunchKernel(self.handle, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
-                                         args, None)
+                res = lib.cuLaunchKernel(self.handle, grid, 1, 1, threads, 1, 1, smem, stream, args, None)
+        finally:
+            if pushed:
+                old = ctypes.c_void_p()
+                _check(lib, lib.cuCtxPopCurrent_v2(ctypes.byref(old)), "cuCtxPopCurrent")
         if res != 0:
             _check(lib, res, f"launching {self.name} (grid {grid}, {threads} threads, {smem} B shared memory)")
 

@@ -101,6 +101,13 @@ def save_quantized(model: nn.Module, path) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"path={str(path)!r} exists and is not a directory: save_quantized writes a directory")
+    from .fuse import FusedSlice
+
+    fused = [name for name, m in model.named_modules() if isinstance(m, FusedSlice)]
+    if fused:
+        raise ValueError(f"the model has fused projections ({fused[0]}{' and more' if len(fused) > 1 else ''}): "
+                         "save_quantized writes the layers as quantize_model / load_quantized made them; save "
+                         "before jitmarlin.fuse_projections, and fuse again after loading")
     modules: dict[str, dict] = {}
     for name, m in model.named_modules():
         if isinstance(m, MarlinMoEBlock):

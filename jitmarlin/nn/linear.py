@@ -11,8 +11,9 @@ dict, build the skeleton with the same configuration first::
     layer.load_state_dict(saved)
 
 Act-order: the packed weight holds the input rows sorted by group, W[perm]; forward gathers the
-activation columns with x.index_select(-1, perm) before the GEMM, since A[:, perm] @ W[perm] =
-A @ W. dequantize() undoes the sort and returns the weight in the original input order.
+activation columns x[..., perm] with a small kernel of ours before the GEMM, since
+A[:, perm] @ W[perm] = A @ W. dequantize() undoes the sort and returns the weight in the original
+input order.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..ops import marlin_gemm
+from ..ops.gemm import _gemm_cuda
 from ..quant.awq import repack_awq
 from ..quant.gptq import _check_bits, check_kernel_shape, pack_grouped, repack_gptq
 from ..quant.packed import Packed, pack
@@ -179,9 +181,12 @@ class MarlinLinear(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1] if x.dim() else 0} features but the layer expects "
                              f"in_features={self.in_features}")
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        return marlin_gemm(x.contiguous(), self.qweight, self.scales, self.qzeros, self.bias)
+        x = x.contiguous()
+        if type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling():
+            # plain eager: call the op's CUDA implementation directly (the same code, minus the
+            # dispatcher's few microseconds per call, which add up in eager prefill loops)
+            return _gemm_cuda(x, self.qweight, self.scales, self.qzeros, self.bias, self.perm)
+        return marlin_gemm(x, self.qweight, self.scales, self.qzeros, self.bias, perm=self.perm)
 
     def dequantize(self) -> torch.Tensor:
         """The float weight [out_features, in_features] this layer represents, in the original

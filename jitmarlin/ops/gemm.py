@@ -154,6 +154,18 @@ def check_args(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Op
     return m, n, k, fam
 
 
+def check_perm(perm: Optional[torch.Tensor], k: int, device: torch.device) -> None:
+    """Act-order column order: int32 [K] on the activations' device (its values are trusted to be a
+    permutation of range(K); MarlinLinear checks that once when it is built)."""
+    if perm is None:
+        return
+    if perm.dtype != torch.int32 or perm.dim() != 1 or perm.shape[0] != k or not perm.is_contiguous():
+        raise ValueError(f"perm must be a contiguous int32 [K={k}] tensor (the act-order column order), got "
+                         f"{perm.dtype} {tuple(perm.shape)}")
+    if perm.device != device:
+        raise ValueError(f"perm is on {perm.device} but the activations on {device}: all must be on one device")
+
+
 # ---- launch ----
 
 
@@ -237,8 +249,25 @@ def dequantize_weights(b: torch.Tensor, scales: torch.Tensor, zeros: Optional[to
     p.n, p.k = n, k
     threads = 256
     grid = -(-(n // 64) * (k // 16) * 32 // threads)
-    fn.launch(grid, threads, 0, torch.cuda.current_stream(b.device).cuda_stream, p)
+    fn.launch(grid, threads, 0, K.current_stream_handle(b.device), p)
     return wt
+
+
+def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Family) -> torch.Tensor:
+    """A[:, perm] for the act-order layout, by our gather kernel: on sm_90 it is launched as a
+    programmatic dependent of the previous kernel and lets the GEMM after it start streaming
+    weights at once (a torch index_select in between would serialize all three)."""
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    cc = _cc(index)
+    fn = K.get_kernel(fam, "gather", index, cc)
+    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    p = K.GemmParams()
+    p.a, p.c, p.perm = a.data_ptr(), out.data_ptr(), perm.data_ptr()
+    p.m, p.k, p.lda, p.ldc = m, k, k, k
+    threads = 256
+    grid = -(-(m * (k // 8)) // threads)
+    fn.launch(grid, threads, 0, K.current_stream_handle(a.device), p, pdl=use_pdl(cc))
+    return out
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -263,7 +292,7 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     ws = workspace if workspace is not None else K.default_workspace(a.device)
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
     p.bias = bias.data_ptr() if bias is not None else None
-    launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, torch.cuda.current_stream(a.device).cuda_stream, p,
+    launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
                      pdl=launch.pdl)
 
 
@@ -272,11 +301,12 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
 # wrapper imports torch._dynamo on the first call (seconds), which a cached kernel must not cost.
 
 _lib = torch.library.Library("jitmarlin", "DEF")
-_lib.define("gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor? bias) -> Tensor")
+_lib.define("gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor? bias, Tensor? perm=None) -> Tensor")
 
 
-def _gemm_cuda(a, b, scales, zeros, bias, workspace: Workspace | None = None):
+def _gemm_cuda(a, b, scales, zeros, bias, perm=None, workspace: Workspace | None = None):
     m, n, k, fam = check_args(a, b, scales, zeros, bias)
+    check_perm(perm, k, a.device)
     if a.device.type != "cuda":
         raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")
     if a.data_ptr() % 16:
@@ -284,17 +314,20 @@ def _gemm_cuda(a, b, scales, zeros, bias, workspace: Workspace | None = None):
                          f"chunks); this view starts at byte offset {a.data_ptr() % 16}: call .clone() first")
     out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
     if m > 0:
+        if perm is not None:
+            a = gather_columns(a, perm, m, k, fam)
         launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace)
     return out
 
 
-def _gemm_cpu(a, b, scales, zeros, bias):
+def _gemm_cpu(a, b, scales, zeros, bias, perm=None):
     check_args(a, b, scales, zeros, bias)
     raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")
 
 
-def _gemm_fake(a, b, scales, zeros, bias):
-    _, n, _, _ = check_args(a, b, scales, zeros, bias)
+def _gemm_fake(a, b, scales, zeros, bias, perm=None):
+    _, n, k, _ = check_args(a, b, scales, zeros, bias)
+    check_perm(perm, k, a.device)
     return a.new_empty(a.shape[:-1] + (n,))
 
 
@@ -304,7 +337,8 @@ torch.library.register_fake("jitmarlin::gemm", _gemm_fake, lib=_lib)
 
 
 def marlin_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None, workspace: Workspace | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, workspace: Workspace | None = None,
+                perm: torch.Tensor | None = None) -> torch.Tensor:
     """C = a @ dequant(b) (+ bias).
 
     a: [..., K] float16/bfloat16, contiguous, on a CUDA device with compute capability >= 8.0.
@@ -314,6 +348,8 @@ def marlin_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: t
     zeros: packed zero points int32 [K/G, N*bits/32] (jitmarlin.quant.pack_zeros), or None for
         symmetric weights (zero 2**(bits-1)).
     bias: [N] in a's dtype, or None.
+    perm: act-order column order, int32 [K], or None: the result is a[..., perm] @ dequant(b)
+        (b holds the weight rows sorted by group); the columns are gathered by a kernel of ours.
     workspace: a jitmarlin.ops.Workspace; by default one per device. Calls that may run at the
         same time (different streams) need different workspaces. With an explicit workspace the
         call runs eagerly, outside the registered op.
@@ -321,5 +357,5 @@ def marlin_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: t
     graph capture work; run once eagerly before capturing).
     """
     if workspace is None:
-        return torch.ops.jitmarlin.gemm(a, b, scales, zeros, bias)
-    return _gemm_cuda(a, b, scales, zeros, bias, workspace)  # eager only: the op schema takes tensors
+        return torch.ops.jitmarlin.gemm(a, b, scales, zeros, bias, perm)
+    return _gemm_cuda(a, b, scales, zeros, bias, perm, workspace)  # eager only: the op schema takes tensors

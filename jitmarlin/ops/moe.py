@@ -143,7 +143,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     p.s_expert_stride = scales.shape[1] * scales.shape[2]
     p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
     p.top_k, p.a_by_position = top_k, int(a_by_position)
-    launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, torch.cuda.current_stream(a.device).cuda_stream, p,
+    launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
                      pdl=launch.pdl)
     return out
 
