@@ -47,16 +47,22 @@ def host(args) -> None:
                 t2 = time.perf_counter()
                 print(f"host {label:15s} K={k} N={n} M={m}: {1e6 * (t1 - t0) / reps:6.1f} us/call on the CPU, "
                       f"{1e6 * (t2 - t0) / reps:6.1f} us/call until the GPU is done", flush=True)
-    x = torch.randn(1, 4096, dtype=torch.float16, device=dev)
     lin = torch.nn.Linear(4096, 4096, bias=False, dtype=torch.float16, device=dev)
-    q = jitmarlin.MarlinLinear.from_linear(lin, bits=4, group_size=128)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(2000):
-        q(x)
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    for act in (False, True):
+        q = jitmarlin.MarlinLinear.from_linear(lin, bits=4, group_size=128, act_order=act)
+        for m in (1, 128):
+            x = torch.randn(m, 4096, dtype=torch.float16, device=dev)
+            for _ in range(20):
+                q(x)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                q(x)
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"== cProfile act_order={act} M={m}, 300 calls")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
 def _kernel_times(fn, reps: int = 3) -> dict[str, float]:

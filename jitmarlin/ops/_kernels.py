@@ -318,6 +318,7 @@ def default_workspace(device: torch.device) -> Workspace:
     return ws
 
 
+@functools.lru_cache(maxsize=None)
 def get_kernel(fam: Family, tile: Tile | str | None, device_index: int, cc: tuple[int, int]) -> driver.Function:
     """The GEMM kernel of `tile`; with tile None the family's dequantize kernel, with "gather"
     its act-order column gather kernel."""
