@@ -7,6 +7,8 @@
     jitmarlin build [--arch 8.0,9.0] [--dtype f16,bf16] [--bits 4,8] [--group-size 128,-1]
                     [--zero-points] [--moe] [--tiles small|all]
     jitmarlin demo                       a small end-to-end run on the GPU
+    jitmarlin tune [--quick] [--device N] [--shapes 4096x4096,...] [--m 1,16,...] [--show] [--reset]
+                                         measure the tile configs on this GPU, store the best per class
 
 Errors of jitmarlin itself (and bad values) are printed as one `jitmarlin: error: ...` message
 on stderr, exit status 2, without a traceback.
@@ -339,6 +341,69 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return rc if isinstance(rc, int) else 0
 
 
+# ---------------------------------------------------------------- tune
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in _split_list("--shapes", text):
+        k, sep, n = item.lower().partition("x")
+        if not sep or not k.isdigit() or not n.isdigit():
+            raise ValueError(f"--shapes: {item!r} is not KxN (e.g. 4096x11008)")
+        out.append((int(k), int(n)))
+    return out
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .ops import tuning
+
+    gpus, why = _gpus()
+    usable = [(i, name, cc) for i, name, cc in gpus if cc >= (8, 0)]
+    if not any(i == args.device for i, _, _ in usable):
+        detail = why or ", ".join(f"cuda:{i} {name} (sm_{cc[0]}{cc[1]})" for i, name, cc in gpus)
+        _err(f"jitmarlin: tune: cannot run on cuda:{args.device}: {detail or 'no such GPU'}. Tuning times the "
+             "kernels on a CUDA GPU with compute capability >= 8.0.")
+        return EXIT_NO_GPU
+    shapes = _parse_shapes(args.shapes) if args.shapes else list(
+        tuning.QUICK_SHAPES if args.quick else tuning.DEFAULT_SHAPES)
+    ms = _parse_ints("--m", args.m) if args.m else list(tuning.QUICK_MS if args.quick else tuning.DEFAULT_MS)
+    info = tuning.device_info_for(args.device)
+    path = tuning.table_path(info)
+    if args.reset:
+        removed = tuning.remove_table(info)
+        _out(f"removed {removed}" if removed else f"no tuning table for {info.name} at {path}")
+        return 0
+    if args.show:
+        table = tuning.read_table(info)
+        if table is None:
+            _out(f"no tuning table for {info.name} (sm_{info.cc[0]}{info.cc[1]}): built-in choices are used. "
+                 "Run `jitmarlin tune` to make one.")
+            return 0
+        _out(f"{path} ({table.get('created')}, {len(table.get('measurements', []))} measurements)")
+        for key, entry in sorted(table["choices"].items()):
+            _out(f"  {key:10s} {entry.get('config')}  (mean slowdown {entry.get('mean_slowdown')} over "
+                 f"{', '.join(entry.get('problems', []))})")
+        return 0
+    _out(f"jitmarlin tune on cuda:{args.device} {info.name} (sm_{info.cc[0]}{info.cc[1]}, {info.sms} SMs): "
+         f"{len(shapes)} shape(s) x M {ms}, f16 x int4 g128")
+    notes: list[str] = []
+    table = tuning.tune(info, tuning.gpu_timer(args.device, notes), shapes, ms, progress=_out)
+    for note in notes:
+        _err(f"jitmarlin: tune: {note}")
+    if not table["choices"]:
+        _err("jitmarlin: tune: no configuration could be timed; nothing stored")
+        return EXIT_ERROR
+    _out("")
+    _out("class        tuned config                 built-in config")
+    for key, entry in sorted(table["choices"].items()):
+        k, n, m = (int(v) for v in entry["problems"][0].split("x"))
+        builtin = tuning.builtin_choice(info, m, n, k)
+        _out(f"  {key:10s} {entry['config']:28s} {builtin}{'  (same)' if builtin == entry['config'] else ''}")
+    saved = tuning.save_table(table, info)
+    _out(f"stored {saved} ({table['seconds']} s); JITMARLIN_TUNE=0 ignores it, `jitmarlin tune --reset` removes it")
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -384,6 +449,20 @@ def make_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="a small end-to-end run on the GPU")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser(
+        "tune", help="time the GEMM tile configs on this GPU and store the best per problem class",
+        description="Time every compiled tile config x CTA width of the fp16 x int4 GEMM on a few shapes "
+                    "per problem class (M <= 8, <= 16, <= 32, <= 48, larger; K*N below or above 2^26) and "
+                    "store the winner of each class in the kernel cache, where the GEMM then tries it first "
+                    "on GPUs of this name (about 600 timings on an sm_90 GPU with the defaults, 120 with --quick).")
+    s.add_argument("--device", type=int, default=0, metavar="N", help="CUDA device index (default 0)")
+    s.add_argument("--quick", action="store_true", help="2 shapes x M 1,16,64 instead of 6 shapes x M 1,8,16,32,48,64")
+    s.add_argument("--shapes", metavar="LIST", help="KxN shapes to time, e.g. 4096x4096,4096x11008")
+    s.add_argument("--m", metavar="LIST", help="M values to time, e.g. 1,16,64")
+    s.add_argument("--show", action="store_true", help="print this GPU's stored table and exit")
+    s.add_argument("--reset", action="store_true", help="remove this GPU's stored table and exit")
+    s.set_defaults(func=cmd_tune)
     return p
 
 

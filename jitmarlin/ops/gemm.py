@@ -17,6 +17,7 @@ import torch
 from ..jit import driver
 from ..jit.toolchain import device_capability
 from . import _kernels as K
+from . import tuning
 from ._kernels import DTYPES, Family, Tile, Workspace
 
 # ---- tile heuristic: a pure function, unit-tested on the CPU ----
@@ -84,13 +85,17 @@ def check_problem(n: int, k: int, group_size: int) -> None:
         raise ValueError(f"K={k} must be a multiple of group_size={group_size}")
 
 
-def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int, cc: tuple[int, int] = (8, 0)) -> Plan:
+def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int, cc: tuple[int, int] = (8, 0),
+                first: tuple[Tile, int] | None = None) -> Plan:
     """Tile config and CTA width for an M x N x K problem. Candidates are tried in order of
-    preference; a candidate must divide K (k tile) and N (64 * warps), agree with the group size
-    and fit the per-block shared memory. Fewer warps per CTA are tried before giving up."""
+    preference (`first`, a measured choice from `jitmarlin tune`, before the built-in order); a
+    candidate must divide K (k tile) and N (64 * warps), agree with the group size and fit the
+    per-block shared memory. Fewer warps per CTA are tried before giving up."""
     check_problem(n, k, fam.group_size)
     strips = n // 64
     prefs = _preferences(m, n, k, cc)
+    if first is not None and first[0].rows == _preferences(m, n, k, cc)[0][0].rows and first[1] <= first[0].max_warps:
+        prefs = (first,) + prefs  # same m tile as the built-in choice (the MoE kernel relies on it)
     for want_warps in (None, 4, 2, 1):
         for tile, warps in prefs:
             w = warps if want_warps is None else min(warps, want_warps)
@@ -209,11 +214,20 @@ def use_pdl(cc: tuple[int, int]) -> bool:
     return cc >= (9, 0) and os.environ.get("JITMARLIN_PDL", "1") != "0"
 
 
+@functools.lru_cache(maxsize=None)
+def device_info(index: int) -> "tuning.DeviceInfo":
+    dev = driver.device(index)
+    return tuning.DeviceInfo(torch.cuda.get_device_name(index), _cc(index), dev.sm_count,
+                             dev.smem_per_block_optin - SMEM_RESERVE)
+
+
 @functools.lru_cache(maxsize=4096)
 def prepare_launch(m: int, rows: int, n: int, k: int, fam: Family, index: int) -> Launch:
     """The launch for `rows` rows of A in m tiles chosen for M = m (dense: m == rows; MoE: m = the
-    block size, rows = the padded slot count, an upper bound the kernel refines on the device)."""
-    plan = select_plan(m, n, k, fam, driver.device(index).smem_per_block_optin - SMEM_RESERVE, _cc(index))
+    block size, rows = the padded slot count, an upper bound the kernel refines on the device).
+    A tuning table of this GPU (`jitmarlin tune`) puts its measured choice first."""
+    info = device_info(index)
+    plan = select_plan(m, n, k, fam, info.smem_per_block, info.cc, first=tuning.tuned_choice(info, m, n, k))
     return _make_launch(plan, rows, n, k, fam, index)
 
 
