@@ -140,3 +140,14 @@ def test_cli_tune_without_gpu_and_bad_shapes(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_gpus", lambda: ([(0, "Fake GPU 80GB", (9, 0))], None))
     assert cli.main(["tune", "--shapes", "4096by4096"]) == cli.EXIT_ERROR
     assert "is not KxN" in capsys.readouterr().err
+
+
+def test_a_table_in_an_unsafe_directory_is_ignored(cache_dir):
+    path = T.save_table(T.tune(INFO, fake_timer, [(4096, 4096)], [1]), INFO)
+    path.parent.chmod(0o777)
+    try:
+        T.invalidate()
+        with pytest.warns(UserWarning, match="ignoring the tuning table"):
+            assert T.tuned_choice(INFO, 1, 4096, 4096) is None
+    finally:
+        path.parent.chmod(0o700)

@@ -94,7 +94,7 @@ def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int, cc: tu
     check_problem(n, k, fam.group_size)
     strips = n // 64
     prefs = _preferences(m, n, k, cc)
-    if first is not None and first[0].rows == _preferences(m, n, k, cc)[0][0].rows and first[1] <= first[0].max_warps:
+    if first is not None and first[0].rows == prefs[0][0].rows and first[1] <= first[0].max_warps:
         prefs = (first,) + prefs  # same m tile as the built-in choice (the MoE kernel relies on it)
     for want_warps in (None, 4, 2, 1):
         for tile, warps in prefs:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .._version import __version__
+from ..errors import JitMarlinError
 from ..jit import cache
 from . import _kernels as K
 
@@ -189,7 +190,7 @@ def read_table(info: DeviceInfo, root: Path | None = None) -> dict | None:
             raise ValueError(f"not a format-{FORMAT} jitmarlin tuning table")
         if table.get("device") != info.name or tuple(table.get("cc", ())) != info.cc:
             raise ValueError(f"it was made for {table.get('device')} sm_{table.get('cc')}")
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, JitMarlinError) as e:  # JitMarlinError: an unsafe directory
         warnings.warn(f"jitmarlin: ignoring the tuning table {path}: {e}. Run `jitmarlin tune` again or remove it.",
                       stacklevel=2)
         return None
