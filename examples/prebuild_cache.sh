@@ -39,11 +39,13 @@ mkdir -p "$cache_dir"
 chmod go-w "$cache_dir"
 export JITMARLIN_CACHE_DIR="$cache_dir"
 
-jitmarlin info
+# the `jitmarlin` command of a pip install, else the package on PYTHONPATH
+if command -v jitmarlin >/dev/null 2>&1; then jm=(jitmarlin); else jm=("${PYTHON:-python3}" -m jitmarlin); fi
+"${jm[@]}" info
 common=(--arch "$archs" --dtype "$dtypes" --bits "$bits" "--group-size=$groups")
-jitmarlin build "${common[@]}"                       # dense, symmetric
-jitmarlin build "${common[@]}" --zero-points         # dense, zero points
-jitmarlin build "${common[@]}" --moe                 # mixture of experts, symmetric
-jitmarlin build "${common[@]}" --moe --zero-points   # mixture of experts, zero points
-jitmarlin cache list
+"${jm[@]}" build "${common[@]}"                       # dense, symmetric
+"${jm[@]}" build "${common[@]}" --zero-points         # dense, zero points
+"${jm[@]}" build "${common[@]}" --moe                 # mixture of experts, symmetric
+"${jm[@]}" build "${common[@]}" --moe --zero-points   # mixture of experts, zero points
+"${jm[@]}" cache list
 echo "cache ready: export JITMARLIN_CACHE_DIR=$cache_dir JITMARLIN_DISABLE_JIT=1"
