@@ -143,3 +143,33 @@ def test_fused_models_do_not_save(tmp_path, cpu_kernels):
         save_quantized(q, tmp_path / "out")
     with pytest.raises(TypeError, match="torch.nn.Module"):
         jitmarlin.fuse_projections("model")
+
+
+def test_torch_compile_of_a_fused_model(monkeypatch):
+    """torch.compile traces the slices' bookkeeping without a graph break and gives the unfused
+    model's logits (CPU inductor, reference kernels; not the counting ones of cpu_kernels, whose
+    counter dynamo would specialize on and recompile for)."""
+    import torch._dynamo
+
+    import jitmarlin.nn.linear as linear
+
+    from .test_model_cpu import ref_gemm
+
+    monkeypatch.setattr(linear, "marlin_gemm", ref_gemm)
+
+    q = hf_model("llama")
+    quantize_model(q, device="cpu")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = q(ids).logits
+        fuse_projections(q)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(q)
+        for _ in range(2):
+            assert close(compiled(ids).logits, want) < 3e-3
+        assert not torch._dynamo.utils.counters["graph_break"]
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert close(compiled(ids).logits, want) < 3e-3
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles once warm
+        assert close(q(ids).logits, want) < 1e-3  # eager again after compiled calls

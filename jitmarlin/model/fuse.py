@@ -14,7 +14,8 @@ A sibling called with another tensor (or with the input modified in place since,
 order) recomputes the fused GEMM and takes its own slice, so results never depend on the call
 pattern; only the saving is lost. Outputs are column slices (views) of the fused result, as a
 split of the fused matrix would give. Save models before fusing (save_quantized refuses fused
-ones); fusing is meant for eager and CUDA-graph execution (torch.compile is not tested with it).
+ones). Under torch.compile the bookkeeping is traced (no graph break) and the in-place version
+check is skipped: functionalized graphs do not mutate the input between the projections.
 """
 
 from __future__ import annotations
@@ -69,12 +70,15 @@ class FusedSlice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sh = self._shared
-        if sh.x is x and sh.version == x._version and self.index in sh.pending:
+        # (torch.compile traces this bookkeeping; the in-place version counter is not traceable
+        # and functionalized graphs do not mutate their inputs between the projections anyway)
+        version = -1 if torch.compiler.is_compiling() else x._version
+        if sh.x is x and sh.version == version and self.index in sh.pending:
             part = sh.parts[self.index]
             sh.pending.discard(self.index)
         else:
             parts = self.fused_linear(x).split(sh.sizes, dim=-1)
-            sh.x, sh.version, sh.parts = x, x._version, parts
+            sh.x, sh.version, sh.parts = x, version, parts
             sh.pending = set(range(len(sh.sizes))) - {self.index}
             part = parts[self.index]
         if not sh.pending:
