@@ -10,6 +10,7 @@ layer by layer, so it only has to fit the GPU once quantized.
     python examples/quantize_hf_model.py --arch mixtral --layers 4
     python examples/quantize_hf_model.py --model Qwen/Qwen2.5-0.5B-Instruct --prompt "Hello"
     python examples/quantize_hf_model.py --save out/quantized   # then: load_quantized(model, "out/quantized")
+    python examples/quantize_hf_model.py --fuse                 # + fuse_projections (serving)
 
 Needs transformers (pip install transformers) and a CUDA GPU of compute capability >= 8.0.
 """
@@ -39,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--device", default="cuda")
     p.add_argument("--save", metavar="DIR", help="also write the quantized model with jitmarlin.save_quantized")
+    p.add_argument("--fuse", action="store_true", help="run jitmarlin.fuse_projections after quantizing (q/k/v and "
+                                                       "gate/up as one GEMM each: faster decode; saved before fusing)")
     return p.parse_args(argv)
 
 
@@ -100,6 +103,11 @@ def main(argv=None) -> int:
     print(f"quantized in {time.time() - t0:.1f} s: {report.summary()}")
     for kept in report.kept:
         print(f"  kept in float: {kept.name} ({kept.reason})")
+    if args.save:
+        path = jitmarlin.save_quantized(model, args.save)
+        print(f"saved to {path} (load with jitmarlin.load_quantized(model, {str(path)!r}))")
+    if args.fuse:
+        print(f"fuse_projections: {jitmarlin.fuse_projections(model)}")
 
     if tokenizer is not None:
         inputs = tokenizer(args.prompt, return_tensors="pt").to(args.device)
@@ -122,9 +130,6 @@ def main(argv=None) -> int:
         print(tokenizer.decode(out[0], skip_special_tokens=True))
     else:
         print(f"token ids: {out[0].tolist()}")
-    if args.save:
-        path = jitmarlin.save_quantized(model, args.save)
-        print(f"saved to {path} (load with jitmarlin.load_quantized(model, {str(path)!r}))")
     return 0
 
 
