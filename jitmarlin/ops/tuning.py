@@ -267,6 +267,14 @@ def gpu_timer(index: int, notes: list[str] | None = None) -> Timer:
         return state
 
     def timer(k: int, n: int, m: int, tile: K.Tile, warps: int) -> float:
+        try:
+            return _time_one(k, n, m, tile, warps)
+        except Exception as e:  # noqa: BLE001 - e.g. a config that cannot launch here: skip it, say why
+            if notes is not None:
+                notes.append(f"{config_tag(tile, warps)} K={k} N={n} M={m}: {type(e).__name__}: {e}, not used")
+            return float("inf")
+
+    def _time_one(k: int, n: int, m: int, tile: K.Tile, warps: int) -> float:
         st = weights(k, n)
         with torch.cuda.device(dev):
             a = torch.randn(m, k, device=dev, dtype=torch.float16)
