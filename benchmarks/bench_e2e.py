@@ -38,9 +38,13 @@ both (hours). What is measured:
   (static input token, position and 4-D attention-mask buffers advanced inside the graph) and
   replayed decode_len times; before timing, the first steps of the graph are checked against the
   same steps run eagerly (logits; later steps only while both runs pick the same tokens, since
-  batch > 1 cuBLAS/SDPA results vary run to run by ~1e-3 and can swap near-tied argmaxes). If capture fails (e.g. a host synchronisation in the model
-  code) or the check fails, the steps run eagerly and the row says "eager" with the reason
-  printed. Prefill is always eager.
+  batch > 1 cuBLAS/SDPA results vary run to run by ~1e-3 and can swap near-tied argmaxes). If
+  capture fails (e.g. a host synchronisation in the model code) or the check fails, the steps run
+  eagerly and the row says "eager" with the reason printed. Prefill is always eager.
+- default lengths: prefill 128, 512, 1024, 2048 (128 decode steps each) and decode 32, 256, 1024
+  (after 128 prompt tokens); the Mixtral shape stops at decode 256 by default, since its fp16
+  baseline decodes eagerly (transformers' grouped_mm experts cannot be captured) at ~60 ms a
+  step, which alone would take the default set past 10 minutes.
 - peak memory = torch.cuda.max_memory_allocated over the case (reset at its start, with only this
   variant's model resident): weights + KV cache + activations + graph pool.
 - weight memory = bytes of the model's parameters and buffers.
@@ -187,12 +191,17 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def cases_for(args) -> list[tuple[int, int]]:
+# default decode lengths of a model when --decode is not given (else DEFAULT decode lengths)
+MODEL_DEFAULT_DECODE = {"mixtral": "32,256"}
+
+
+def cases_for(args, model_key: str | None = None) -> list[tuple[int, int]]:
     """(prefill_len, decode_len) pairs: the full cross product with --full, else every prefill
     length with --base-decode steps plus every decode length after --base-prefill tokens."""
+    decode = getattr(args, "decode_by_model", {}).get(model_key, args.decode)
     if args.full:
-        return sorted({(p, d) for p in args.prefill for d in args.decode})
-    return sorted({(p, args.base_decode) for p in args.prefill} | {(args.base_prefill, d) for d in args.decode})
+        return sorted({(p, d) for p in args.prefill for d in decode})
+    return sorted({(p, args.base_decode) for p in args.prefill} | {(args.base_prefill, d) for d in decode})
 
 
 # ---------------------------------------------------------------- transformers: models and API differences
@@ -562,7 +571,8 @@ def parse_args(argv=None):
                     help="comma-separated: fp16, w4, w4-fused (+ jitmarlin.fuse_projections), w4-act")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prefill", default=None, help="prefill lengths (default 128,512,1024,2048; --full: 32..4096)")
-    ap.add_argument("--decode", default=None, help="decode lengths (default 32,256,1024; --full: 32..4096)")
+    ap.add_argument("--decode", default=None, help="decode lengths (default 32,256,1024, Mixtral 32,256; --full: "
+                                                  "32..4096)")
     ap.add_argument("--base-prefill", type=int, default=None, help="prefill length of the decode-length cases (128)")
     ap.add_argument("--base-decode", type=int, default=None, help="decode length of the prefill-length cases (128)")
     ap.add_argument("--full", action="store_true", help="cross product of the prefill and decode lengths (default "
@@ -597,6 +607,8 @@ def parse_args(argv=None):
     else:
         default_p, default_d, base_p, base_d = "128,512,1024,2048", "32,256,1024", 128, 128
     args.prefill = _ints(args.prefill or default_p)
+    args.decode_by_model = ({} if args.decode or args.smoke or args.full else
+                            {key: _ints(v) for key, v in MODEL_DEFAULT_DECODE.items()})
     args.decode = _ints(args.decode or default_d)
     args.base_prefill = args.base_prefill or base_p
     args.base_decode = args.base_decode or base_d
@@ -636,7 +648,8 @@ def main(argv=None) -> dict:
     tf = _transformers()
     env = environment(device)
     specs = model_specs(args)
-    cases = cases_for(args)
+    cases_by_model = {key: cases_for(args, key) for key in specs}
+    cases = sorted({c for cs in cases_by_model.values() for c in cs})
     notes: list[str] = [
         "prefill: one eager forward over batch x prefill tokens (fresh DynamicCache, last-position logits), CUDA "
         "events, median of --prefill-reps after warm-up",
@@ -660,12 +673,15 @@ def main(argv=None) -> dict:
                 + (f", {spec.experts} experts top-{spec.top_k}" if spec.experts else ""))
         notes.append(line)
         print(f"# {line}", flush=True)
-    print(f"# batches {args.batches}; (prefill, decode) cases {cases}; variants {args.variants}", flush=True)
+    for key, spec in specs.items():
+        print(f"# {spec.label}: batches {args.batches}; (prefill, decode) cases {cases_by_model[key]}", flush=True)
+    print(f"# variants {args.variants}", flush=True)
 
     rows: list[dict] = []
     failures: list[dict] = []
     skipped: list[dict] = []
-    result = {"env": env, "args": {k: v for k, v in vars(args).items()}, "cases": cases, "rows": rows,
+    result = {"env": env, "args": {k: v for k, v in vars(args).items()}, "cases": cases,
+              "cases_by_model": {specs[k].label: v for k, v in cases_by_model.items()}, "rows": rows,
               "ratios": [], "failures": failures, "skipped": skipped, "notes": notes, "complete": False}
 
     def save():
@@ -678,7 +694,7 @@ def main(argv=None) -> dict:
     for key, spec in specs.items():
         for vkey in args.variants:
             label, qopts = VARIANTS[vkey]
-            todo = [(b, p, d) for b in args.batches for p, d in cases]
+            todo = [(b, p, d) for b in args.batches for p, d in cases_by_model[key]]
             if over_budget():
                 skipped += [{"model": spec.label, "variant": label, "batch": b, "prefill_len": p, "decode_len": d,
                              "reason": f"time budget of {args.time_budget:.0f} s spent"} for b, p, d in todo]

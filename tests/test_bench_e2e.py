@@ -169,3 +169,12 @@ def test_check_steps_stops_after_a_token_divergence(bench):
     g = [r[0].clone(), torch.tensor([[0.0, 1.0, 0.5]]), r[2].clone()]
     diff, compared = E.check_steps(g, r)
     assert compared == 3 and diff == pytest.approx(0.5)
+
+
+def test_default_cases_per_model(bench):
+    args = bench.parse_args([])
+    assert bench.cases_for(args, "llama") == sorted({(p, 128) for p in (128, 512, 1024, 2048)} |
+                                                    {(128, d) for d in (32, 256, 1024)})
+    assert (128, 1024) not in bench.cases_for(args, "mixtral") and (128, 256) in bench.cases_for(args, "mixtral")
+    given = bench.parse_args(["--decode", "32,1024"])
+    assert (128, 1024) in bench.cases_for(given, "mixtral")  # lengths given: the same for every model
