@@ -34,10 +34,14 @@ def main() -> None:
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n)
         for cfg in args.configs.split(","):
-            tag, w = cfg.rsplit("-w", 1)
+            if cfg.startswith("wgmma"):  # experimental sm_90a kernel: wgmma-n128 / wgmma-n64
+                override = ("wgmma", int(cfg.split("-n", 1)[1]))
+            else:
+                tag, w = cfg.rsplit("-w", 1)
+                override = (tiles[tag], int(w))
             results: dict = {}
             ms = [int(x) for x in args.m.split(",")]
-            bench_ours(k, n, ms, q, s, results, override=(tiles[tag], int(w)), tag=cfg)
+            bench_ours(k, n, ms, q, s, results, override=override, tag=cfg)
             for m in ms:
                 r = results.get((cfg, k, n, m))
                 what = f"{r['us']:.1f} us (floor {floor_us(k, n, m, bw):.1f}) err {r['err']:.1e}" if r else \

@@ -61,3 +61,16 @@ def test_compile_error_is_a_build_error_with_command_and_log(cuda_toolchain, jm_
     assert [p.name for p in adir.iterdir() if p.is_dir()] == ["logs"]
     (log,) = (adir / "logs").iterdir()
     assert "undefined_thing" in log.read_text()
+
+
+def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
+    """EXPERIMENTAL sm_90a kernel (branch wgmma-v0): compiles for the arch-specific target."""
+    spec = K.wgmma_build_spec(K.Family("bf16", 4, True, 64), (9, 0))
+    assert spec.arch_specific
+    mod = get_module(spec)
+    for name, _ in spec.sources:
+        assert mod.cubin(name).read_bytes()[:4] == b"\x7fELF"
+        info = mod.meta["ptxas"][name]
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+    with pytest.raises(ValueError, match="sm_90a only"):
+        K.wgmma_build_spec(FAMILY, (8, 0))

@@ -60,7 +60,7 @@ def _say(msg: str) -> None:
 
 
 def nvcc_command(spec: BuildSpec, tc: CudaToolchain, stem: str = "$in") -> list[str]:
-    arch = f"{spec.cc[0]}{spec.cc[1]}"
+    arch = f"{spec.cc[0]}{spec.cc[1]}" + ("a" if spec.arch_specific else "")
     return [str(tc.nvcc), "-std=c++17", "-O3", "-cubin", "-lineinfo",
             f"-gencode=arch=compute_{arch},code=sm_{arch}",
             f"-I{source_dir()}", "-Xptxas", "-v", "--expt-relaxed-constexpr",

@@ -51,6 +51,8 @@ class BuildSpec:
     sources: (stem, text) pairs; `stem.cu` is compiled to `stem.cubin`.
     flags: extra nvcc flags.
     cli_hint: the `jitmarlin build ...` command that fills the cache with this module.
+    arch_specific: compile for the architecture-specific target (sm_90a: wgmma), which runs only
+        on GPUs of exactly that compute capability.
     """
 
     family: str
@@ -59,6 +61,7 @@ class BuildSpec:
     sources: tuple[tuple[str, str], ...]
     flags: tuple[str, ...] = ()
     cli_hint: str = field(default="", compare=False)  # command that prebuilds this module
+    arch_specific: bool = False
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -79,6 +82,7 @@ class BuildSpec:
             h.update(json.dumps({
                 "family": self.family, "cc": list(self.cc), "key": [list(kv) for kv in self.key],
                 "sources": [list(s) for s in self.sources], "flags": list(self.flags),
+                **({"arch_specific": True} if self.arch_specific else {}),
                 "jitmarlin": __version__, "torch": torch.__version__,
             }, sort_keys=True).encode())
             h.update(_header_digest(source_dir()).encode())

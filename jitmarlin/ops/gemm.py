@@ -285,12 +285,44 @@ def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Fam
     return out
 
 
+def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
+    """EXPERIMENTAL (branch wgmma-v0): the sm_90a warpgroup-MMA kernel for M >= 64, only with
+    JITMARLIN_WGMMA=1 until its GPU tests and benchmark have run."""
+    import os
+
+    return (os.environ.get("JITMARLIN_WGMMA", "0") == "1" and m >= 64 and _cc(index) == (9, 0)
+            and n % 128 == 0 and k % 64 == 0 and not fam.moe)
+
+
+def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
+                 nt: int | None = None, stages: int = 4) -> None:
+    if n % 128 or k % 64:
+        raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
+    if nt is None:
+        nt = 128 if m > 64 else 64
+    fn = K.get_wgmma_kernel(fam, nt, stages, index)
+    smem = K.wgmma_smem_bytes(nt, stages)
+    p = K.GemmParams()
+    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.bias = bias.data_ptr() if bias is not None else None
+    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+    grid = (n // 128) * (-(-m // nt))
+    fn.launch(grid, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)))
+
+
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family,
                 workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None) -> None:
     """Compute out[m, n] = a @ dequant(b) (+ bias). plan_override (for tuning): a (tile, warps)
     pair for the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
+        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:])
+        return
+    if plan_override is None and use_wgmma_path(m, n, k, fam, index):
+        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index)
+        return
     if plan_override == "dequant" or (plan_override is None and use_dequant_path(m, n, k)):
         wt = dequantize_weights(b, scales, zeros, fam, n, k)
         a2, o2 = a.reshape(m, k), out.view(m, n)

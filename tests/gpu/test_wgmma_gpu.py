@@ -1,0 +1,63 @@
+"""EXPERIMENTAL sm_90a warpgroup-MMA GEMM (branch wgmma-v0): outputs vs x @ dequant(W) on every
+format the dense op takes, output buffers poisoned with NaN first; the JITMARLIN_WGMMA=1 route
+through marlin_gemm. Runs only on compute capability 9.0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import jitmarlin
+from jitmarlin.ops import _kernels as K
+from jitmarlin.ops import gemm as G
+
+from .helpers import check_close, random_weights
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                reason="the wgmma kernel is built for sm_90a (H100/H200) only")
+
+FORMATS = [  # (dtype, bits, group, zero points)
+    (torch.float16, 4, 128, False), (torch.bfloat16, 4, 128, False), (torch.float16, 4, 64, True),
+    (torch.float16, 8, -1, False), (torch.bfloat16, 8, 32, True), (torch.float16, 4, -1, True),
+]
+
+
+def run(a, packed, m, n, k, dtype, nt=None, bias=None):
+    fam = K.Family(K.DTYPES[dtype], packed.bits, packed.zeros is not None, packed.group_size)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    G.launch_gemm(a, packed.b, packed.scales, packed.zeros, bias, out, m, n, k, fam,
+                  plan_override=("wgmma",) if nt is None else ("wgmma", nt))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_formats(fmt):
+    dtype, bits, group, zp = fmt
+    k, n = 1024, 768
+    packed, w = random_weights(k, n, bits, group, zp, dtype)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for m in (1, 64, 100, 128, 257):
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        for nt in (64, 128):
+            check_close(run(a, packed, m, n, k, dtype, nt), a.float() @ w, tol, f"M={m} NT={nt}")
+
+
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
+def test_shapes(k, n):
+    packed, w = random_weights(k, n, 4, 128 if k % 128 == 0 else -1)
+    for m in (64, 65, 512, 1024):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        bias = torch.randn(n, device="cuda", dtype=torch.float16)
+        check_close(run(a, packed, m, n, k, torch.float16, bias=bias), a.float() @ w + bias.float(), 1e-3, f"M={m}")
+
+
+def test_route_through_the_op(monkeypatch):
+    monkeypatch.setenv("JITMARLIN_WGMMA", "1")
+    k, n = 2048, 1024
+    packed, w = random_weights(k, n, 4, 128)
+    for m in (64, 300, 2048):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
+    with pytest.raises(ValueError, match="N % 128"):
+        packed2, _ = random_weights(256, 192, 4, 128)
+        run(torch.randn(64, 256, device="cuda", dtype=torch.float16), packed2, 64, 192, 256, torch.float16)
