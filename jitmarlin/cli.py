@@ -321,6 +321,10 @@ def cmd_build(args: argparse.Namespace) -> int:
         how = "built" if float(mod.meta.get("built_at", 0.0)) >= t0 else "cached"
         key = " ".join(f"{k}={v}" for k, v in fam.key())
         _out(f"[{n}/{len(jobs)}] {spec.family} {key} {spec.arch}: {how} in {dt:.1f} s  {mod.path}")
+    if args.moe:  # the MoE path's helper kernels (align, SiLU-mul), one module per arch
+        for cc in ccs:
+            mod = build.get_module(K.moe_util_build_spec(cc))
+            _out(f"moe helpers {arch_name(cc)}: {mod.path}")
     _out(f"done: {len(jobs)} module(s) in {time.time() - t_all:.1f} s")
     return 0
 

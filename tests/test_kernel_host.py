@@ -129,3 +129,13 @@ def test_schedule_partition(nvcc, tmp_path):
             if ctas[u] > 1:
                 split_slots.append(slots[u])
         assert len(split_slots) == len(set(split_slots)), "two split units share a fixup slot"
+
+
+def test_moe_params_struct_matches_ctypes(nvcc, tmp_path):
+    names = [f[0] for f in K.MoeParams._fields_]
+    body = 'printf("size %zu\\n", sizeof(JmMoeParams));\n' + "".join(
+        f'printf("{n} %zu\\n", offsetof(JmMoeParams, {n}));\n' for n in names)
+    out = dict(line.split() for line in _run_host(nvcc, tmp_path, body, include="jm_moe_util.cuh").splitlines())
+    assert int(out["size"]) == ctypes.sizeof(K.MoeParams)
+    for n in names:
+        assert int(out[n]) == getattr(K.MoeParams, n).offset, n

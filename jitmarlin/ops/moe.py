@@ -46,6 +46,65 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
         raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     if block_size <= 0 or num_experts <= 0:
         raise ValueError(f"block_size={block_size} and num_experts={num_experts} must be positive")
+    if topk_ids.is_cuda and use_moe_kernels():
+        return _align_cuda(topk_ids, block_size, num_experts)
+    return _align_torch(topk_ids, block_size, num_experts)
+
+
+def use_moe_kernels() -> bool:
+    """EXPERIMENTAL (branch wgmma-v0): our align and SiLU-mul kernels instead of torch ops, only
+    with JITMARLIN_MOE_KERNELS=1 until their GPU tests have run."""
+    import os
+
+    return os.environ.get("JITMARLIN_MOE_KERNELS", "0") == "1"
+
+
+def _align_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    dev = topk_ids.device
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    from .gemm import _cc
+
+    ids = topk_ids.reshape(-1)
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int64)
+    ids = ids.contiguous()
+    numel = ids.numel()
+    max_len = numel + num_experts * (block_size - 1)
+    blocks = -(-max_len // block_size)
+    sorted_ids = torch.empty(max_len, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    p = K.MoeParams()
+    p.ids, p.sorted_ids, p.expert_ids, p.num_padded = ids.data_ptr(), sorted_ids.data_ptr(), expert_ids.data_ptr(), \
+        num_padded.data_ptr()
+    p.numel, p.num_experts, p.block, p.max_len, p.blocks = numel, num_experts, block_size, max_len, blocks
+    p.ids_64 = int(ids.dtype == torch.int64)
+    fn = K.get_moe_util_kernel("jm_moe_align", index, _cc(index))
+    fn.launch(1, 1024, 8 * num_experts, K.current_stream_handle(dev), p)
+    return sorted_ids, expert_ids, num_padded
+
+
+def silu_mul(c1: torch.Tensor, inter: int) -> torch.Tensor:
+    """SiLU(c1[:, :inter]) * c1[:, inter:], one kernel on CUDA (with JITMARLIN_MOE_KERNELS=1)."""
+    if not (c1.is_cuda and use_moe_kernels() and inter % 8 == 0 and c1.is_contiguous()):
+        return F.silu(c1[:, :inter]) * c1[:, inter:]
+    from .gemm import _cc
+
+    index = c1.device.index if c1.device.index is not None else torch.cuda.current_device()
+    y = torch.empty(c1.shape[0], inter, dtype=c1.dtype, device=c1.device)
+    if c1.shape[0] == 0:
+        return y
+    p = K.MoeParams()
+    p.x, p.y, p.rows, p.inter = c1.data_ptr(), y.data_ptr(), c1.shape[0], inter
+    fn = K.get_moe_util_kernel("jm_silu_mul_bf16" if c1.dtype == torch.bfloat16 else "jm_silu_mul_f16", index,
+                               _cc(index))
+    chunks = c1.shape[0] * (inter // 8)
+    fn.launch(-(-chunks // 256), 256, 0, K.current_stream_handle(c1.device), p)
+    return y
+
+
+def _align_torch(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """The reference (CPU, and CUDA by default): torch ops only."""
     dev = topk_ids.device
     with torch.cuda.device(dev) if dev.type == "cuda" else _null():
         flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k] expert of each slot
@@ -218,7 +277,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         a1 = gather_by_position(hidden, sorted_ids, expert_ids, w13_perm, top_k, bs)
         c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                       top_k, bs, True)
-    c2 = F.silu(c1[:, :inter]) * c1[:, inter:]  # [T*k, I]
+    c2 = silu_mul(c1, inter)  # [T*k, I]
     tw = topk_weights.reshape(-1).to(torch.float32)
     if w2_perm is None:
         c3 = moe_gemm(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, bs)

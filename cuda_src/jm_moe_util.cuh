@@ -1,0 +1,135 @@
+// jitmarlin — small kernels of the MoE path (EXPERIMENTAL, branch wgmma-v0: not run on a GPU yet).
+//
+// jm_moe_align: the token-slot -> expert-block table of moe_align_block_size in one kernel (one
+// CTA) instead of ~20 small torch kernels: count the slots of each expert, pad every count to the
+// block size, prefix-sum the padded counts, tag each block with its expert, and place each slot
+// at its expert's next position. Placement runs in slot order on one warp (a match-any vote per
+// 32 slots, the lowest lane advancing the expert's cursor), so the table is identical to the
+// torch reference's stable sort.
+// jm_silu_mul: y[r, j] = silu(x[r, j]) * x[r, I + j] for the gate/up halves of the first expert
+// GEMM's output, 8 values per thread.
+#pragma once
+
+#include "jm_common.cuh"
+
+struct JmMoeParams {
+  const void* ids;      // align: [numel] expert of each (token, k) slot, int32 or int64
+  int* sorted_ids;      // align: [max_len] out
+  int* expert_ids;      // align: [blocks] out
+  int* num_padded;      // align: [1] out
+  const void* x;        // silu_mul: [rows, 2 * inter]
+  void* y;              // silu_mul: [rows, inter]
+  int32_t numel;
+  int32_t num_experts;
+  int32_t block;
+  int32_t max_len;
+  int32_t blocks;
+  int32_t ids_64;       // 1: ids are int64
+  int32_t rows;
+  int32_t inter;
+};
+
+namespace jm {
+
+JM_DEVICE int load_id(const JmMoeParams& p, int i) {
+  if (p.ids_64) return static_cast<int>(static_cast<const int64_t*>(p.ids)[i]);
+  return static_cast<const int32_t*>(p.ids)[i];
+}
+
+JM_DEVICE void moe_align_body(const JmMoeParams p) {
+  extern __shared__ int sm[];
+  const int E = p.num_experts;
+  int* count = sm;         // [E] slots per expert, then the placement cursor
+  int* start = sm + E;     // [E] first padded position of each expert
+  __shared__ int s_total;
+  const int tid = threadIdx.x, nthreads = blockDim.x, lane = tid & 31;
+  for (int e = tid; e < E; e += nthreads) count[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < p.numel; i += nthreads) {
+    const int e = load_id(p, i);
+    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  if (tid < 32) {  // exclusive scan of the padded counts, 32 experts per step
+    int carry = 0;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      const int padded = e < E ? (count[e] + p.block - 1) / p.block * p.block : 0;
+      int incl = padded;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+        if (lane >= d) incl += v;
+      }
+      if (e < E) start[e] = carry + incl - padded;
+      carry += __shfl_sync(0xFFFFFFFFu, incl, 31);
+    }
+    if (lane == 0) s_total = carry;
+  }
+  __syncthreads();
+  const int total = s_total;
+  if (tid == 0) *p.num_padded = total;
+  for (int j = tid; j < p.max_len; j += nthreads) p.sorted_ids[j] = p.numel;  // padding sentinel
+  for (int b = tid; b < p.blocks; b += nthreads) {
+    const int pos = b * p.block;
+    int e = E - 1;  // blocks past the padded total are never read
+    if (pos < total) {  // the last expert whose run starts at or before pos
+      int lo = 0, hi = E - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (start[mid] <= pos) lo = mid;
+        else hi = mid - 1;
+      }
+      e = lo;
+    }
+    p.expert_ids[b] = e;
+  }
+  for (int e = tid; e < E; e += nthreads) count[e] = start[e];  // cursors
+  __syncthreads();
+  if (tid < 32) {  // stable placement, slots in order
+    for (int i0 = 0; i0 < p.numel; i0 += 32) {
+      const int i = i0 + lane;
+      const int e = i < p.numel ? load_id(p, i) : -1;
+      const bool valid = e >= 0 && e < E;
+      const unsigned peers = __match_any_sync(0xFFFFFFFFu, valid ? e : -1);
+      const int rank = __popc(peers & ((1u << lane) - 1u));
+      int base = 0;
+      if (valid && rank == 0) base = count[e];
+      base = __shfl_sync(0xFFFFFFFFu, base, __ffs(peers) - 1);
+      if (valid) p.sorted_ids[base + rank] = i;
+      __syncwarp();
+      if (valid && rank == 0) count[e] = base + __popc(peers);
+      __syncwarp();
+    }
+  }
+}
+
+template <typename T>
+JM_DEVICE void silu_mul_body(const JmMoeParams p) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // one 8-value chunk
+  const int chunks = p.inter / 8;
+  if (idx >= static_cast<int64_t>(p.rows) * chunks) return;
+  const int r = static_cast<int>(idx / chunks), j = static_cast<int>(idx % chunks) * 8;
+  const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(r) * 2 * p.inter;
+  const uint4 gv = *reinterpret_cast<const uint4*>(x + j);
+  const uint4 uv = *reinterpret_cast<const uint4*>(x + p.inter + j);
+  const T* g = reinterpret_cast<const T*>(&gv);
+  const T* u = reinterpret_cast<const T*>(&uv);
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    // rounded to the activation dtype between the two, as F.silu(gate) * up does
+    const float gf = static_cast<float>(g[i]);
+    const T s = static_cast<T>(gf / (1.f + __expf(-gf)));
+    o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
+  }
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(r) * p.inter + j) = out;
+}
+
+}  // namespace jm
+
+#define JM_MOE_ALIGN_KERNEL(NAME) \
+  extern "C" __global__ void __launch_bounds__(1024) NAME(const JmMoeParams p) { jm::moe_align_body(p); }
+#define JM_SILU_MUL_KERNEL(NAME, T) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::silu_mul_body<T>(p); }
