@@ -34,8 +34,9 @@ def main() -> None:
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n)
         for cfg in args.configs.split(","):
-            if cfg.startswith("wgmma"):  # experimental sm_90a kernel: wgmma-n128 / wgmma-n64
-                override = ("wgmma", int(cfg.split("-n", 1)[1]))
+            if cfg.startswith("wgmma"):  # experimental sm_90a kernel: wgmma-n128 / wgmma-n64 [-ov]
+                nt = int(cfg.split("-n", 1)[1].split("-")[0])
+                override = ("wgmma", nt, 4, cfg.endswith("-ov"))
             else:
                 tag, w = cfg.rsplit("-w", 1)
                 override = (tiles[tag], int(w))

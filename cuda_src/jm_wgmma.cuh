@@ -16,7 +16,8 @@
 // CTA: two warpgroups = two 64-column strips (128 features) x NT tokens, all of K, no split.
 // Activations: a STAGES-deep cp.async ring of 64-k stages. Weights and scales: plain loads into
 // registers one stage ahead. Per stage each warpgroup dequantizes its 4 k16 fragments, then
-// issues 4 wgmma and waits for them before the ring slot is reused.
+// issues 4 wgmma and waits for them before the ring slot is reused; with OVERLAP it dequantizes
+// the next stage's fragments while they run.
 #pragma once
 
 #include "jm_gemm.cuh"
@@ -111,7 +112,7 @@ struct WgmmaRS<128> {
   }
 };
 
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int STAGES>
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int STAGES, bool OVERLAP>
 JM_DEVICE void wgmma_body(const JmGemmParams p) {
   static_assert(NT == 64 || NT == 128, "token tile");
   static_assert(STAGES >= 2, "at least two stages");
@@ -206,8 +207,42 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     if (s < k_tiles) fetch(s, s);
     cp_async_commit();
   }
-  uint32_t wcur[4][BITS / 2], wnext[4][BITS / 2];
-  load_w(0, wcur);
+  // dequantize the 4 k16 fragments of stage kt from its packed words
+  auto dequant_stage = [&](int kt, const uint32_t (&w)[4][BITS / 2], uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+      const int kb = kt * 4 + s;
+      uint32_t z0, z1;
+      zeros_of(kb, z0, z1);
+      const ZeroConst zc0 = make_zero_const<T, BITS>(z0), zc1 = make_zero_const<T, BITS>(z1);
+      Frag f0, f1;
+      if constexpr (BITS == 4) {
+        dequant4<T>(w[s][0], zc0, zc1, f0, f1);
+      } else {
+        f0 = dequant8<T>(w[s][0], zc0);
+        f1 = dequant8<T>(w[s][1], zc1);
+      }
+      const uint32_t sc = scales_of(kb);
+      const uint32_t s0 = bcast_half(sc, 0), s1 = bcast_half(sc, 1);
+      a[s][0] = mul2<T>(f0.b0, s0);  // rows g (feature 16 warp + g), k 2t, 2t+1
+      a[s][1] = mul2<T>(f1.b0, s1);  // rows g + 8
+      a[s][2] = mul2<T>(f0.b1, s0);  // rows g, k 2t + 8, 2t + 9
+      a[s][3] = mul2<T>(f1.b1, s1);  // rows g + 8, k 2t + 8, 2t + 9
+    }
+  };
+
+  // OVERLAP: the next stage's fragments are dequantized while this stage's wgmma run (weights
+  // loaded two stages ahead); else dequantize, multiply, wait, in turn.
+  uint32_t wnext[4][BITS / 2], wlater[4][BITS / 2];
+  uint32_t acur[4][4], anext[4][4];
+  if constexpr (OVERLAP) {
+    uint32_t w0[4][BITS / 2];
+    load_w(0, w0);
+    if (k_tiles > 1) load_w(1, wnext);
+    dequant_stage(0, w0, acur);
+  } else {
+    load_w(0, wnext);
+  }
 
   const uint32_t smem_base = smem_addr(smem);
   int slot = 0;
@@ -220,29 +255,11 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       if (nk < k_tiles) fetch(nk, (slot + STAGES - 1) % STAGES);
       cp_async_commit();
     }
-    if (kt + 1 < k_tiles) load_w(kt + 1, wnext);
-
-    // dequantize the 4 k16 fragments of this stage
-    uint32_t a[4][4];
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-      const int kb = kt * 4 + s;
-      uint32_t z0, z1;
-      zeros_of(kb, z0, z1);
-      const ZeroConst zc0 = make_zero_const<T, BITS>(z0), zc1 = make_zero_const<T, BITS>(z1);
-      Frag f0, f1;
-      if constexpr (BITS == 4) {
-        dequant4<T>(wcur[s][0], zc0, zc1, f0, f1);
-      } else {
-        f0 = dequant8<T>(wcur[s][0], zc0);
-        f1 = dequant8<T>(wcur[s][1], zc1);
-      }
-      const uint32_t sc = scales_of(kb);
-      const uint32_t s0 = bcast_half(sc, 0), s1 = bcast_half(sc, 1);
-      a[s][0] = mul2<T>(f0.b0, s0);  // rows g (feature 16 warp + g), k 2t, 2t+1
-      a[s][1] = mul2<T>(f1.b0, s1);  // rows g + 8
-      a[s][2] = mul2<T>(f0.b1, s0);  // rows g, k 2t + 8, 2t + 9
-      a[s][3] = mul2<T>(f1.b1, s1);  // rows g + 8, k 2t + 8, 2t + 9
+    if constexpr (OVERLAP) {
+      if (kt + 2 < k_tiles) load_w(kt + 2, wlater);
+    } else {
+      dequant_stage(kt, wnext, acur);
+      if (kt + 1 < k_tiles) load_w(kt + 1, wnext);
     }
 
     wgmma_fence();
@@ -250,22 +267,30 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 #pragma unroll
     for (int s = 0; s < 4; s++) {
       // k16 step s: core matrices 2s, 2s + 1 of each 8-token row block
-      WgmmaRS<NT>::template run<T>(d, a[s], wgmma_desc(st + s * 256, 128, 1024), 1);
+      WgmmaRS<NT>::template run<T>(d, acur[s], wgmma_desc(st + s * 256, 128, 1024), 1);
     }
     wgmma_commit();
+    if constexpr (OVERLAP) {
+      if (kt + 1 < k_tiles) dequant_stage(kt + 1, wnext, anext);  // other registers than acur
+    }
     wgmma_wait0();
+    // acur stays allocated (nothing else may live in its registers) until the wgmma reading it
+    // have completed; the accumulators are not read before either
 #pragma unroll
     for (int s = 0; s < 4; s++) {
 #pragma unroll
-      for (int i = 0; i < 4; i++) reg_fence(a[s][i]);
+      for (int i = 0; i < 4; i++) reg_fence(acur[s][i]);
     }
 #pragma unroll
     for (int i = 0; i < NT / 2; i++) reg_fence(d[i]);
-
+    if constexpr (OVERLAP) {
 #pragma unroll
-    for (int s = 0; s < 4; s++) {
+      for (int s = 0; s < 4; s++) {
 #pragma unroll
-      for (int i = 0; i < BITS / 2; i++) wcur[s][i] = wnext[s][i];
+        for (int i = 0; i < 4; i++) acur[s][i] = anext[s][i];
+#pragma unroll
+        for (int i = 0; i < BITS / 2; i++) wnext[s][i] = wlater[s][i];
+      }
     }
     slot = slot + 1 == STAGES ? 0 : slot + 1;
   }
@@ -292,7 +317,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 
 }  // namespace jm
 
-#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES)         \
-  extern "C" __global__ void __launch_bounds__(256, 1) NAME(const JmGemmParams p) { \
-    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES>(p);                  \
+#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES, OVERLAP) \
+  extern "C" __global__ void __launch_bounds__(256, 1) NAME(const JmGemmParams p) {  \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES, OVERLAP>(p);           \
   }

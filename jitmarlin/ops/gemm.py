@@ -295,12 +295,16 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
 
 
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
-                 nt: int | None = None, stages: int = 4) -> None:
+                 nt: int | None = None, stages: int = 4, overlap: bool | None = None) -> None:
     if n % 128 or k % 64:
         raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
     if nt is None:
         nt = 128 if m > 64 else 64
-    fn = K.get_wgmma_kernel(fam, nt, stages, index)
+    if overlap is None:
+        import os
+
+        overlap = os.environ.get("JITMARLIN_WGMMA_OVERLAP", "0") == "1"
+    fn = K.get_wgmma_kernel(fam, nt, stages, overlap, index)
     smem = K.wgmma_smem_bytes(nt, stages)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()

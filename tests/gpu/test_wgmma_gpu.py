@@ -22,11 +22,11 @@ FORMATS = [  # (dtype, bits, group, zero points)
 ]
 
 
-def run(a, packed, m, n, k, dtype, nt=None, bias=None):
+def run(a, packed, m, n, k, dtype, nt=None, bias=None, overlap=False):
     fam = K.Family(K.DTYPES[dtype], packed.bits, packed.zeros is not None, packed.group_size)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
     G.launch_gemm(a, packed.b, packed.scales, packed.zeros, bias, out, m, n, k, fam,
-                  plan_override=("wgmma",) if nt is None else ("wgmma", nt))
+                  plan_override=("wgmma", nt, 4, overlap))
     return out
 
 
@@ -39,7 +39,9 @@ def test_formats(fmt):
     for m in (1, 64, 100, 128, 257):
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         for nt in (64, 128):
-            check_close(run(a, packed, m, n, k, dtype, nt), a.float() @ w, tol, f"M={m} NT={nt}")
+            for overlap in (False, True):
+                check_close(run(a, packed, m, n, k, dtype, nt, overlap=overlap), a.float() @ w, tol,
+                            f"M={m} NT={nt} overlap={overlap}")
 
 
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
@@ -48,7 +50,9 @@ def test_shapes(k, n):
     for m in (64, 65, 512, 1024):
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         bias = torch.randn(n, device="cuda", dtype=torch.float16)
-        check_close(run(a, packed, m, n, k, torch.float16, bias=bias), a.float() @ w + bias.float(), 1e-3, f"M={m}")
+        for overlap in (False, True):
+            check_close(run(a, packed, m, n, k, torch.float16, bias=bias, overlap=overlap),
+                        a.float() @ w + bias.float(), 1e-3, f"M={m} overlap={overlap}")
 
 
 def test_route_through_the_op(monkeypatch):
