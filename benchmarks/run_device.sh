@@ -77,7 +77,9 @@ for st in $STAGES; do
            timeout 200 python3 benchmarks/probe_configs.py --shapes 4096x4096,8192x28672,28672x8192 --m 64,256,1024 \
              --configs wgmma-n64,wgmma-n128,wgmma-n64-ov,wgmma-n128-ov > "$OUT/wgmma_probe.log" 2>&1; echo "wgmma probe rc=$?"; cat "$OUT/wgmma_probe.log"
            JITMARLIN_WGMMA=1 timeout 240 python3 benchmarks/bench_gemm.py --m 64,256,1024 --peers humming --variants none \
-             --json "$OUT/wgmma_bench.json" > "$OUT/wgmma_bench.log" 2>&1; echo "wgmma bench rc=$?"; grep -E "^\| [0-9]" "$OUT/wgmma_bench.log";;
+             --json "$OUT/wgmma_bench.json" > "$OUT/wgmma_bench.log" 2>&1; echo "wgmma bench rc=$?"; grep -E "^\| [0-9]" "$OUT/wgmma_bench.log"
+           JITMARLIN_WGMMA=1 timeout 200 python3 benchmarks/bench_moe.py --json "$OUT/wgmma_moe.json" > "$OUT/wgmma_moe.log" 2>&1
+           echo "wgmma moe bench rc=$?"; tail -14 "$OUT/wgmma_moe.log";;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
            echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
   esac

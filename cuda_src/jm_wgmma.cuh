@@ -14,6 +14,8 @@
 // a dequantize-then-cuBLAS path.
 //
 // CTA: two warpgroups = two 64-column strips (128 features) x NT tokens, all of K, no split.
+// MOE: an m tile is one expert's block of NT = block-size rows of the sorted slot list (as the
+// mma.sync MoE kernel: A rows gathered through the slot ids, output row = slot, routing weight).
 // Activations: a STAGES-deep cp.async ring of 64-k stages. Weights and scales: plain loads into
 // registers one stage ahead. Per stage each warpgroup dequantizes its 4 k16 fragments, then
 // issues 4 wgmma and waits for them before the ring slot is reused; with OVERLAP it dequantizes
@@ -112,7 +114,7 @@ struct WgmmaRS<128> {
   }
 };
 
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int STAGES, bool OVERLAP>
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int STAGES, bool OVERLAP, bool MOE>
 JM_DEVICE void wgmma_body(const JmGemmParams p) {
   static_assert(NT == 64 || NT == 128, "token tile");
   static_assert(STAGES >= 2, "at least two stages");
@@ -124,7 +126,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, t = lane & 3;
-  const int f_tiles = p.n / 128, m_tiles = ceil_div(p.m, NT);
+  // p.grid: the m tiles the launch covers (MoE: an upper bound; the padded row count decides)
+  const int f_tiles = p.n / 128, m_tiles = p.grid;
   // feature-tile-major order: CTAs running together share weights (L2) and read all token tiles
   const int f_tile = blockIdx.x / m_tiles, m_tile = blockIdx.x - f_tile * m_tiles;
   if (f_tile >= f_tiles) return;
@@ -133,8 +136,13 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int k_tiles = p.k / kKT;
   const int e0 = 2 * warp;  // this warp's n8-blocks of the strip: e0, e0 + 1 (features 16 warp .. +15)
 
-  griddep_wait();
+  griddep_wait();  // MoE: the routing tables come from the previous kernels
   griddep_launch_dependents();
+  int expert = 0;  // MoE: an m tile of NT rows (= the block size) belongs to one expert
+  if constexpr (MOE) {
+    if (tok0 >= *p.num_padded) return;
+    expert = __ldg(p.expert_ids + m_tile);
+  }
 
   // ---- activations: 16-byte chunks (token r, 8 k j) at (r/8)*1024 + j*128 + (r%8)*16 ----
   auto fetch = [&](int kt, int slot) {
@@ -143,15 +151,23 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 #pragma unroll
     for (int c = tid; c < kChunks; c += 256) {
       const int r = c >> 3, j = c & 7;
-      const int row = tok0 + r;
-      const bool valid = row < p.m;
+      int row = tok0 + r;
+      bool valid;
+      if constexpr (MOE) {  // A row of a (token, k) slot: its token, or its position when pre-gathered
+        const int slot_id = __ldg(p.sorted_ids + row);
+        valid = slot_id < p.m;
+        row = p.a_by_position ? row : slot_id / p.top_k;
+      } else {
+        valid = row < p.m;
+      }
       const T* src = static_cast<const T*>(p.a) + static_cast<int64_t>(valid ? row : 0) * p.lda + kt * kKT + j * 8;
       cp_async16(st + (r >> 3) * 1024 + j * 128 + (r & 7) * 16, src, valid);
     }
   };
 
   // ---- weights of one stage (4 k16) for this warp: BITS/2 words per k16 per lane ----
-  const uint32_t* bstrip = static_cast<const uint32_t*>(p.b) + static_cast<int64_t>(strip) * (p.k / 16) * kWordsPerK16;
+  const uint32_t* bstrip = static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
+                           static_cast<int64_t>(strip) * (p.k / 16) * kWordsPerK16;
   auto load_w = [&](int kt, uint32_t (&w)[4][BITS / 2]) {
 #pragma unroll
     for (int s = 0; s < 4; s++) {
@@ -169,7 +185,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   };
 
   // scales / zero points of k16 block kb (global index) for this lane's two features
-  const T* sbase = static_cast<const T*>(p.s);
+  const T* sbase = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
   auto scales_of = [&](int kb) -> uint32_t {
     if constexpr (kGrouped) {
       const int grp = kb / GROUP_BLOCKS;  // permuted: lane g's 8 scales of a strip are contiguous
@@ -183,7 +199,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   auto zeros_of = [&](int kb, uint32_t& z0, uint32_t& z1) {
     if constexpr (HAS_ZP) {
       const int grp = kGrouped ? kb / GROUP_BLOCKS : 0;
-      const uint32_t* zb = static_cast<const uint32_t*>(p.z) + static_cast<int64_t>(grp) * (p.n * BITS / 32);
+      const uint32_t* zb = static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride +
+                           static_cast<int64_t>(grp) * (p.n * BITS / 32);
       if constexpr (BITS == 4) {
         const uint32_t w = __ldg(zb + strip * 8 + g);
         z0 = (w >> (4 * e0)) & 0xFu;
@@ -306,18 +323,23 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   for (int i = 0; i < NT / 8; i++) {
 #pragma unroll
     for (int c = 0; c < 2; c++) {
-      const int tok = tok0 + 8 * i + 2 * t + c;
+      int tok = tok0 + 8 * i + 2 * t + c;
+      float w = 1.f;
+      if constexpr (MOE) {  // output row = the slot; times its routing weight when given
+        tok = __ldg(p.sorted_ids + tok);
+        if (tok < p.m && p.topk_weights != nullptr) w = __ldg(p.topk_weights + tok);
+      }
       if (tok >= p.m) continue;
       T* row = cbase + static_cast<int64_t>(tok) * p.ldc;
-      row[f_lo] = from_float<T>(d[4 * i + c] + b_lo);
-      row[f_hi] = from_float<T>(d[4 * i + 2 + c] + b_hi);
+      row[f_lo] = from_float<T>((d[4 * i + c] + b_lo) * w);
+      row[f_hi] = from_float<T>((d[4 * i + 2 + c] + b_hi) * w);
     }
   }
 }
 
 }  // namespace jm
 
-#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES, OVERLAP) \
-  extern "C" __global__ void __launch_bounds__(256, 1) NAME(const JmGemmParams p) {  \
-    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES, OVERLAP>(p);           \
+#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES, OVERLAP, MOE) \
+  extern "C" __global__ void __launch_bounds__(256, 1) NAME(const JmGemmParams p) {       \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES, OVERLAP, MOE>(p);           \
   }

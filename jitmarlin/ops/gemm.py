@@ -311,8 +311,8 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
     p.z = zeros.data_ptr() if zeros is not None else None
     p.bias = bias.data_ptr() if bias is not None else None
     p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
-    grid = (n // 128) * (-(-m // nt))
-    fn.launch(grid, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)))
+    p.grid = -(-m // nt)  # m tiles
+    fn.launch((n // 128) * p.grid, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)))
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

@@ -193,6 +193,10 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     if size_m == 0:
         return out
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if _use_wgmma_moe(block_size, n, k, index):
+        _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k,
+                          fam, top_k, block_size, a_by_position, index)
+        return out
     launch = prepare_launch(block_size, sorted_ids.numel(), n, k, fam, index)
     assert launch.plan.tile.rows == block_size, (launch.plan, block_size)
     p = launch_params(launch, K.default_workspace(a.device), a, b, scales, zeros, out, size_m, n, k)
@@ -205,6 +209,41 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
                      pdl=launch.pdl)
     return out
+
+
+def _use_wgmma_moe(block_size: int, n: int, k: int, index: int) -> bool:
+    """EXPERIMENTAL (branch wgmma-v0): the sm_90a wgmma kernel for blocks of 64 rows (many tokens
+    per expert), only with JITMARLIN_WGMMA=1 until its GPU tests have run."""
+    import os
+
+    from .gemm import _cc
+
+    return (os.environ.get("JITMARLIN_WGMMA", "0") == "1" and block_size == 64 and _cc(index) == (9, 0)
+            and n % 128 == 0 and k % 64 == 0)
+
+
+def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
+                      top_k, block_size, a_by_position, index, overlap: bool | None = None) -> None:
+    import os
+
+    from .gemm import _cc, use_pdl
+
+    if overlap is None:
+        overlap = os.environ.get("JITMARLIN_WGMMA_OVERLAP", "0") == "1"
+    fn = K.get_wgmma_kernel(fam, block_size, 4, overlap, index)
+    p = K.GemmParams()
+    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()
+    p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
+    p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
+    p.s_expert_stride = scales.shape[1] * scales.shape[2]
+    p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
+    p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, n
+    p.top_k, p.a_by_position = top_k, int(a_by_position)
+    p.grid = -(-sorted_ids.numel() // block_size)  # m tiles, an upper bound (the kernel reads num_padded)
+    fn.launch((n // 128) * p.grid, 256, K.wgmma_smem_bytes(block_size, 4), K.current_stream_handle(a.device), p,
+              pdl=use_pdl(_cc(index)))
 
 
 def _moe_gemm_fake(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,

@@ -65,3 +65,24 @@ def test_route_through_the_op(monkeypatch):
     with pytest.raises(ValueError, match="N % 128"):
         packed2, _ = random_weights(256, 192, 4, 128)
         run(torch.randn(64, 256, device="cuda", dtype=torch.float16), packed2, 64, 192, 256, torch.float16)
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64)],
+                         ids=["f16", "act-order", "bf16", "u8-g64"])
+def test_moe_blocks_of_64(monkeypatch, overlap, kw):
+    """The MoE variant (blocks of 64 rows: many tokens per expert) against the mma.sync MoE kernel,
+    through the whole layer, at token counts that fill the last block of an expert partly."""
+    from .test_moe_gpu import make_moe
+
+    moe, _, _ = make_moe(8, 1024, 512, 2, **kw)
+    dtype = kw.get("dtype", torch.float16)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for t in (257, 1024):
+        x = torch.randn(t, 1024, device="cuda", dtype=dtype)
+        monkeypatch.setenv("JITMARLIN_WGMMA", "0")
+        want = moe(x)
+        monkeypatch.setenv("JITMARLIN_WGMMA", "1")
+        monkeypatch.setenv("JITMARLIN_WGMMA_OVERLAP", overlap)
+        got = moe(x)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, t
