@@ -68,11 +68,11 @@ for st in $STAGES; do
            done
            timeout 300 bash examples/prebuild_cache.sh /tmp/jm-prebuilt >> "$OUT/examples.log" 2>&1; echo "prebuild rc=$?"
            tail -15 "$OUT/examples.log";;
-    moeutil) timeout 200 python3 -m pytest -q -rs tests/gpu/test_moe_util_gpu.py > "$OUT/moeutil_tests.log" 2>&1
+    moeutil) JITMARLIN_TEST_EXPERIMENTAL=1 timeout 200 python3 -m pytest -q -rs tests/gpu/test_moe_util_gpu.py > "$OUT/moeutil_tests.log" 2>&1
            echo "moe util tests rc=$?"; tail -15 "$OUT/moeutil_tests.log"
            JITMARLIN_MOE_KERNELS=1 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe_kernels.json" \
              > "$OUT/moe_kernels.log" 2>&1; echo "moe bench (our align/silu kernels) rc=$?"; tail -30 "$OUT/moe_kernels.log";;
-    wgmma) timeout 300 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/wgmma_tests.log" 2>&1
+    wgmma) JITMARLIN_TEST_EXPERIMENTAL=1 timeout 300 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/wgmma_tests.log" 2>&1
            echo "wgmma tests rc=$?"; tail -15 "$OUT/wgmma_tests.log"
            timeout 200 python3 benchmarks/probe_configs.py --shapes 4096x4096,8192x28672,28672x8192 --m 64,256,1024 \
              --configs wgmma-n64,wgmma-n128,wgmma-n64-ov,wgmma-n128-ov > "$OUT/wgmma_probe.log" 2>&1; echo "wgmma probe rc=$?"; cat "$OUT/wgmma_probe.log"

@@ -1,4 +1,4 @@
-// jitmarlin — small kernels of the MoE path (EXPERIMENTAL, branch wgmma-v0: not run on a GPU yet).
+// jitmarlin — small kernels of the MoE path (EXPERIMENTAL: not yet run on a GPU; off by default).
 //
 // jm_moe_align: the token-slot -> expert-block table of moe_align_block_size in one kernel (one
 // CTA) instead of ~20 small torch kernels: count the slots of each expert, pad every count to the

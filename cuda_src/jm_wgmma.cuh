@@ -1,6 +1,6 @@
 // jitmarlin — Hopper (sm_90a) GEMM for large M: warpgroup MMA with the weights in registers.
 //
-// EXPERIMENTAL (branch wgmma-v0): compiled and checked with ptxas here, not yet run on a GPU.
+// EXPERIMENTAL: compiled and checked with ptxas, not yet run on a GPU (off by default).
 //
 // Transposed product, as the small-M kernel's SWAP mode: D^T[features, tokens] = W^T A^T. The
 // wgmma A operand (64 rows x 16 k, in registers) is the dequantized weights: each warp of a

@@ -64,7 +64,7 @@ def test_compile_error_is_a_build_error_with_command_and_log(cuda_toolchain, jm_
 
 
 def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
-    """EXPERIMENTAL sm_90a kernel (branch wgmma-v0): compiles for the arch-specific target."""
+    """EXPERIMENTAL sm_90a kernel (off by default): compiles for the arch-specific target."""
     spec = K.wgmma_build_spec(K.Family("bf16", 4, True, 64), (9, 0))
     assert spec.arch_specific
     mod = get_module(spec)

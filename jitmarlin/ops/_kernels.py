@@ -185,7 +185,7 @@ def build_spec(fam: Family, cc: tuple[int, int], tiles: tuple[Tile, ...] | None 
         cli_hint=f"jitmarlin build --arch {cc[0]}.{cc[1]} {fam.cli_args()}")
 
 
-# ---- EXPERIMENTAL (branch wgmma-v0): the MoE path's small kernels (cuda_src/jm_moe_util.cuh) ----
+# ---- EXPERIMENTAL (not yet run on a GPU): the MoE path's small kernels (cuda_src/jm_moe_util.cuh) ----
 
 class MoeParams(ctypes.Structure):  # mirrors JmMoeParams
     _fields_ = [
@@ -216,7 +216,7 @@ def get_moe_util_kernel(name: str, device_index: int, cc: tuple[int, int]) -> dr
     return driver.get_function(mod.cubin(name), name, device_index)
 
 
-# ---- EXPERIMENTAL (branch wgmma-v0): the sm_90a warpgroup-MMA kernel for large M ----
+# ---- EXPERIMENTAL (not yet run on a GPU): the sm_90a warpgroup-MMA kernel for large M ----
 # (token tile, pipeline stages, overlap) configs compiled per family; cuda_src/jm_wgmma.cuh.
 # overlap: dequantize the next stage while the wgmma of this one run (v1) instead of in turn (v0).
 WGMMA_CONFIGS: tuple[tuple[int, int, bool], ...] = ((128, 4, False), (64, 4, False), (128, 4, True), (64, 4, True))

@@ -286,7 +286,7 @@ def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Fam
 
 
 def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
-    """EXPERIMENTAL (branch wgmma-v0): the sm_90a warpgroup-MMA kernel for M >= 64, only with
+    """EXPERIMENTAL (not yet run on a GPU): the sm_90a warpgroup-MMA kernel for M >= 64, only with
     JITMARLIN_WGMMA=1 until its GPU tests and benchmark have run."""
     import os
 

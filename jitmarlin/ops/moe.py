@@ -52,7 +52,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
 
 
 def use_moe_kernels() -> bool:
-    """EXPERIMENTAL (branch wgmma-v0): our align and SiLU-mul kernels instead of torch ops, only
+    """EXPERIMENTAL (not yet run on a GPU): our align and SiLU-mul kernels instead of torch ops, only
     with JITMARLIN_MOE_KERNELS=1 until their GPU tests have run."""
     import os
 
@@ -212,7 +212,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def _use_wgmma_moe(block_size: int, n: int, k: int, index: int) -> bool:
-    """EXPERIMENTAL (branch wgmma-v0): the sm_90a wgmma kernel for blocks of 64 rows (many tokens
+    """EXPERIMENTAL (not yet run on a GPU): the sm_90a wgmma kernel for blocks of 64 rows (many tokens
     per expert), only with JITMARLIN_WGMMA=1 until its GPU tests have run."""
     import os
 
