@@ -371,7 +371,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     shapes = _parse_shapes(args.shapes) if args.shapes else list(
         tuning.QUICK_SHAPES if args.quick else tuning.DEFAULT_SHAPES)
     ms = _parse_ints("--m", args.m) if args.m else list(tuning.QUICK_MS if args.quick else tuning.DEFAULT_MS)
-    info = tuning.device_info_for(args.device)
+    from .ops.gemm import device_info
+
+    info = device_info(args.device)
     path = tuning.table_path(info)
     if args.reset:
         removed = tuning.remove_table(info)

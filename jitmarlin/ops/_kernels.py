@@ -259,6 +259,15 @@ def get_wgmma_kernel(fam: Family, nt: int, stages: int, overlap: bool, device_in
     return driver.get_function(mod.cubin(name), name, device_index)
 
 
+@functools.lru_cache(maxsize=None)
+def env_flag(name: str) -> bool:
+    """An on/off switch from the environment ("1" = on), read once per process: the launch path
+    asks on every call. (Tests that flip one call env_flag.cache_clear().)"""
+    import os
+
+    return os.environ.get(name, "0") == "1"
+
+
 def extra_nvcc_flags() -> tuple[str, ...]:
     """$JITMARLIN_NVCC_FLAGS (whitespace-separated), appended to every kernel compile; part of the
     cache hash, so modules built with other flags never mix."""

@@ -288,9 +288,7 @@ def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Fam
 def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     """EXPERIMENTAL (not yet run on a GPU): the sm_90a warpgroup-MMA kernel for M >= 64, only with
     JITMARLIN_WGMMA=1 until its GPU tests and benchmark have run."""
-    import os
-
-    return (os.environ.get("JITMARLIN_WGMMA", "0") == "1" and m >= 64 and _cc(index) == (9, 0)
+    return (K.env_flag("JITMARLIN_WGMMA") and m >= 64 and _cc(index) == (9, 0)
             and n % 128 == 0 and k % 64 == 0 and not fam.moe)
 
 
@@ -301,9 +299,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
     if nt is None:
         nt = 128 if m > 64 else 64
     if overlap is None:
-        import os
-
-        overlap = os.environ.get("JITMARLIN_WGMMA_OVERLAP", "0") == "1"
+        overlap = K.env_flag("JITMARLIN_WGMMA_OVERLAP")
     fn = K.get_wgmma_kernel(fam, nt, stages, overlap, index)
     smem = K.wgmma_smem_bytes(nt, stages)
     p = K.GemmParams()

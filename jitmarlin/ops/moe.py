@@ -54,9 +54,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
 def use_moe_kernels() -> bool:
     """EXPERIMENTAL (not yet run on a GPU): our align and SiLU-mul kernels instead of torch ops, only
     with JITMARLIN_MOE_KERNELS=1 until their GPU tests have run."""
-    import os
-
-    return os.environ.get("JITMARLIN_MOE_KERNELS", "0") == "1"
+    return K.env_flag("JITMARLIN_MOE_KERNELS")
 
 
 def _align_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int):
@@ -214,22 +212,18 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
 def _use_wgmma_moe(block_size: int, n: int, k: int, index: int) -> bool:
     """EXPERIMENTAL (not yet run on a GPU): the sm_90a wgmma kernel for blocks of 64 rows (many tokens
     per expert), only with JITMARLIN_WGMMA=1 until its GPU tests have run."""
-    import os
-
     from .gemm import _cc
 
-    return (os.environ.get("JITMARLIN_WGMMA", "0") == "1" and block_size == 64 and _cc(index) == (9, 0)
+    return (K.env_flag("JITMARLIN_WGMMA") and block_size == 64 and _cc(index) == (9, 0)
             and n % 128 == 0 and k % 64 == 0)
 
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
                       top_k, block_size, a_by_position, index, overlap: bool | None = None) -> None:
-    import os
-
     from .gemm import _cc, use_pdl
 
     if overlap is None:
-        overlap = os.environ.get("JITMARLIN_WGMMA_OVERLAP", "0") == "1"
+        overlap = K.env_flag("JITMARLIN_WGMMA_OVERLAP")
     fn = K.get_wgmma_kernel(fam, block_size, 4, overlap, index)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()

@@ -297,12 +297,6 @@ def gpu_timer(index: int, notes: list[str] | None = None) -> Timer:
     return timer
 
 
-def device_info_for(index: int) -> DeviceInfo:
-    from .gemm import device_info
-
-    return device_info(index)
-
-
 def builtin_choice(info: DeviceInfo, m: int, n: int, k: int) -> str:
     """The config the built-in order picks (what tuning is compared against)."""
     from .gemm import select_plan

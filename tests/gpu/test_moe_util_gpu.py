@@ -10,12 +10,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from jitmarlin.ops import _kernels as K
 from jitmarlin.ops import moe as M
 
 EXPERIMENTAL_REASON = ("experimental kernels (not yet validated on a GPU): run in a process of their own with "
                        "JITMARLIN_TEST_EXPERIMENTAL=1, as `bash benchmarks/run_device.sh \"moeutil wgmma\"` does, so "
                        "that a fault cannot take the other GPU tests' CUDA context with it")
 pytestmark = pytest.mark.skipif(os.environ.get("JITMARLIN_TEST_EXPERIMENTAL") != "1", reason=EXPERIMENTAL_REASON)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_env_flags():
+    """The switches are read once per process (K.env_flag); these tests flip them."""
+    K.env_flag.cache_clear()
+    yield
+    K.env_flag.cache_clear()
 
 
 def _ids(t, k, e, seed, skew=False, dtype=torch.int64):
@@ -62,5 +71,6 @@ def test_fused_moe_same_with_and_without_the_kernels(monkeypatch):
     x = torch.randn(37, 1024, device="cuda", dtype=torch.float16)
     want = moe(x)
     monkeypatch.setenv("JITMARLIN_MOE_KERNELS", "1")
+    K.env_flag.cache_clear()
     got = moe(x)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-3

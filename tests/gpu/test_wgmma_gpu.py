@@ -24,6 +24,14 @@ pytestmark = [
                        reason="the wgmma kernel is built for sm_90a (H100/H200) only"),
 ]
 
+@pytest.fixture(autouse=True)
+def _fresh_env_flags():
+    """The switches are read once per process (K.env_flag); these tests flip them."""
+    K.env_flag.cache_clear()
+    yield
+    K.env_flag.cache_clear()
+
+
 FORMATS = [  # (dtype, bits, group, zero points)
     (torch.float16, 4, 128, False), (torch.bfloat16, 4, 128, False), (torch.float16, 4, 64, True),
     (torch.float16, 8, -1, False), (torch.bfloat16, 8, 32, True), (torch.float16, 4, -1, True),
@@ -89,8 +97,10 @@ def test_moe_blocks_of_64(monkeypatch, overlap, kw):
     for t in (257, 1024):
         x = torch.randn(t, 1024, device="cuda", dtype=dtype)
         monkeypatch.setenv("JITMARLIN_WGMMA", "0")
+        K.env_flag.cache_clear()
         want = moe(x)
         monkeypatch.setenv("JITMARLIN_WGMMA", "1")
         monkeypatch.setenv("JITMARLIN_WGMMA_OVERLAP", overlap)
+        K.env_flag.cache_clear()
         got = moe(x)
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, t
