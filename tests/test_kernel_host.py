@@ -139,3 +139,24 @@ def test_moe_params_struct_matches_ctypes(nvcc, tmp_path):
     assert int(out["size"]) == ctypes.sizeof(K.MoeParams)
     for n in names:
         assert int(out[n]) == getattr(K.MoeParams, n).offset, n
+
+
+@pytest.mark.parametrize("value,off_default,on_default", [(None, False, True), ("1", True, True), ("0", False, False),
+                                                         ("yes", False, True), ("", False, True)])
+def test_env_flag_defaults(monkeypatch, value, off_default, on_default):
+    """Off-by-default switches turn on only with "1"; on-by-default ones (JITMARLIN_MOE_KERNELS) off only with "0"."""
+    from jitmarlin.ops import moe as M
+
+    if value is None:
+        monkeypatch.delenv("JM_TEST_FLAG", raising=False)
+        monkeypatch.delenv("JITMARLIN_MOE_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("JM_TEST_FLAG", value)
+        monkeypatch.setenv("JITMARLIN_MOE_KERNELS", value)
+    K.env_flag.cache_clear()
+    try:
+        assert K.env_flag("JM_TEST_FLAG") is off_default
+        assert K.env_flag("JM_TEST_FLAG", default=True) is on_default
+        assert M.use_moe_kernels() is on_default
+    finally:
+        K.env_flag.cache_clear()

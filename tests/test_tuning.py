@@ -151,3 +151,31 @@ def test_a_table_in_an_unsafe_directory_is_ignored(cache_dir):
             assert T.tuned_choice(INFO, 1, 4096, 4096) is None
     finally:
         path.parent.chmod(0o700)
+
+
+def test_prepare_launch_takes_the_table_only_when_asked(cache_dir, monkeypatch):
+    """The dense GEMM uses the tuned config; the MoE kernel (tuned=False) keeps the built-in one: the
+    table is measured on dense problems, and on the H200 its M=64 choice made the Mixtral MoE at 1024
+    tokens 2x slower."""
+    def builtin(m):
+        plan = G.select_plan(m, 4096, 4096, FAM, INFO.smem_per_block, INFO.cc)
+        return plan.tile, plan.nwarps
+
+    def favourite(m):  # a candidate the built-in order does not pick
+        return next(c for c in T.candidates(m, 4096, 4096, INFO, FAM) if c != builtin(m))
+
+    def timer(k, n, m, tile, w):
+        return 10.0 if (tile, w) == favourite(m) else 20.0
+
+    T.save_table(T.tune(INFO, timer, [(4096, 4096)], [1, 64]), INFO)
+    monkeypatch.setattr(G, "device_info", lambda index: INFO)
+    monkeypatch.setattr(G, "_make_launch", lambda plan, rows, n, k, fam, index: plan)
+    G.prepare_launch.cache_clear()
+    try:
+        for m in (1, 64):
+            plan = G.prepare_launch(m, m, 4096, 4096, FAM, 0)
+            assert (plan.tile, plan.nwarps) == favourite(m)
+            plan = G.prepare_launch(m, 4 * m, 4096, 4096, FAM, 0, tuned=False)
+            assert (plan.tile, plan.nwarps) == builtin(m)
+    finally:
+        G.prepare_launch.cache_clear()

@@ -260,12 +260,16 @@ def get_wgmma_kernel(fam: Family, nt: int, stages: int, overlap: bool, device_in
 
 
 @functools.lru_cache(maxsize=None)
-def env_flag(name: str) -> bool:
-    """An on/off switch from the environment ("1" = on), read once per process: the launch path
-    asks on every call. (Tests that flip one call env_flag.cache_clear().)"""
+def env_flag(name: str, default: bool = False) -> bool:
+    """An on/off switch from the environment, read once per process: the launch path asks on every
+    call. Off by default: only "1" turns it on; on by default: only "0" turns it off. (Tests that
+    flip one call env_flag.cache_clear().)"""
     import os
 
-    return os.environ.get(name, "0") == "1"
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value != "0" if default else value == "1"
 
 
 def extra_nvcc_flags() -> tuple[str, ...]:

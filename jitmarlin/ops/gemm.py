@@ -222,12 +222,15 @@ def device_info(index: int) -> "tuning.DeviceInfo":
 
 
 @functools.lru_cache(maxsize=4096)
-def prepare_launch(m: int, rows: int, n: int, k: int, fam: Family, index: int) -> Launch:
+def prepare_launch(m: int, rows: int, n: int, k: int, fam: Family, index: int, tuned: bool = True) -> Launch:
     """The launch for `rows` rows of A in m tiles chosen for M = m (dense: m == rows; MoE: m = the
     block size, rows = the padded slot count, an upper bound the kernel refines on the device).
-    A tuning table of this GPU (`jitmarlin tune`) puts its measured choice first."""
+    With `tuned`, a tuning table of this GPU (`jitmarlin tune`) puts its measured choice first. The
+    table is measured on dense problems of M rows; the MoE kernel runs many blocks of M rows over
+    several experts, where those choices can be 2-3x slower (H200, 1024 tokens), so it passes False."""
     info = device_info(index)
-    plan = select_plan(m, n, k, fam, info.smem_per_block, info.cc, first=tuning.tuned_choice(info, m, n, k))
+    first = tuning.tuned_choice(info, m, n, k) if tuned else None
+    plan = select_plan(m, n, k, fam, info.smem_per_block, info.cc, first=first)
     return _make_launch(plan, rows, n, k, fam, index)
 
 

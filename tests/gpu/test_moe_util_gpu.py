@@ -1,10 +1,9 @@
-"""EXPERIMENTAL MoE helper kernels (off by default, not yet validated on a GPU): the align kernel must give exactly the torch
-reference's table (it places slots in order), the SiLU-mul kernel F.silu(gate) * up, and the
-fused MoE layer the same result with the kernels on (JITMARLIN_MOE_KERNELS=1) as with torch ops."""
+"""The MoE helper kernels (on by default since their first H200 run, 2026-11-30): the align kernel
+must give exactly the torch reference's table (it places slots in order), the SiLU-mul kernel
+F.silu(gate) * up, and the fused MoE layer the same result with the kernels as with torch ops
+(JITMARLIN_MOE_KERNELS=0)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -12,11 +11,6 @@ import torch.nn.functional as F
 
 from jitmarlin.ops import _kernels as K
 from jitmarlin.ops import moe as M
-
-EXPERIMENTAL_REASON = ("experimental kernels (not yet validated on a GPU): run in a process of their own with "
-                       "JITMARLIN_TEST_EXPERIMENTAL=1, as `bash benchmarks/run_device.sh \"moeutil wgmma\"` does, so "
-                       "that a fault cannot take the other GPU tests' CUDA context with it")
-pytestmark = pytest.mark.skipif(os.environ.get("JITMARLIN_TEST_EXPERIMENTAL") != "1", reason=EXPERIMENTAL_REASON)
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +50,7 @@ def test_align_kernel_equals_reference(t, k, e, block, skew, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows,inter", [(1, 64), (16, 14336), (257, 1408)])
 def test_silu_mul_kernel(monkeypatch, dtype, rows, inter):
-    monkeypatch.setenv("JITMARLIN_MOE_KERNELS", "1")
+    monkeypatch.delenv("JITMARLIN_MOE_KERNELS", raising=False)
     c1 = torch.randn(rows, 2 * inter, device="cuda", dtype=dtype) * 3
     got = M.silu_mul(c1, inter)
     want = F.silu(c1[:, :inter]) * c1[:, inter:]
@@ -69,8 +63,12 @@ def test_fused_moe_same_with_and_without_the_kernels(monkeypatch):
 
     moe, _, _ = make_moe(8, 1024, 512, 2)
     x = torch.randn(37, 1024, device="cuda", dtype=torch.float16)
-    want = moe(x)
-    monkeypatch.setenv("JITMARLIN_MOE_KERNELS", "1")
+    monkeypatch.setenv("JITMARLIN_MOE_KERNELS", "0")
     K.env_flag.cache_clear()
+    assert not M.use_moe_kernels()
+    want = moe(x)
+    monkeypatch.delenv("JITMARLIN_MOE_KERNELS")
+    K.env_flag.cache_clear()
+    assert M.use_moe_kernels()
     got = moe(x)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-3
