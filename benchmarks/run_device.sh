@@ -5,7 +5,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jm-out}
 mkdir -p "$OUT"
-STAGES=${1:-"tests jit bench"}
+STAGES=${1-"tests jit bench"}  # an empty argument runs no stage (setup only)
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -68,14 +68,11 @@ for st in $STAGES; do
            done
            timeout 300 bash examples/prebuild_cache.sh /tmp/jm-prebuilt >> "$OUT/examples.log" 2>&1; echo "prebuild rc=$?"
            tail -15 "$OUT/examples.log";;
-    moeutil) JITMARLIN_TEST_EXPERIMENTAL=1 timeout 200 python3 -m pytest -q -rs tests/gpu/test_moe_util_gpu.py > "$OUT/moeutil_tests.log" 2>&1
-           echo "moe util tests rc=$?"; tail -15 "$OUT/moeutil_tests.log"
-           JITMARLIN_MOE_KERNELS=1 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe_kernels.json" \
-             > "$OUT/moe_kernels.log" 2>&1; echo "moe bench (our align/silu kernels) rc=$?"; tail -30 "$OUT/moe_kernels.log";;
-    wgmma) JITMARLIN_TEST_EXPERIMENTAL=1 timeout 300 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/wgmma_tests.log" 2>&1
-           echo "wgmma tests rc=$?"; tail -15 "$OUT/wgmma_tests.log"
+    moeutil) JITMARLIN_MOE_KERNELS=0 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe_torch_align.json" \
+             > "$OUT/moe_torch_align.log" 2>&1; echo "moe bench (torch align/silu, JITMARLIN_MOE_KERNELS=0) rc=$?"; tail -12 "$OUT/moe_torch_align.log";;
+    wgmma) # configs of the sm_90a kernel, and the whole benchmarks with it everywhere (JITMARLIN_WGMMA=1)
            timeout 200 python3 benchmarks/probe_configs.py --shapes 4096x4096,8192x28672,28672x8192 --m 64,256,1024 \
-             --configs wgmma-n64,wgmma-n128,wgmma-n64-ov,wgmma-n128-ov > "$OUT/wgmma_probe.log" 2>&1; echo "wgmma probe rc=$?"; cat "$OUT/wgmma_probe.log"
+             --configs wgmma-n64-f1-s6,wgmma-n64-f2-s4,wgmma-n128-f1-s4,wgmma-n128-f2-s4 > "$OUT/wgmma_probe.log" 2>&1; echo "wgmma probe rc=$?"; cat "$OUT/wgmma_probe.log"
            JITMARLIN_WGMMA=1 timeout 240 python3 benchmarks/bench_gemm.py --m 64,256,1024 --peers humming --variants none \
              --json "$OUT/wgmma_bench.json" > "$OUT/wgmma_bench.log" 2>&1; echo "wgmma bench rc=$?"; grep -E "^\| [0-9]" "$OUT/wgmma_bench.log"
            JITMARLIN_WGMMA=1 timeout 200 python3 benchmarks/bench_moe.py --json "$OUT/wgmma_moe.json" > "$OUT/wgmma_moe.log" 2>&1

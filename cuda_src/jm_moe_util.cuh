@@ -1,4 +1,4 @@
-// jitmarlin — small kernels of the MoE path (EXPERIMENTAL: not yet run on a GPU; off by default).
+// jitmarlin — small kernels of the MoE path (on by default; JITMARLIN_MOE_KERNELS=0 uses torch ops).
 //
 // jm_moe_align: the token-slot -> expert-block table of moe_align_block_size in one kernel (one
 // CTA) instead of ~20 small torch kernels: count the slots of each expert, pad every count to the

@@ -1,46 +1,49 @@
 // jitmarlin — Hopper (sm_90a) GEMM for large M: warpgroup MMA with the weights in registers.
 //
-// EXPERIMENTAL: compiled and checked with ptxas, not yet run on a GPU (off by default).
+// Used for MoE blocks of 64 rows and for M in [192, 512) on wide shapes (jitmarlin/ops/gemm.py,
+// use_wgmma_path; JITMARLIN_WGMMA=0 / 1 to never / always use it).
 //
 // Transposed product, as the small-M kernel's SWAP mode: D^T[features, tokens] = W^T A^T. The
 // wgmma A operand (64 rows x 16 k, in registers) is the dequantized weights: each warp of a
 // warpgroup holds 16 output features, and a lane's packed word j of our layout (n8-blocks 2j and
 // 2j+1 of its 64-column strip) dequantizes straight into the m16k16 register fragment of warp j
 // (PTX ISA, "Register Fragments" of wgmma .m64nNk16, which matches the mma.m16n8k16 A fragment).
-// The B operand (tokens x 16 k, K-major) is the activation tile in shared memory in the
-// no-swizzle canonical layout: 8 tokens x 8 k "core matrices" of 128 contiguous bytes, core
-// matrices along k 128 B apart (LBO), along tokens 1024 B apart (SBO, one 64-k stage row block).
-// So weights never pass through shared memory and are never expanded to fp16 in memory, unlike
-// a dequantize-then-cuBLAS path.
+// The B operand (tokens x 16 k, K-major) is the activation tile in shared memory, one 128-byte
+// row of 64 k per token in the 128-byte swizzle layout (see wgmma_desc_sw128; the no-swizzle
+// layout of the first version ran 3-7x slower).
+// Weights never exist as fp16 in memory (unlike a dequantize-then-cuBLAS path).
 //
-// CTA: two warpgroups = two 64-column strips (128 features) x NT tokens, all of K, no split.
-// MOE: an m tile is one expert's block of NT = block-size rows of the sorted slot list (as the
-// mma.sync MoE kernel: A rows gathered through the slot ids, output row = slot, routing weight).
-// Activations: a STAGES-deep cp.async ring of 64-k stages. Weights and scales: plain loads into
-// registers one stage ahead. Per stage each warpgroup dequantizes its 4 k16 fragments, then
-// issues 4 wgmma and waits for them before the ring slot is reused; with OVERLAP it dequantizes
-// the next stage's fragments while they run.
+// CTA: two warpgroups; each owns FW 64-feature strips (one wgmma per strip and k16, sharing the
+// activation descriptor) x NT tokens, all of K (no split). MOE: an m tile is one expert's block of
+// NT = block-size rows of the sorted slot list (as the mma.sync MoE kernel: A rows gathered
+// through the slot ids, output row = slot, routing weight).
+// Pipeline: a STAGES-deep cp.async ring of 64-k stages holding activations, packed weights, and
+// the stage's group scales / zero points; one __syncthreads per stage. A warpgroup dequantizes
+// k16 step s+1 into another fragment buffer while the wgmma of the earlier steps run (NB buffers,
+// wgmma.wait_group NB - 1 before one is rewritten): the overlap the study of the fastest peer
+// (../shared/PERF_NOTES.md section 3) names as the lever it leaves.
 #pragma once
 
 #include "jm_gemm.cuh"
 
 namespace jm {
 
-// wgmma shared-memory matrix descriptor, no swizzle (PTX ISA "Matrix Descriptor Format"):
-// start address, leading- and stride-dimension byte offsets, each encoded as (x & 0x3FFFF) >> 4.
-JM_DEVICE uint64_t wgmma_desc(uint32_t smem_byte_addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((smem_byte_addr & 0x3FFFFu) >> 4) |
-         (static_cast<uint64_t>((lbo & 0x3FFFFu) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFFu) >> 4) << 32);
+// wgmma shared-memory matrix descriptor for a K-major tile in the 128-byte swizzle layout (PTX
+// ISA "Matrix Descriptor Format"): start address, leading- and stride-dimension byte offsets, each
+// encoded as (x & 0x3FFFF) >> 4, and the swizzle mode in bits 62-63 (1 = 128 B). Rows of 64 k
+// (128 B) lie 128 B apart, the 16-byte chunk j of row r at chunk position j ^ (r & 7), 8-row groups
+// SBO = 1024 B apart; the leading offset is unused when the MMA's 16 k lie inside one row, and
+// k16 step s starts 32 s bytes into the row (the hardware applies the XOR to the address, so the
+// tile must start 1024-byte aligned).
+JM_DEVICE uint64_t wgmma_desc_sw128(uint32_t smem_byte_addr) {
+  return static_cast<uint64_t>((smem_byte_addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
 JM_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 JM_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-JM_DEVICE void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Keep a register live (and unmoved) across the asynchronous MMA: the compiler must not reuse it
-// or read it early while a wgmma still reads or writes it.
-JM_DEVICE void reg_fence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
-JM_DEVICE void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+template <int N>
+JM_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 // D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory, descriptor); fp32 accumulate.
 template <int N>
@@ -94,27 +97,47 @@ struct WgmmaRS<128> {
   }
 };
 
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int STAGES, bool OVERLAP, bool MOE>
+constexpr int wgmma_group_rows(int group_blocks) {  // group rows per 64-k stage (0: per channel)
+  return group_blocks <= 0 ? 0 : (group_blocks >= 4 ? 1 : 4 / group_blocks);
+}
+
+// Bytes of one ring stage; jitmarlin/ops/_kernels.py (wgmma_smem_bytes) mirrors this, plus 1 KB
+// for aligning the ring to 1024 bytes.
+template <int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW>
+struct WgmmaStage {
+  static constexpr int kStrips = 2 * FW;                      // 64-feature strips per CTA
+  static constexpr int kAct = NT * 64 * 2;                    // activations [NT x 64 k]
+  static constexpr int kStripBytes = 4 * 32 * BITS * 4;       // one strip, 4 k16 of packed words
+  static constexpr int kW = kStrips * kStripBytes;
+  static constexpr int kRows = wgmma_group_rows(GROUP_BLOCKS);
+  static constexpr int kS = kRows * kStrips * 64 * 2;         // group scales
+  static constexpr int kZ = HAS_ZP ? kRows * kStrips * 64 * BITS / 8 : 0;  // packed zero points
+  static constexpr int kBytes = (kAct + kW + kS + kZ + 1023) / 1024 * 1024;  // swizzled tiles: 1 KB aligned
+};
+
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE>
 JM_DEVICE void wgmma_body(const JmGemmParams p) {
   static_assert(NT == 64 || NT == 128, "token tile");
-  static_assert(STAGES >= 2, "at least two stages");
-  constexpr int kKT = 64;                           // k per stage: 4 x k16
-  constexpr int kStageBytes = NT * kKT * 2;         // activation bytes per stage
-  constexpr int kWordsPerK16 = 32 * BITS;           // packed words of one strip per 16 k
+  static_assert(FW == 1 || FW == 2, "strips per warpgroup");
+  static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
+  using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW>;
+  constexpr int kWordsPerK16 = 32 * BITS;  // packed words of one strip per 16 k
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // the swizzle pattern follows address bits 7-9: the ring must start 1024-byte aligned
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2;
   // p.grid: the m tiles the launch covers (MoE: an upper bound; the padded row count decides)
-  const int f_tiles = p.n / 128, m_tiles = p.grid;
+  const int f_tiles = p.n / (64 * S::kStrips), m_tiles = p.grid;
   // feature-tile-major order: CTAs running together share weights (L2) and read all token tiles
   const int f_tile = blockIdx.x / m_tiles, m_tile = blockIdx.x - f_tile * m_tiles;
   if (f_tile >= f_tiles) return;
-  const int strip = 2 * f_tile + wg;
+  const int strip0 = f_tile * S::kStrips;  // the CTA's first strip
   const int tok0 = m_tile * NT;
-  const int k_tiles = p.k / kKT;
-  const int e0 = 2 * warp;  // this warp's n8-blocks of the strip: e0, e0 + 1 (features 16 warp .. +15)
+  const int k_tiles = p.k / 64;
+  const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
 
   griddep_wait();  // MoE: the routing tables come from the previous kernels
   griddep_launch_dependents();
@@ -124,202 +147,225 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     expert = __ldg(p.expert_ids + m_tile);
   }
 
-  // ---- activations: 16-byte chunks (token r, 8 k j) at (r/8)*1024 + j*128 + (r%8)*16 ----
-  auto fetch = [&](int kt, int slot) {
-    uint8_t* st = smem + slot * kStageBytes;
-    constexpr int kChunks = NT * (kKT / 8);
+  // ---- activation rows this thread copies: chunk c = (token r, 8 k j), r = 8 (c >> 6) + (c & 7),
+  // j = (c >> 3) & 7, so a warp reads 64 contiguous bytes of 8 rows and writes 4 full 128-byte lines
+  constexpr int kActPerThread = NT * 8 / 256;
+  const T* arow[kActPerThread];
+  bool avalid[kActPerThread];
 #pragma unroll
-    for (int c = tid; c < kChunks; c += 256) {
-      const int r = c >> 3, j = c & 7;
-      int row = tok0 + r;
-      bool valid;
-      if constexpr (MOE) {  // A row of a (token, k) slot: its token, or its position when pre-gathered
-        const int slot_id = __ldg(p.sorted_ids + row);
-        valid = slot_id < p.m;
-        row = p.a_by_position ? row : slot_id / p.top_k;
-      } else {
-        valid = row < p.m;
-      }
-      const T* src = static_cast<const T*>(p.a) + static_cast<int64_t>(valid ? row : 0) * p.lda + kt * kKT + j * 8;
-      cp_async16(st + (r >> 3) * 1024 + j * 128 + (r & 7) * 16, src, valid);
-    }
-  };
-
-  // ---- weights of one stage (4 k16) for this warp: BITS/2 words per k16 per lane ----
-  const uint32_t* bstrip = static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
-                           static_cast<int64_t>(strip) * (p.k / 16) * kWordsPerK16;
-  auto load_w = [&](int kt, uint32_t (&w)[4][BITS / 2]) {
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-      const uint32_t* base = bstrip + static_cast<int64_t>(kt * 4 + s) * kWordsPerK16;
-      if constexpr (BITS == 4) {
-        w[s][0] = __ldg(base + lane * 4 + warp);  // word j = warp: n8-blocks 2 warp, 2 warp + 1
-      } else {
-        // 8-bit: words e0, e0 + 1 of a lane's 8 (the first 4 at lane*4, the last 4 at 128 + lane*4)
-        const uint32_t* q = base + (e0 < 4 ? lane * 4 + e0 : 128 + lane * 4 + e0 - 4);
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(q));
-        w[s][0] = v.x;
-        w[s][1] = v.y;
-      }
-    }
-  };
-
-  // scales / zero points of k16 block kb (global index) for this lane's two features
-  const T* sbase = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
-  auto scales_of = [&](int kb) -> uint32_t {
-    if constexpr (kGrouped) {
-      const int grp = kb / GROUP_BLOCKS;  // permuted: lane g's 8 scales of a strip are contiguous
-      return __ldg(reinterpret_cast<const uint32_t*>(sbase + static_cast<int64_t>(grp) * p.n + strip * 64 + 8 * g + e0));
+  for (int i = 0; i < kActPerThread; i++) {
+    const int c = tid + 256 * i, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
+    int row = tok0 + r;
+    bool valid;
+    if constexpr (MOE) {  // A row of a (token, k) slot: its token, or its position when pre-gathered
+      const int slot_id = __ldg(p.sorted_ids + row);
+      valid = slot_id < p.m;
+      row = p.a_by_position ? row : slot_id / p.top_k;
     } else {
+      valid = row < p.m;
+    }
+    arow[i] = static_cast<const T*>(p.a) + static_cast<int64_t>(valid ? row : 0) * p.lda + j * 8;
+    avalid[i] = valid;
+  }
+  const uint32_t* bbase = static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
+                          static_cast<int64_t>(strip0) * (p.k / 16) * kWordsPerK16;
+  const T* sbase = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
+  const uint32_t* zbase = HAS_ZP ? static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride : nullptr;
+
+  auto fetch = [&](int kt, int slot) {
+    uint8_t* st = smem + slot * S::kBytes;
+#pragma unroll
+    for (int i = 0; i < kActPerThread; i++) {
+      const int c = tid + 256 * i, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
+      cp_async16(st + r * 128 + ((j ^ (r & 7)) << 4), arow[i] + kt * 64, avalid[i]);
+    }
+    // weights: per strip, the 4 k16 of this stage are contiguous (S::kStripBytes)
+    constexpr int kWChunks = S::kW / 16, kStripChunks = S::kStripBytes / 16;
+#pragma unroll
+    for (int c = tid; c < kWChunks; c += 256) {
+      const int strip = c / kStripChunks, off = c - strip * kStripChunks;
+      const uint32_t* src = bbase + (static_cast<int64_t>(strip) * (p.k / 16) + kt * 4) * kWordsPerK16 + off * 4;
+      cp_async16(st + S::kAct + c * 16, src);
+    }
+    if constexpr (kGrouped) {
+      const int grp0 = kt * 4 / GROUP_BLOCKS;
+      constexpr int kRowChunks = S::kStrips * 64 * 2 / 16;
+      if (tid < S::kRows * kRowChunks) {
+        const int r = tid / kRowChunks, off = tid - r * kRowChunks;
+        cp_async16(st + S::kAct + S::kW + tid * 16, sbase + static_cast<int64_t>(grp0 + r) * p.n + strip0 * 64 + off * 8);
+      }
+      if constexpr (HAS_ZP) {
+        constexpr int kZRowChunks = S::kStrips * 64 * BITS / 8 / 16;
+        if (tid < S::kRows * kZRowChunks) {
+          const int r = tid / kZRowChunks, off = tid - r * kZRowChunks;
+          cp_async16(st + S::kAct + S::kW + S::kS + tid * 16,
+                     zbase + static_cast<int64_t>(grp0 + r) * (p.n * BITS / 32) + strip0 * (2 * BITS) + off * 4);
+        }
+      }
+    }
+  };
+
+  // per channel: this lane's scales (and zero points) for its FW strips, once
+  uint32_t sc_chan[FW];
+  uint32_t zc_chan[FW][2];
+  if constexpr (!kGrouped) {
+#pragma unroll
+    for (int j = 0; j < FW; j++) {
+      const int strip = strip0 + wg * FW + j;
       const T lo = sbase[strip * 64 + 8 * e0 + g], hi = sbase[strip * 64 + 8 * (e0 + 1) + g];
       T pair[2] = {lo, hi};
-      return *reinterpret_cast<uint32_t*>(pair);
-    }
-  };
-  auto zeros_of = [&](int kb, uint32_t& z0, uint32_t& z1) {
-    if constexpr (HAS_ZP) {
-      const int grp = kGrouped ? kb / GROUP_BLOCKS : 0;
-      const uint32_t* zb = static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride +
-                           static_cast<int64_t>(grp) * (p.n * BITS / 32);
-      if constexpr (BITS == 4) {
-        const uint32_t w = __ldg(zb + strip * 8 + g);
-        z0 = (w >> (4 * e0)) & 0xFu;
-        z1 = (w >> (4 * (e0 + 1))) & 0xFu;
-      } else {
-        const uint32_t w = __ldg(zb + strip * 16 + 2 * g + (e0 >> 2));
-        z0 = (w >> (8 * (e0 & 3))) & 0xFFu;
-        z1 = (w >> (8 * ((e0 + 1) & 3))) & 0xFFu;
+      sc_chan[j] = *reinterpret_cast<uint32_t*>(pair);
+      if constexpr (HAS_ZP) {
+        if constexpr (BITS == 4) {
+          const uint32_t w = __ldg(zbase + strip * 8 + g);
+          zc_chan[j][0] = (w >> (4 * e0)) & 0xFu;
+          zc_chan[j][1] = (w >> (4 * (e0 + 1))) & 0xFu;
+        } else {
+          const uint32_t w = __ldg(zbase + strip * 16 + 2 * g + (e0 >> 2));
+          zc_chan[j][0] = (w >> (8 * (e0 & 3))) & 0xFFu;
+          zc_chan[j][1] = (w >> (8 * ((e0 + 1) & 3))) & 0xFFu;
+        }
       }
-    } else {
-      z0 = z1 = BITS == 4 ? 8u : 128u;
+    }
+  }
+
+  // dequantize k16 step s of the stage in `st` into the A fragments of this warp, one per strip
+  auto dequant = [&](const uint8_t* st, int s, uint32_t (&a)[FW][4]) {
+    const int row = S::kRows > 1 ? s / GROUP_BLOCKS : 0;
+#pragma unroll
+    for (int j = 0; j < FW; j++) {
+      const int ls = wg * FW + j;  // CTA-local strip
+      const uint8_t* wst = st + S::kAct + ls * S::kStripBytes + s * kWordsPerK16 * 4;
+      uint32_t z0, z1;
+      if constexpr (!HAS_ZP) {
+        z0 = z1 = BITS == 4 ? 8u : 128u;
+      } else if constexpr (!kGrouped) {
+        z0 = zc_chan[j][0];
+        z1 = zc_chan[j][1];
+      } else {
+        const uint8_t* zst = st + S::kAct + S::kW + S::kS + row * (S::kStrips * 64 * BITS / 8);
+        if constexpr (BITS == 4) {
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(zst + (ls * 8 + g) * 4);
+          z0 = (w >> (4 * e0)) & 0xFu;
+          z1 = (w >> (4 * (e0 + 1))) & 0xFu;
+        } else {
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(zst + (ls * 16 + 2 * g + (e0 >> 2)) * 4);
+          z0 = (w >> (8 * (e0 & 3))) & 0xFFu;
+          z1 = (w >> (8 * ((e0 + 1) & 3))) & 0xFFu;
+        }
+      }
+      const ZeroConst zc0 = make_zero_const<T, BITS>(z0), zc1 = make_zero_const<T, BITS>(z1);
+      Frag f0, f1;
+      if constexpr (BITS == 4) {
+        dequant4<T>(*reinterpret_cast<const uint32_t*>(wst + (lane * 4 + warp) * 4), zc0, zc1, f0, f1);
+      } else {
+        // 8-bit: words e0, e0 + 1 of a lane's 8 (the first 4 at lane*4, the last 4 at 128 + lane*4)
+        const uint2 v = *reinterpret_cast<const uint2*>(wst + (e0 < 4 ? lane * 4 + e0 : 128 + lane * 4 + e0 - 4) * 4);
+        f0 = dequant8<T>(v.x, zc0);
+        f1 = dequant8<T>(v.y, zc1);
+      }
+      uint32_t sc;
+      if constexpr (kGrouped) {  // permuted scales: lane g's 8 scales of a strip are contiguous
+        sc = *reinterpret_cast<const uint32_t*>(st + S::kAct + S::kW + row * (S::kStrips * 64 * 2) +
+                                                (ls * 64 + 8 * g + e0) * 2);
+      } else {
+        sc = sc_chan[j];
+      }
+      const uint32_t s0 = bcast_half(sc, 0), s1 = bcast_half(sc, 1);
+      a[j][0] = mul2<T>(f0.b0, s0);  // rows g (feature 16 warp + g), k 2t, 2t+1
+      a[j][1] = mul2<T>(f1.b0, s1);  // rows g + 8
+      a[j][2] = mul2<T>(f0.b1, s0);  // rows g, k 2t + 8, 2t + 9
+      a[j][3] = mul2<T>(f1.b1, s1);  // rows g + 8, k 2t + 8, 2t + 9
     }
   };
 
-  float d[NT / 2];
+  float d[FW][NT / 2];
 #pragma unroll
-  for (int i = 0; i < NT / 2; i++) d[i] = 0.f;
+  for (int j = 0; j < FW; j++) {
+#pragma unroll
+    for (int i = 0; i < NT / 2; i++) d[j][i] = 0.f;
+  }
+  auto issue = [&](const uint32_t (&a)[FW][4], uint32_t st_addr, int s) {
+    wgmma_fence();
+    const uint64_t desc = wgmma_desc_sw128(st_addr + s * 32);  // k16 step s: 32 bytes into each row
+#pragma unroll
+    for (int j = 0; j < FW; j++) WgmmaRS<NT>::template run<T>(d[j], a[j], desc, 1);
+    wgmma_commit();
+  };
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
     if (s < k_tiles) fetch(s, s);
     cp_async_commit();
   }
-  // dequantize the 4 k16 fragments of stage kt from its packed words
-  auto dequant_stage = [&](int kt, const uint32_t (&w)[4][BITS / 2], uint32_t (&a)[4][4]) {
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-      const int kb = kt * 4 + s;
-      uint32_t z0, z1;
-      zeros_of(kb, z0, z1);
-      const ZeroConst zc0 = make_zero_const<T, BITS>(z0), zc1 = make_zero_const<T, BITS>(z1);
-      Frag f0, f1;
-      if constexpr (BITS == 4) {
-        dequant4<T>(w[s][0], zc0, zc1, f0, f1);
-      } else {
-        f0 = dequant8<T>(w[s][0], zc0);
-        f1 = dequant8<T>(w[s][1], zc1);
-      }
-      const uint32_t sc = scales_of(kb);
-      const uint32_t s0 = bcast_half(sc, 0), s1 = bcast_half(sc, 1);
-      a[s][0] = mul2<T>(f0.b0, s0);  // rows g (feature 16 warp + g), k 2t, 2t+1
-      a[s][1] = mul2<T>(f1.b0, s1);  // rows g + 8
-      a[s][2] = mul2<T>(f0.b1, s0);  // rows g, k 2t + 8, 2t + 9
-      a[s][3] = mul2<T>(f1.b1, s1);  // rows g + 8, k 2t + 8, 2t + 9
-    }
-  };
+  cp_async_wait<STAGES - 2>();
+  fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
+  __syncthreads();
 
-  // OVERLAP: the next stage's fragments are dequantized while this stage's wgmma run (weights
-  // loaded two stages ahead); else dequantize, multiply, wait, in turn.
-  uint32_t wnext[4][BITS / 2], wlater[4][BITS / 2];
-  uint32_t acur[4][4], anext[4][4];
-  if constexpr (OVERLAP) {
-    uint32_t w0[4][BITS / 2];
-    load_w(0, w0);
-    if (k_tiles > 1) load_w(1, wnext);
-    dequant_stage(0, w0, acur);
-  } else {
-    load_w(0, wnext);
-  }
-
-  const uint32_t smem_base = smem_addr(smem);
+  const uint32_t smem_base = smem_addr(smem);  // 1024-byte aligned
+  // NB fragment buffers: step s dequantizes into buffer s % NB while up to NB - 1 earlier steps'
+  // wgmma still run (wait_group NB - 1 before a buffer is rewritten). Four when the registers allow
+  // (a whole stage in flight), else two.
+  constexpr int NB = (FW == 2 && NT == 128) ? 2 : 4;
+  uint32_t abuf[NB][FW][4];
+  dequant(smem, 0, abuf[0]);
   int slot = 0;
   for (int kt = 0; kt < k_tiles; kt++) {
-    cp_async_wait<STAGES - 2>();
-    fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
-    __syncthreads();           // stage kt is in for every thread; every warpgroup is done with kt - 1
-    {
-      const int nk = kt + STAGES - 1;
-      if (nk < k_tiles) fetch(nk, (slot + STAGES - 1) % STAGES);
-      cp_async_commit();
-    }
-    if constexpr (OVERLAP) {
-      if (kt + 2 < k_tiles) load_w(kt + 2, wlater);
-    } else {
-      dequant_stage(kt, wnext, acur);
-      if (kt + 1 < k_tiles) load_w(kt + 1, wnext);
-    }
-
-    wgmma_fence();
-    const uint32_t st = smem_base + slot * kStageBytes;
+    const uint8_t* st = smem + slot * S::kBytes;
+    const uint32_t st_addr = smem_base + slot * S::kBytes;
 #pragma unroll
     for (int s = 0; s < 4; s++) {
-      // k16 step s: core matrices 2s, 2s + 1 of each 8-token row block
-      WgmmaRS<NT>::template run<T>(d, acur[s], wgmma_desc(st + s * 256, 128, 1024), 1);
+      issue(abuf[s % NB], st_addr, s);
+      wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
+      if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
     }
-    wgmma_commit();
-    if constexpr (OVERLAP) {
-      if (kt + 1 < k_tiles) dequant_stage(kt + 1, wnext, anext);  // other registers than acur
-    }
-    wgmma_wait0();
-    // acur stays allocated (nothing else may live in its registers) until the wgmma reading it
-    // have completed; the accumulators are not read before either
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-#pragma unroll
-      for (int i = 0; i < 4; i++) reg_fence(acur[s][i]);
-    }
-#pragma unroll
-    for (int i = 0; i < NT / 2; i++) reg_fence(d[i]);
-    if constexpr (OVERLAP) {
-#pragma unroll
-      for (int s = 0; s < 4; s++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) acur[s][i] = anext[s][i];
-#pragma unroll
-        for (int i = 0; i < BITS / 2; i++) wnext[s][i] = wlater[s][i];
-      }
-    }
+    // here every step of stage kt - 1 is done (this thread's warpgroup)
     slot = slot + 1 == STAGES ? 0 : slot + 1;
+    if (kt + 1 < k_tiles) {
+      cp_async_wait<STAGES - 3>();  // stage kt + 1 is in (this thread's copies)
+      fence_proxy_async_smem();
+      __syncthreads();  // ... every thread's; and no warpgroup still reads stage kt - 1's slot
+      const int nk = kt + STAGES - 1;
+      if (nk < k_tiles) fetch(nk, (slot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
+      cp_async_commit();
+      dequant(smem + slot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
+    }
   }
+  wgmma_wait<0>();
   cp_async_wait<0>();
 
-  // ---- epilogue: d[4i + c] = (feature 16 warp + g + 8 (c >> 1), token 8i + 2t + (c & 1)) ----
+  // ---- epilogue: d[j][4i + c] = (feature 16 warp + g + 8 (c >> 1) of strip j, token 8i + 2t + (c & 1)) ----
   T* cbase = static_cast<T*>(p.c);
   const T* bias = static_cast<const T*>(p.bias);
-  const int f_lo = strip * 64 + 16 * warp + g, f_hi = f_lo + 8;
-  const float b_lo = bias != nullptr ? to_float<T>(bias[f_lo]) : 0.f;
-  const float b_hi = bias != nullptr ? to_float<T>(bias[f_hi]) : 0.f;
+  const int t4 = lane & 3;
 #pragma unroll
-  for (int i = 0; i < NT / 8; i++) {
+  for (int j = 0; j < FW; j++) {
+    const int f_lo = (strip0 + wg * FW + j) * 64 + 16 * warp + g, f_hi = f_lo + 8;
+    const float b_lo = bias != nullptr ? to_float<T>(bias[f_lo]) : 0.f;
+    const float b_hi = bias != nullptr ? to_float<T>(bias[f_hi]) : 0.f;
 #pragma unroll
-    for (int c = 0; c < 2; c++) {
-      int tok = tok0 + 8 * i + 2 * t + c;
-      float w = 1.f;
-      if constexpr (MOE) {  // output row = the slot; times its routing weight when given
-        tok = __ldg(p.sorted_ids + tok);
-        if (tok < p.m && p.topk_weights != nullptr) w = __ldg(p.topk_weights + tok);
+    for (int i = 0; i < NT / 8; i++) {
+#pragma unroll
+      for (int c = 0; c < 2; c++) {
+        int tok = tok0 + 8 * i + 2 * t4 + c;
+        float w = 1.f;
+        if constexpr (MOE) {  // output row = the slot; times its routing weight when given
+          tok = __ldg(p.sorted_ids + tok);
+          if (tok < p.m && p.topk_weights != nullptr) w = __ldg(p.topk_weights + tok);
+        }
+        if (tok >= p.m) continue;
+        T* row = cbase + static_cast<int64_t>(tok) * p.ldc;
+        row[f_lo] = from_float<T>((d[j][4 * i + c] + b_lo) * w);
+        row[f_hi] = from_float<T>((d[j][4 * i + 2 + c] + b_hi) * w);
       }
-      if (tok >= p.m) continue;
-      T* row = cbase + static_cast<int64_t>(tok) * p.ldc;
-      row[f_lo] = from_float<T>((d[4 * i + c] + b_lo) * w);
-      row[f_hi] = from_float<T>((d[4 * i + 2 + c] + b_hi) * w);
     }
   }
 }
 
 }  // namespace jm
 
-#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES, OVERLAP, MOE) \
-  extern "C" __global__ void __launch_bounds__(256, 1) NAME(const JmGemmParams p) {       \
-    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES, OVERLAP, MOE>(p);           \
+// Two CTAs per SM for the small tile (FW 1, NT 64: <= 128 registers), one otherwise.
+#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE)                               \
+  extern "C" __global__ void __launch_bounds__(256, ((FW) == 1 && (NT) == 64) ? 2 : 1) NAME(const JmGemmParams p) { \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p);                                  \
   }

@@ -321,6 +321,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         how = "built" if float(mod.meta.get("built_at", 0.0)) >= t0 else "cached"
         key = " ".join(f"{k}={v}" for k, v in fam.key())
         _out(f"[{n}/{len(jobs)}] {spec.family} {key} {spec.arch}: {how} in {dt:.1f} s  {mod.path}")
+    if not small:  # sm_90: the warpgroup-MMA kernels (MoE blocks of 64, mid-size M on wide shapes)
+        for fam in families:
+            if (9, 0) in ccs:
+                mod = build.get_module(K.wgmma_build_spec(fam, (9, 0)))
+                _out(f"wgmma {' '.join(f'{k}={v}' for k, v in fam.key())} sm_90a: {mod.path}")
     if args.moe:  # the MoE path's helper kernels (align, SiLU-mul), one module per arch
         for cc in ccs:
             mod = build.get_module(K.moe_util_build_spec(cc))

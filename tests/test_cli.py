@@ -230,10 +230,14 @@ def test_build_selects_families_and_archs(capsys, recorded_builds):
 def test_build_defaults_and_moe(capsys, recorded_builds):
     rc, out, err = run_cli(capsys, "build", "--arch", "9.0")
     assert rc == 0, err
-    (spec,) = recorded_builds
+    spec, wgmma = recorded_builds
     fam = K.Family("f16", 4, False, 128)
     assert spec == K.build_spec(fam, (9, 0))  # all tiles by default
     assert {K.kernel_name(fam, t) for t in K.TILES} <= {stem for stem, _ in spec.sources}
+    assert wgmma == K.wgmma_build_spec(fam, (9, 0))  # and on sm_90 the warpgroup-MMA kernels
+    recorded_builds.clear()
+    assert run_cli(capsys, "build", "--arch", "8.0")[0] == 0
+    assert [s.family for s in recorded_builds] == ["gemm"]  # none on sm_80
     rc, _, _ = run_cli(capsys, "build", "--arch", "9.0", "--moe", "--tiles", "small")
     assert rc == 0 and recorded_builds[-2] == K.build_spec(K.Family("f16", 4, False, 128, moe=True), (9, 0),
                                                            K.TILES[:2])

@@ -80,3 +80,37 @@ def test_workspace_growth_keeps_old_buffers_alive():
     assert {t.data_ptr() for t in ws._retired} == set(ptrs)
     ws.ensure(512, 8)  # already large enough: nothing changes
     assert len(ws._retired) == 2
+
+
+@pytest.mark.parametrize("setting", [None, "0", "1"])
+def test_wgmma_route_rules(monkeypatch, setting):
+    """Where the dense GEMM takes the sm_90a wgmma kernel: only on sm_90, shapes it tiles (N % 128,
+    K % 64, M >= 64); by default only M in [192, 512) on shapes with K*N >= 1e8 (where it measured
+    faster); JITMARLIN_WGMMA=1 everywhere it can, =0 never. The MoE blocks of 64 follow the switch."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+    from jitmarlin.ops import moe as M
+
+    if setting is None:
+        monkeypatch.delenv("JITMARLIN_WGMMA", raising=False)
+    else:
+        monkeypatch.setenv("JITMARLIN_WGMMA", setting)
+    K.env_flag.cache_clear()
+    cc = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(G, "_cc", lambda index: cc[index])
+    fam = K.Family("f16", 4, False, 128)
+    try:
+        auto = [G.use_wgmma_path(m, n, k, fam, 0) for m, k, n in
+                ((256, 4096, 28672), (256, 28672, 8192), (192, 8192, 28672), (511, 8192, 28672),
+                 (512, 8192, 28672), (64, 8192, 28672), (256, 8192, 8192), (256, 4096, 4096))]
+        want_auto = {None: [True, True, True, True, False, False, False, False], "0": [False] * 8,
+                     "1": [True] * 8}[setting]
+        assert auto == want_auto
+        for m, k, n in ((63, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
+            assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile
+        assert not G.use_wgmma_path(256, 28672, 4096, fam, 1)  # not sm_90
+        assert not G.use_wgmma_path(256, 28672, 4096, K.Family("f16", 4, False, 128, moe=True), 0)
+        assert M._use_wgmma_moe(64, 28672, 4096, 0) is (setting != "0")
+        assert not M._use_wgmma_moe(32, 28672, 4096, 0) and not M._use_wgmma_moe(64, 28672, 4096, 1)
+    finally:
+        K.env_flag.cache_clear()

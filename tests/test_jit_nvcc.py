@@ -64,7 +64,7 @@ def test_compile_error_is_a_build_error_with_command_and_log(cuda_toolchain, jm_
 
 
 def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
-    """EXPERIMENTAL sm_90a kernel (off by default): compiles for the arch-specific target."""
+    """The sm_90a wgmma kernels compile for the arch-specific target without spills."""
     spec = K.wgmma_build_spec(K.Family("bf16", 4, True, 64), (9, 0))
     assert spec.arch_specific
     mod = get_module(spec)
@@ -74,3 +74,24 @@ def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
     with pytest.raises(ValueError, match="sm_90a only"):
         K.wgmma_build_spec(FAMILY, (8, 0))
+
+
+def test_wgmma_smem_formula_matches_the_kernel(cuda_toolchain, tmp_path):
+    """wgmma_smem_bytes (the launch's shared memory) equals the kernel's own stage size x stages,
+    checked by static_asserts that nvcc evaluates."""
+    import subprocess
+
+    lines = ['#include "jm_wgmma.cuh"']
+    for bits, zp, group in ((4, False, 128), (4, True, 32), (8, True, 64), (8, False, -1), (4, True, -1)):
+        fam = K.Family("f16", bits, zp, group)
+        for nt, fw, st in K.WGMMA_CONFIGS:
+            want = K.wgmma_smem_bytes(fam, nt, fw, st)
+            lines.append(f"static_assert(jm::WgmmaStage<{bits}, {'true' if zp else 'false'}, {fam.group_blocks}, {nt}, "
+                         f"{fw}>::kBytes * {st} + 1024 == {want}, \"{bits} {zp} {group} {nt} {fw} {st}\");")
+    src = tmp_path / "smem_check.cu"
+    src.write_text("\n".join(lines) + "\n")
+    from jitmarlin.jit.spec import source_dir
+
+    r = subprocess.run([str(cuda_toolchain.nvcc), "-std=c++17", "-arch=sm_90a", "-c", "-I", str(source_dir()), str(src),
+                        "-o", str(tmp_path / "smem_check.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

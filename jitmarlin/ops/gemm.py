@@ -288,30 +288,61 @@ def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Fam
     return out
 
 
+def wgmma_setting() -> str:
+    """JITMARLIN_WGMMA: "0" never uses the sm_90a warpgroup-MMA kernel, "1" uses it wherever the
+    shape allows (M >= 64), unset = where it measured faster (use_wgmma_path, MoE blocks of 64)."""
+    if K.env_flag("JITMARLIN_WGMMA"):
+        return "on"
+    return "auto" if K.env_flag("JITMARLIN_WGMMA", default=True) else "off"
+
+
+# H200, 2026-11-30 (benchmarks/NOTES.md): the wgmma kernel beat both the mma.sync kernel and
+# dequantize + cuBLAS at M=256 on the wide shapes (4096x28672 143 vs 201 us, 8192x28672 281 vs
+# 401, 28672x8192 298 vs 415), tied on 8192^2 and lost on the smaller ones (no split-K: too few
+# CTAs) and at M=64 and M=1024.
+WGMMA_AUTO_M = (192, 512)
+WGMMA_AUTO_MIN_KN = 100_000_000
+
+
 def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
-    """EXPERIMENTAL (not yet run on a GPU): the sm_90a warpgroup-MMA kernel for M >= 64, only with
-    JITMARLIN_WGMMA=1 until its GPU tests and benchmark have run."""
-    return (K.env_flag("JITMARLIN_WGMMA") and m >= 64 and _cc(index) == (9, 0)
-            and n % 128 == 0 and k % 64 == 0 and not fam.moe)
+    """The dense GEMM on the sm_90a wgmma kernel (see wgmma_setting)."""
+    if fam.moe or m < 64 or n % 128 or k % 64:
+        return False
+    setting = wgmma_setting()
+    if setting == "off" or _cc(index) != (9, 0):
+        return False
+    return setting == "on" or (WGMMA_AUTO_M[0] <= m < WGMMA_AUTO_M[1] and k * n >= WGMMA_AUTO_MIN_KN)
+
+
+def wgmma_config(m: int, n: int, sms: int) -> tuple[int, int, int]:
+    """(token tile, strips per warpgroup, stages) for the wgmma kernel: 64-token tiles up to M=64,
+    else 128; two strips per warpgroup (256 features per CTA) when that still gives every SM a CTA."""
+    nt = 64 if m <= 64 else 128
+    m_tiles = -(-m // nt)
+    fw = 2 if n % 256 == 0 and (n // 256) * m_tiles >= sms else 1
+    for cfg in K.WGMMA_CONFIGS:
+        if cfg[:2] == (nt, fw):
+            return cfg
+    raise AssertionError((nt, fw))
 
 
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
-                 nt: int | None = None, stages: int = 4, overlap: bool | None = None) -> None:
+                 nt: int | None = None, fw: int | None = None, stages: int | None = None) -> None:
     if n % 128 or k % 64:
         raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
-    if nt is None:
-        nt = 128 if m > 64 else 64
-    if overlap is None:
-        overlap = K.env_flag("JITMARLIN_WGMMA_OVERLAP")
-    fn = K.get_wgmma_kernel(fam, nt, stages, overlap, index)
-    smem = K.wgmma_smem_bytes(nt, stages)
+    if nt is None or fw is None or stages is None:
+        nt, fw, stages = wgmma_config(m, n, driver.device(index).sm_count)
+    if n % (128 * fw):
+        raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
+    fn = K.get_wgmma_kernel(fam, nt, fw, stages, index)
+    smem = K.wgmma_smem_bytes(fam, nt, fw, stages)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
     p.z = zeros.data_ptr() if zeros is not None else None
     p.bias = bias.data_ptr() if bias is not None else None
     p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
     p.grid = -(-m // nt)  # m tiles
-    fn.launch((n // 128) * p.grid, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)))
+    fn.launch((n // (128 * fw)) * p.grid, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)))
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

@@ -1,10 +1,11 @@
-"""EXPERIMENTAL sm_90a warpgroup-MMA GEMM (off by default, not yet validated on a GPU): outputs vs x @ dequant(W) on every
-format the dense op takes, output buffers poisoned with NaN first; the JITMARLIN_WGMMA=1 route
-through marlin_gemm. Runs only on compute capability 9.0."""
+"""The sm_90a warpgroup-MMA GEMM (MoE blocks of 64 rows and M in [192, 512) on wide shapes by default):
+outputs vs x @ dequant(W) on every format the dense op takes and every compiled config, output
+buffers poisoned with NaN first; the routes through marlin_gemm (JITMARLIN_WGMMA=1 / 0 / unset) and
+the MoE layer (against the mma.sync MoE kernel). Runs only on compute capability 9.0."""
 
 from __future__ import annotations
 
-import os
+import functools
 
 import pytest
 import torch
@@ -15,11 +16,7 @@ from jitmarlin.ops import gemm as G
 
 from .helpers import check_close, random_weights
 
-EXPERIMENTAL_REASON = ("experimental kernels (not yet validated on a GPU): run in a process of their own with "
-                       "JITMARLIN_TEST_EXPERIMENTAL=1, as `bash benchmarks/run_device.sh \"moeutil wgmma\"` does, so "
-                       "that a fault cannot take the other GPU tests' CUDA context with it")
 pytestmark = [
-    pytest.mark.skipif(os.environ.get("JITMARLIN_TEST_EXPERIMENTAL") != "1", reason=EXPERIMENTAL_REASON),
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                        reason="the wgmma kernel is built for sm_90a (H100/H200) only"),
 ]
@@ -38,11 +35,13 @@ FORMATS = [  # (dtype, bits, group, zero points)
 ]
 
 
-def run(a, packed, m, n, k, dtype, nt=None, bias=None, overlap=False):
-    fam = K.Family(K.DTYPES[dtype], packed.bits, packed.zeros is not None, packed.group_size)
+def run(a, packed, m, n, k, dtype, cfg=None, bias=None):
+    # the op's rule: one group of scales over all of K is per channel (permute_scales leaves it as is)
+    group = -1 if packed.scales.shape[0] == 1 else packed.group_size
+    fam = K.Family(K.DTYPES[dtype], packed.bits, packed.zeros is not None, group)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
     G.launch_gemm(a, packed.b, packed.scales, packed.zeros, bias, out, m, n, k, fam,
-                  plan_override=("wgmma", nt, 4, overlap))
+                  plan_override=("wgmma",) + (cfg or (None, None, None)))
     return out
 
 
@@ -54,10 +53,15 @@ def test_formats(fmt):
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     for m in (1, 64, 100, 128, 257):
         a = torch.randn(m, k, device="cuda", dtype=dtype)
-        for nt in (64, 128):
-            for overlap in (False, True):
-                check_close(run(a, packed, m, n, k, dtype, nt, overlap=overlap), a.float() @ w, tol,
-                            f"M={m} NT={nt} overlap={overlap}")
+        for cfg in K.WGMMA_CONFIGS:
+            if n % (128 * cfg[1]):
+                continue
+            check_close(run(a, packed, m, n, k, dtype, cfg), a.float() @ w, tol, f"M={m} config={cfg}")
+    n = 1024  # two strips per warpgroup need N % 256
+    packed, w = random_weights(k, n, bits, group, zp, dtype, seed=1)
+    a = torch.randn(200, k, device="cuda", dtype=dtype)
+    for cfg in K.WGMMA_CONFIGS:
+        check_close(run(a, packed, 200, n, k, dtype, cfg), a.float() @ w, tol, f"N={n} config={cfg}")
 
 
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
@@ -66,31 +70,50 @@ def test_shapes(k, n):
     for m in (64, 65, 512, 1024):
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         bias = torch.randn(n, device="cuda", dtype=torch.float16)
-        for overlap in (False, True):
-            check_close(run(a, packed, m, n, k, torch.float16, bias=bias, overlap=overlap),
-                        a.float() @ w + bias.float(), 1e-3, f"M={m} overlap={overlap}")
+        for cfg in [None] + [c for c in K.WGMMA_CONFIGS if n % (128 * c[1]) == 0]:
+            check_close(run(a, packed, m, n, k, torch.float16, cfg, bias=bias),
+                        a.float() @ w + bias.float(), 1e-3, f"M={m} config={cfg}")
 
 
 def test_route_through_the_op(monkeypatch):
-    monkeypatch.setenv("JITMARLIN_WGMMA", "1")
+    calls = []
+    orig = G.launch_wgmma
+    monkeypatch.setattr(G, "launch_wgmma", lambda *args, **kw: (calls.append(args[6]), orig(*args, **kw))[1])
     k, n = 2048, 1024
     packed, w = random_weights(k, n, 4, 128)
-    for m in (64, 300, 2048):
+    for setting, want in (("1", [64, 300, 2048]), ("0", [])):
+        monkeypatch.setenv("JITMARLIN_WGMMA", setting)
+        K.env_flag.cache_clear()
+        calls.clear()
+        for m in (64, 300, 2048):
+            a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
+        assert calls == want, (setting, calls)
+    monkeypatch.delenv("JITMARLIN_WGMMA")  # default: M in [192, 512) on a wide shape only
+    K.env_flag.cache_clear()
+    calls.clear()
+    k, n = 4096, 28672
+    packed, w = random_weights(k, n, 4, 128)
+    for m in (64, 256, 1024):
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
+    assert calls == [256]
     with pytest.raises(ValueError, match="N % 128"):
         packed2, _ = random_weights(256, 192, 4, 128)
         run(torch.randn(64, 256, device="cuda", dtype=torch.float16), packed2, 64, 192, 256, torch.float16)
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("fw", [1, 2])
 @pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64)],
                          ids=["f16", "act-order", "bf16", "u8-g64"])
-def test_moe_blocks_of_64(monkeypatch, overlap, kw):
+def test_moe_blocks_of_64(monkeypatch, fw, kw):
     """The MoE variant (blocks of 64 rows: many tokens per expert) against the mma.sync MoE kernel,
     through the whole layer, at token counts that fill the last block of an expert partly."""
     from .test_moe_gpu import make_moe
 
+    from jitmarlin.ops import moe as M
+
+    monkeypatch.setattr(M, "_launch_wgmma_moe", functools.partial(M._launch_wgmma_moe, fw=fw))
     moe, _, _ = make_moe(8, 1024, 512, 2, **kw)
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
@@ -100,7 +123,6 @@ def test_moe_blocks_of_64(monkeypatch, overlap, kw):
         K.env_flag.cache_clear()
         want = moe(x)
         monkeypatch.setenv("JITMARLIN_WGMMA", "1")
-        monkeypatch.setenv("JITMARLIN_WGMMA_OVERLAP", overlap)
         K.env_flag.cache_clear()
         got = moe(x)
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, t
