@@ -172,35 +172,40 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const T* sbase = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
   const uint32_t* zbase = HAS_ZP ? static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride : nullptr;
 
+  // Per-thread copy offsets are computed once here; a stage adds only its k offset (a generic
+  // strided copy loop compiled to ~150 instructions per stage, most of the kernel's issue slots).
+  constexpr int kWChunks = S::kW / 16, kStripChunks = S::kStripBytes / 16;
+  static_assert(kWChunks % 256 == 0 && 256 % kStripChunks == 0 || kStripChunks % 256 == 0, "weight chunks per thread");
+  constexpr int kWPerThread = kWChunks / 256;
+  uint32_t woff[kWPerThread];  // words from bbase, at k = 0
+#pragma unroll
+  for (int i = 0; i < kWPerThread; i++) {
+    const int c = tid + 256 * i, strip = c / kStripChunks, off = c - strip * kStripChunks;
+    woff[i] = static_cast<uint32_t>(strip * (p.k / 16) * kWordsPerK16 + off * 4);
+  }
+  const uint32_t asoff = static_cast<uint32_t>((8 * (tid >> 6) + (tid & 7)) * 128 + ((((tid >> 3) & 7) ^ (tid & 7)) << 4));
+  constexpr int kRowChunks = S::kStrips * 64 * 2 / 16, kZRowChunks = S::kStrips * 64 * BITS / 8 / 16;
+  const bool s_copier = kGrouped && tid < S::kRows * kRowChunks;
+  const bool z_copier = kGrouped && HAS_ZP && tid < S::kRows * kZRowChunks;
+  const int soff = (tid / kRowChunks) * p.n + strip0 * 64 + (tid % kRowChunks) * 8;
+  const int zoff = (tid / kZRowChunks) * (p.n * BITS / 32) + strip0 * (2 * BITS) + (tid % kZRowChunks) * 4;
+
   auto fetch = [&](int kt, int slot) {
     uint8_t* st = smem + slot * S::kBytes;
+    // activations: chunk c = tid + 256 i lands 32 rows (4096 bytes) after chunk tid
 #pragma unroll
-    for (int i = 0; i < kActPerThread; i++) {
-      const int c = tid + 256 * i, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
-      cp_async16(st + r * 128 + ((j ^ (r & 7)) << 4), arow[i] + kt * 64, avalid[i]);
-    }
+    for (int i = 0; i < kActPerThread; i++) cp_async16(st + asoff + 4096 * i, arow[i] + kt * 64, avalid[i]);
     // weights: per strip, the 4 k16 of this stage are contiguous (S::kStripBytes)
-    constexpr int kWChunks = S::kW / 16, kStripChunks = S::kStripBytes / 16;
+    const uint32_t* wk = bbase + kt * 4 * kWordsPerK16;
 #pragma unroll
-    for (int c = tid; c < kWChunks; c += 256) {
-      const int strip = c / kStripChunks, off = c - strip * kStripChunks;
-      const uint32_t* src = bbase + (static_cast<int64_t>(strip) * (p.k / 16) + kt * 4) * kWordsPerK16 + off * 4;
-      cp_async16(st + S::kAct + c * 16, src);
-    }
+    for (int i = 0; i < kWPerThread; i++) cp_async16(st + S::kAct + (tid + 256 * i) * 16, wk + woff[i]);
     if constexpr (kGrouped) {
       const int grp0 = kt * 4 / GROUP_BLOCKS;
-      constexpr int kRowChunks = S::kStrips * 64 * 2 / 16;
-      if (tid < S::kRows * kRowChunks) {
-        const int r = tid / kRowChunks, off = tid - r * kRowChunks;
-        cp_async16(st + S::kAct + S::kW + tid * 16, sbase + static_cast<int64_t>(grp0 + r) * p.n + strip0 * 64 + off * 8);
-      }
+      if (s_copier) cp_async16(st + S::kAct + S::kW + tid * 16, sbase + static_cast<int64_t>(grp0) * p.n + soff);
       if constexpr (HAS_ZP) {
-        constexpr int kZRowChunks = S::kStrips * 64 * BITS / 8 / 16;
-        if (tid < S::kRows * kZRowChunks) {
-          const int r = tid / kZRowChunks, off = tid - r * kZRowChunks;
+        if (z_copier)
           cp_async16(st + S::kAct + S::kW + S::kS + tid * 16,
-                     zbase + static_cast<int64_t>(grp0 + r) * (p.n * BITS / 32) + strip0 * (2 * BITS) + off * 4);
-        }
+                     zbase + static_cast<int64_t>(grp0) * (p.n * BITS / 32) + zoff);
       }
     }
   };
@@ -229,6 +234,31 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     }
   }
 
+  // the stage's group scales (and packed zero-point words) of this lane, per strip and group row:
+  // read from shared memory once per stage, not once per k16 step
+  constexpr int R = S::kRows > 0 ? S::kRows : 1;
+  uint32_t gsc[FW][R], gzw[FW][R];
+  auto load_groups = [&](const uint8_t* st) {
+#pragma unroll
+    for (int j = 0; j < FW; j++) {
+      const int ls = wg * FW + j;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        if constexpr (kGrouped) {  // permuted scales: lane g's 8 scales of a strip are contiguous
+          gsc[j][r] = *reinterpret_cast<const uint32_t*>(st + S::kAct + S::kW + r * (S::kStrips * 64 * 2) +
+                                                         (ls * 64 + 8 * g + e0) * 2);
+          if constexpr (HAS_ZP) {
+            const uint8_t* zst = st + S::kAct + S::kW + S::kS + r * (S::kStrips * 64 * BITS / 8);
+            gzw[j][r] = *reinterpret_cast<const uint32_t*>(
+                zst + (BITS == 4 ? ls * 8 + g : ls * 16 + 2 * g + (e0 >> 2)) * 4);
+          }
+        } else {
+          gsc[j][r] = sc_chan[j];
+        }
+      }
+    }
+  };
+
   // dequantize k16 step s of the stage in `st` into the A fragments of this warp, one per strip
   auto dequant = [&](const uint8_t* st, int s, uint32_t (&a)[FW][4]) {
     const int row = S::kRows > 1 ? s / GROUP_BLOCKS : 0;
@@ -242,35 +272,35 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       } else if constexpr (!kGrouped) {
         z0 = zc_chan[j][0];
         z1 = zc_chan[j][1];
+      } else if constexpr (BITS == 4) {
+        z0 = (gzw[j][row] >> (4 * e0)) & 0xFu;
+        z1 = (gzw[j][row] >> (4 * (e0 + 1))) & 0xFu;
       } else {
-        const uint8_t* zst = st + S::kAct + S::kW + S::kS + row * (S::kStrips * 64 * BITS / 8);
-        if constexpr (BITS == 4) {
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(zst + (ls * 8 + g) * 4);
-          z0 = (w >> (4 * e0)) & 0xFu;
-          z1 = (w >> (4 * (e0 + 1))) & 0xFu;
-        } else {
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(zst + (ls * 16 + 2 * g + (e0 >> 2)) * 4);
-          z0 = (w >> (8 * (e0 & 3))) & 0xFFu;
-          z1 = (w >> (8 * ((e0 + 1) & 3))) & 0xFFu;
-        }
+        z0 = (gzw[j][row] >> (8 * (e0 & 3))) & 0xFFu;
+        z1 = (gzw[j][row] >> (8 * ((e0 + 1) & 3))) & 0xFFu;
       }
       const ZeroConst zc0 = make_zero_const<T, BITS>(z0), zc1 = make_zero_const<T, BITS>(z1);
       Frag f0, f1;
+#if defined(JM_WG_NOLDS)  // diagnostic (wrong results): no weight reads from shared memory
+      const uint32_t wword = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(wst)) * 0x9E3779B9u;
+#else
+      const uint32_t wword = *reinterpret_cast<const uint32_t*>(wst + (lane * 4 + warp) * 4);
+#endif
+#if defined(JM_WG_NODEQ)  // diagnostic (wrong results): the fragments are the packed words, no dequant ALU
+      if constexpr (true) {
+        a[j][0] = a[j][1] = a[j][2] = a[j][3] = wword ^ gsc[j][row];
+        continue;
+      }
+#endif
       if constexpr (BITS == 4) {
-        dequant4<T>(*reinterpret_cast<const uint32_t*>(wst + (lane * 4 + warp) * 4), zc0, zc1, f0, f1);
+        dequant4<T>(wword, zc0, zc1, f0, f1);
       } else {
         // 8-bit: words e0, e0 + 1 of a lane's 8 (the first 4 at lane*4, the last 4 at 128 + lane*4)
         const uint2 v = *reinterpret_cast<const uint2*>(wst + (e0 < 4 ? lane * 4 + e0 : 128 + lane * 4 + e0 - 4) * 4);
         f0 = dequant8<T>(v.x, zc0);
         f1 = dequant8<T>(v.y, zc1);
       }
-      uint32_t sc;
-      if constexpr (kGrouped) {  // permuted scales: lane g's 8 scales of a strip are contiguous
-        sc = *reinterpret_cast<const uint32_t*>(st + S::kAct + S::kW + row * (S::kStrips * 64 * 2) +
-                                                (ls * 64 + 8 * g + e0) * 2);
-      } else {
-        sc = sc_chan[j];
-      }
+      const uint32_t sc = gsc[j][row];
       const uint32_t s0 = bcast_half(sc, 0), s1 = bcast_half(sc, 1);
       a[j][0] = mul2<T>(f0.b0, s0);  // rows g (feature 16 warp + g), k 2t, 2t+1
       a[j][1] = mul2<T>(f1.b0, s1);  // rows g + 8
@@ -289,7 +319,13 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     wgmma_fence();
     const uint64_t desc = wgmma_desc_sw128(st_addr + s * 32);  // k16 step s: 32 bytes into each row
 #pragma unroll
-    for (int j = 0; j < FW; j++) WgmmaRS<NT>::template run<T>(d[j], a[j], desc, 1);
+    for (int j = 0; j < FW; j++) {
+#if defined(JM_WG_NOMMA)  // diagnostic (wrong results): no tensor work; keep the fragments alive
+      d[j][0] += __uint_as_float(a[j][0] ^ a[j][1] ^ a[j][2] ^ a[j][3] ^ static_cast<uint32_t>(desc));
+#else
+      WgmmaRS<NT>::template run<T>(d[j], a[j], desc, 1);
+#endif
+    }
     wgmma_commit();
   };
 
@@ -308,6 +344,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   // (a whole stage in flight), else two.
   constexpr int NB = (FW == 2 && NT == 128) ? 2 : 4;
   uint32_t abuf[NB][FW][4];
+  load_groups(smem);
   dequant(smem, 0, abuf[0]);
   int slot = 0;
   for (int kt = 0; kt < k_tiles; kt++) {
@@ -328,6 +365,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       const int nk = kt + STAGES - 1;
       if (nk < k_tiles) fetch(nk, (slot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
       cp_async_commit();
+      load_groups(smem + slot * S::kBytes);
       dequant(smem + slot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
     }
   }
@@ -364,8 +402,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 
 }  // namespace jm
 
-// Two CTAs per SM for the small tile (FW 1, NT 64: <= 128 registers), one otherwise.
-#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE)                               \
-  extern "C" __global__ void __launch_bounds__(256, ((FW) == 1 && (NT) == 64) ? 2 : 1) NAME(const JmGemmParams p) { \
+// Two CTAs per SM with one strip per warpgroup (<= 128 registers), one with two.
+#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE)                  \
+  extern "C" __global__ void __launch_bounds__(256, (FW) == 1 ? 2 : 1) NAME(const JmGemmParams p) { \
     jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p);                                  \
   }

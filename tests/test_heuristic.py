@@ -85,8 +85,9 @@ def test_workspace_growth_keeps_old_buffers_alive():
 @pytest.mark.parametrize("setting", [None, "0", "1"])
 def test_wgmma_route_rules(monkeypatch, setting):
     """Where the dense GEMM takes the sm_90a wgmma kernel: only on sm_90, shapes it tiles (N % 128,
-    K % 64, M >= 64); by default only M in [192, 512) on shapes with K*N >= 1e8 (where it measured
-    faster); JITMARLIN_WGMMA=1 everywhere it can, =0 never. The MoE blocks of 64 follow the switch."""
+    K % 64, M >= 64); by default (where it measured faster) M in [64, 192) with N >= 16384 and M in
+    [192, 512) with K*N >= 2^26; JITMARLIN_WGMMA=1 everywhere it can, =0 never. The MoE blocks of 64
+    follow the switch. Strips per warpgroup: two while about 3/4 of the SMs still get a CTA."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
     from jitmarlin.ops import moe as M
@@ -101,10 +102,10 @@ def test_wgmma_route_rules(monkeypatch, setting):
     fam = K.Family("f16", 4, False, 128)
     try:
         auto = [G.use_wgmma_path(m, n, k, fam, 0) for m, k, n in
-                ((256, 4096, 28672), (256, 28672, 8192), (192, 8192, 28672), (511, 8192, 28672),
-                 (512, 8192, 28672), (64, 8192, 28672), (256, 8192, 8192), (256, 4096, 4096))]
-        want_auto = {None: [True, True, True, True, False, False, False, False], "0": [False] * 8,
-                     "1": [True] * 8}[setting]
+                ((256, 4096, 28672), (256, 28672, 8192), (192, 8192, 8192), (511, 8192, 28672),
+                 (64, 4096, 28672), (128, 8192, 16384), (512, 8192, 28672), (64, 28672, 8192),
+                 (128, 8192, 8192), (256, 14336, 4096), (256, 4096, 4096), (4096, 8192, 28672))]
+        want_auto = {None: [True] * 6 + [False] * 6, "0": [False] * 12, "1": [True] * 12}[setting]
         assert auto == want_auto
         for m, k, n in ((63, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
             assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile
@@ -112,5 +113,8 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert not G.use_wgmma_path(256, 28672, 4096, K.Family("f16", 4, False, 128, moe=True), 0)
         assert M._use_wgmma_moe(64, 28672, 4096, 0) is (setting != "0")
         assert not M._use_wgmma_moe(32, 28672, 4096, 0) and not M._use_wgmma_moe(64, 28672, 4096, 1)
+        assert [G.wgmma_strips(n, mt, 132) for n, mt in ((28672, 1), (28672, 2), (8192, 2), (8192, 8), (8064, 8))] \
+            == [2, 2, 1, 2, 1]
+        assert G.wgmma_config(64, 28672, 132) == (64, 2, 4) and G.wgmma_config(256, 8192, 132) == (128, 1, 4)
     finally:
         K.env_flag.cache_clear()

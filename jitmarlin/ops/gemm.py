@@ -296,12 +296,14 @@ def wgmma_setting() -> str:
     return "auto" if K.env_flag("JITMARLIN_WGMMA", default=True) else "off"
 
 
-# H200, 2026-11-30 (benchmarks/NOTES.md): the wgmma kernel beat both the mma.sync kernel and
-# dequantize + cuBLAS at M=256 on the wide shapes (4096x28672 143 vs 201 us, 8192x28672 281 vs
-# 401, 28672x8192 298 vs 415), tied on 8192^2 and lost on the smaller ones (no split-K: too few
-# CTAs) and at M=64 and M=1024.
-WGMMA_AUTO_M = (192, 512)
-WGMMA_AUTO_MIN_KN = 100_000_000
+# H200, 2026-11-30 (benchmarks/NOTES.md, "wgmma v2"): the wgmma kernel beat the mma.sync kernel
+# and dequantize + cuBLAS at M=64 on N=28672 (4096x28672 46 vs 65 us, 8192x28672 89 vs 109) but not
+# on N=8192 (no split-K: too few CTAs), and at M=256 on every shape with K*N >= 64M (8192^2 81 vs
+# 112, 4096x28672 131 vs 201, 8192x28672 251 vs 401, 28672x8192 278 vs 415); at M=1024
+# dequantize + cuBLAS stays level or ahead.
+WGMMA_AUTO_MID_M = (192, 512)  # M range where shapes with K*N >= WGMMA_AUTO_MIN_KN take it
+WGMMA_AUTO_MIN_KN = 1 << 26
+WGMMA_AUTO_SMALL_M_MIN_N = 16384  # below that M range: only wide N
 
 
 def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
@@ -311,15 +313,25 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     setting = wgmma_setting()
     if setting == "off" or _cc(index) != (9, 0):
         return False
-    return setting == "on" or (WGMMA_AUTO_M[0] <= m < WGMMA_AUTO_M[1] and k * n >= WGMMA_AUTO_MIN_KN)
+    if setting == "on":
+        return True
+    lo, hi = WGMMA_AUTO_MID_M
+    if m < lo:
+        return n >= WGMMA_AUTO_SMALL_M_MIN_N
+    return m < hi and k * n >= WGMMA_AUTO_MIN_KN
+
+
+def wgmma_strips(n: int, m_tiles: int, sms: int) -> int:
+    """Two 64-feature strips per warpgroup (256 features per CTA) when that still gives about
+    three quarters of the SMs a CTA; else one (and two CTAs per SM)."""
+    return 2 if n % 256 == 0 and (n // 256) * m_tiles * 4 >= 3 * sms else 1
 
 
 def wgmma_config(m: int, n: int, sms: int) -> tuple[int, int, int]:
     """(token tile, strips per warpgroup, stages) for the wgmma kernel: 64-token tiles up to M=64,
-    else 128; two strips per warpgroup (256 features per CTA) when that still gives every SM a CTA."""
+    else 128; strips per warpgroup from wgmma_strips."""
     nt = 64 if m <= 64 else 128
-    m_tiles = -(-m // nt)
-    fw = 2 if n % 256 == 0 and (n // 256) * m_tiles >= sms else 1
+    fw = wgmma_strips(n, -(-m // nt), sms)
     for cfg in K.WGMMA_CONFIGS:
         if cfg[:2] == (nt, fw):
             return cfg

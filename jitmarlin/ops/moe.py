@@ -222,11 +222,10 @@ def _use_wgmma_moe(block_size: int, n: int, k: int, index: int) -> bool:
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
                       top_k, block_size, a_by_position, index, fw: int | None = None) -> None:
     from ..jit import driver
-    from .gemm import _cc, use_pdl
+    from .gemm import _cc, use_pdl, wgmma_strips
 
-    if fw is None:  # two strips per warpgroup when the blocks still fill the GPU
-        blocks = -(-sorted_ids.numel() // block_size)
-        fw = 2 if n % 256 == 0 and (n // 256) * blocks >= 2 * driver.device(index).sm_count else 1
+    if fw is None:  # (blocks: an upper bound of the expert blocks)
+        fw = wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
     nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
     fn = K.get_wgmma_kernel(fam, nt, fw, stages, index)
     p = K.GemmParams()
