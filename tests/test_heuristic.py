@@ -99,7 +99,9 @@ def test_wgmma_route_rules(monkeypatch, setting):
     K.env_flag.cache_clear()
     cc = {0: (9, 0), 1: (8, 0)}
     monkeypatch.setattr(G, "_cc", lambda index: cc[index])
+    monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)  # (its fallback: the next test)
     fam = K.Family("f16", 4, False, 128)
+    mfam = K.Family("f16", 4, False, 128, moe=True)
     try:
         auto = [G.use_wgmma_path(m, n, k, fam, 0) for m, k, n in
                 ((256, 4096, 28672), (256, 28672, 8192), (192, 8192, 8192), (511, 8192, 28672),
@@ -111,10 +113,46 @@ def test_wgmma_route_rules(monkeypatch, setting):
             assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile
         assert not G.use_wgmma_path(256, 28672, 4096, fam, 1)  # not sm_90
         assert not G.use_wgmma_path(256, 28672, 4096, K.Family("f16", 4, False, 128, moe=True), 0)
-        assert M._use_wgmma_moe(64, 28672, 4096, 0) is (setting != "0")
-        assert not M._use_wgmma_moe(32, 28672, 4096, 0) and not M._use_wgmma_moe(64, 28672, 4096, 1)
+        assert M._use_wgmma_moe(64, 28672, 4096, mfam, 0) is (setting != "0")
+        assert not M._use_wgmma_moe(32, 28672, 4096, mfam, 0) and not M._use_wgmma_moe(64, 28672, 4096, mfam, 1)
         assert [G.wgmma_strips(n, mt, 132) for n, mt in ((28672, 1), (28672, 2), (8192, 2), (8192, 8), (8064, 8))] \
             == [2, 2, 1, 2, 1]
         assert G.wgmma_config(64, 28672, 132) == (64, 2, 4) and G.wgmma_config(256, 8192, 132) == (128, 1, 4)
     finally:
         K.env_flag.cache_clear()
+
+
+def test_wgmma_route_falls_back_when_its_module_cannot_be_built(monkeypatch):
+    """Chosen automatically, a wgmma module that cannot be built (nvcc without sm_90a, a prebuilt
+    cache without it under JITMARLIN_DISABLE_JIT) means the mma.sync path and one warning; forced
+    with JITMARLIN_WGMMA=1 the route stays (and the launch raises the build error)."""
+    from jitmarlin.errors import CacheMissError
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+    from jitmarlin.ops import moe as M
+
+    def no_module(spec):
+        raise CacheMissError(f"{spec.family} module not in the cache (test)")
+
+    monkeypatch.setattr(K, "get_module", no_module)
+    monkeypatch.setattr(G, "_cc", lambda index: (9, 0))
+    monkeypatch.delenv("JITMARLIN_WGMMA", raising=False)
+    K.env_flag.cache_clear()
+    K.wgmma_module_ready.cache_clear()
+    fam = K.Family("f16", 4, False, 128)
+    try:
+        with pytest.warns(RuntimeWarning, match="not available.*using the mma.sync kernels"):
+            assert not G.use_wgmma_path(256, 28672, 8192, fam, 0)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # cached: warned once
+            assert not G.use_wgmma_path(256, 28672, 8192, fam, 0)
+        with pytest.warns(RuntimeWarning, match="not available"):
+            assert not M._use_wgmma_moe(64, 28672, 4096, K.Family("f16", 4, False, 128, moe=True), 0)
+        monkeypatch.setenv("JITMARLIN_WGMMA", "1")
+        K.env_flag.cache_clear()
+        assert G.use_wgmma_path(256, 28672, 8192, fam, 0)
+    finally:
+        K.env_flag.cache_clear()
+        K.wgmma_module_ready.cache_clear()

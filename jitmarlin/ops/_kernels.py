@@ -257,6 +257,25 @@ def wgmma_build_spec(fam: Family, cc: tuple[int, int]) -> BuildSpec:
 
 
 @functools.lru_cache(maxsize=None)
+def wgmma_module_ready(fam: Family) -> bool:
+    """Whether the sm_90a module of this family is (or can be) built. When the route to it is
+    automatic, a failure (nvcc without sm_90a, a JITMARLIN_DISABLE_JIT cache built without it) falls
+    back to the mma.sync kernels with one warning instead of failing the call."""
+    import warnings
+
+    from ..errors import JitMarlinError
+
+    try:
+        get_module(wgmma_build_spec(fam, (9, 0)))
+        return True
+    except JitMarlinError as e:
+        warnings.warn(f"jitmarlin: the sm_90a warpgroup-MMA kernels for {fam.cli_args()} are not available ({e}); "
+                      "using the mma.sync kernels. JITMARLIN_WGMMA=0 skips them without this warning.",
+                      RuntimeWarning, stacklevel=3)
+        return False
+
+
+@functools.lru_cache(maxsize=None)
 def get_wgmma_kernel(fam: Family, nt: int, fw: int, stages: int, device_index: int) -> driver.Function:
     mod = get_module(wgmma_build_spec(fam, (9, 0)))
     name = wgmma_kernel_name(fam, nt, fw, stages)

@@ -314,11 +314,10 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     if setting == "off" or _cc(index) != (9, 0):
         return False
     if setting == "on":
-        return True
+        return True  # forced: a build failure raises
     lo, hi = WGMMA_AUTO_MID_M
-    if m < lo:
-        return n >= WGMMA_AUTO_SMALL_M_MIN_N
-    return m < hi and k * n >= WGMMA_AUTO_MIN_KN
+    wanted = n >= WGMMA_AUTO_SMALL_M_MIN_N if m < lo else (m < hi and k * n >= WGMMA_AUTO_MIN_KN)
+    return wanted and K.wgmma_module_ready(fam)
 
 
 def wgmma_strips(n: int, m_tiles: int, sms: int) -> int:

@@ -192,7 +192,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     if size_m == 0:
         return out
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if _use_wgmma_moe(block_size, n, k, index):
+    if _use_wgmma_moe(block_size, n, k, fam, index):
         _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k,
                           fam, top_k, block_size, a_by_position, index)
         return out
@@ -210,13 +210,15 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     return out
 
 
-def _use_wgmma_moe(block_size: int, n: int, k: int, index: int) -> bool:
+def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int) -> bool:
     """The sm_90a wgmma kernel for blocks of 64 rows (many tokens per expert), unless
-    JITMARLIN_WGMMA=0. H200: Mixtral shape at 1024 tokens 3306 -> 2402 us, E=64 1024 tokens 848 -> 554."""
+    JITMARLIN_WGMMA=0 (or, automatically chosen, its module cannot be built: K.wgmma_module_ready). H200: Mixtral shape at 1024 tokens 3306 -> 2402 us, E=64 1024 tokens 848 -> 554."""
     from .gemm import _cc, wgmma_setting
 
-    return (block_size == 64 and n % 128 == 0 and k % 64 == 0 and wgmma_setting() != "off"
-            and _cc(index) == (9, 0))
+    if block_size != 64 or n % 128 or k % 64 or _cc(index) != (9, 0):
+        return False
+    setting = wgmma_setting()
+    return setting == "on" or (setting == "auto" and K.wgmma_module_ready(fam))
 
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
