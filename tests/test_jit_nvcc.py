@@ -65,13 +65,14 @@ def test_compile_error_is_a_build_error_with_command_and_log(cuda_toolchain, jm_
 
 def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
     """The sm_90a wgmma kernels compile for the arch-specific target without spills."""
-    spec = K.wgmma_build_spec(K.Family("bf16", 4, True, 64), (9, 0))
-    assert spec.arch_specific
-    mod = get_module(spec)
-    for name, _ in spec.sources:
-        assert mod.cubin(name).read_bytes()[:4] == b"\x7fELF"
-        info = mod.meta["ptxas"][name]
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+    for fam in (K.Family("bf16", 4, True, 64), K.Family("f16", 8, True, 32, moe=True)):
+        spec = K.wgmma_build_spec(fam, (9, 0))
+        assert spec.arch_specific
+        mod = get_module(spec)
+        for name, _ in spec.sources:
+            assert mod.cubin(name).read_bytes()[:4] == b"\x7fELF"
+            info = mod.meta["ptxas"][name]
+            assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
     with pytest.raises(ValueError, match="sm_90a only"):
         K.wgmma_build_spec(FAMILY, (8, 0))
 

@@ -62,3 +62,16 @@ def test_align_errors():
         moe_align_block_size(torch.zeros(5, dtype=torch.int64), 8, 4)
     with pytest.raises(TypeError, match="integer"):
         moe_align_block_size(torch.zeros(5, 2), 8, 4)
+
+
+def test_large_blocks_only_when_asked_and_experts_are_full():
+    """Blocks of 128 rows (the wgmma MoE kernel, JITMARLIN_WGMMA=1) from 192 rows per expert on
+    average; never without large_blocks; CPU tensors never ask for them."""
+    from jitmarlin.ops import moe as M
+
+    assert choose_block_size(1024, 2, 8, True) == M.WGMMA_BLOCK  # 256 rows per expert
+    assert choose_block_size(768, 2, 8, True) == M.WGMMA_BLOCK  # 192
+    assert choose_block_size(767, 2, 8, True) == 64
+    assert choose_block_size(256, 2, 8, True) == 64
+    assert choose_block_size(1024, 2, 8) == 64 and choose_block_size(100000, 8, 8) == 64
+    assert not M._large_blocks_ok(torch.zeros(4, 1024), 1024, 512)

@@ -220,8 +220,9 @@ def get_moe_util_kernel(name: str, device_index: int, cc: tuple[int, int]) -> dr
 # (token tile NT, 64-feature strips per warpgroup FW, pipeline stages) compiled per family;
 # cuda_src/jm_wgmma.cuh. A CTA covers 128 * FW features x NT tokens.
 WGMMA_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (64, 2, 4), (128, 1, 4), (128, 2, 4))
-# MoE: the m tile is the expert block, and the largest block size is 64
-WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (64, 2, 4))
+# MoE: the m tile is the expert block: 64 rows, or 128 (many tokens per expert; JITMARLIN_WGMMA=1)
+# with one strip per warpgroup (two spill registers in the MoE variant of some formats)
+WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (64, 2, 4), (128, 1, 4))
 
 
 def wgmma_kernel_name(fam: Family, nt: int, fw: int, stages: int) -> str:

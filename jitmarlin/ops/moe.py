@@ -19,12 +19,20 @@ from ._kernels import DTYPES, Family
 from .gemm import launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
+# The sm_90a wgmma MoE kernel also takes blocks of 128 rows, when experts get at least
+# WGMMA_BLOCK_MIN_ROWS rows on average: half the weight re-reads of blocks of 64. NOT YET RUN ON A
+# GPU: used only with JITMARLIN_WGMMA=1 (see _large_blocks_ok).
+WGMMA_BLOCK = 128
+WGMMA_BLOCK_MIN_ROWS = 192
 
 
-def choose_block_size(num_tokens: int, top_k: int, num_experts: int) -> int:
+def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_blocks: bool = False) -> int:
     """Rows per expert block (= the kernel's m tile): the first B with T*k/E/B < 0.9, else 64.
-    Small blocks waste few padded rows at small batch; large ones reuse weights at large batch."""
+    Small blocks waste few padded rows at small batch; large ones reuse weights at large batch.
+    With large_blocks (the wgmma MoE kernel runs both GEMMs), 128 from WGMMA_BLOCK_MIN_ROWS."""
     per_expert = num_tokens * top_k / max(1, num_experts)
+    if large_blocks and per_expert >= WGMMA_BLOCK_MIN_ROWS:
+        return WGMMA_BLOCK
     for b in BLOCK_SIZES:
         if per_expert / b < 0.9:
             return b
@@ -153,8 +161,9 @@ def _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, top
     groups = scales.shape[1]
     if zeros is not None and (zeros.dtype != torch.int32 or tuple(zeros.shape) != (e, groups, n * bits // 32)):
         raise ValueError(f"expert zero points must be int32 [{e}, {groups}, {n * bits // 32}], got {tuple(zeros.shape)}")
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size={block_size} must be one of {BLOCK_SIZES}")
+    if block_size not in BLOCK_SIZES and block_size != WGMMA_BLOCK:
+        raise ValueError(f"block_size={block_size} must be one of {BLOCK_SIZES} (or {WGMMA_BLOCK} on the sm_90a "
+                         "wgmma path)")
     for name, t in (("sorted_ids", sorted_ids), ("expert_ids", expert_ids), ("num_padded", num_padded)):
         if t.dtype != torch.int32 or t.device != a.device:
             raise ValueError(f"{name} must be int32 on {a.device} (from moe_align_block_size), got {t.dtype} on {t.device}")
@@ -192,6 +201,9 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     if size_m == 0:
         return out
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if block_size == WGMMA_BLOCK and not _use_wgmma_moe(block_size, n, k, fam, index):
+        raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel: compute capability 9.0, "
+                         f"N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), JITMARLIN_WGMMA not 0")
     if _use_wgmma_moe(block_size, n, k, fam, index):
         _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k,
                           fam, top_k, block_size, a_by_position, index)
@@ -215,7 +227,7 @@ def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int) -
     JITMARLIN_WGMMA=0 (or, automatically chosen, its module cannot be built: K.wgmma_module_ready). H200: Mixtral shape at 1024 tokens 3306 -> 2402 us, E=64 1024 tokens 848 -> 554."""
     from .gemm import _cc, wgmma_setting
 
-    if block_size != 64 or n % 128 or k % 64 or _cc(index) != (9, 0):
+    if block_size not in (64, WGMMA_BLOCK) or n % 128 or k % 64 or _cc(index) != (9, 0):
         return False
     setting = wgmma_setting()
     return setting == "on" or (setting == "auto" and K.wgmma_module_ready(fam))
@@ -226,7 +238,9 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     from ..jit import driver
     from .gemm import _cc, use_pdl, wgmma_strips
 
-    if fw is None:  # (blocks: an upper bound of the expert blocks)
+    if block_size == WGMMA_BLOCK:  # compiled with one strip per warpgroup only
+        fw = 1
+    elif fw is None:  # (blocks: an upper bound of the expert blocks)
         fw = wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
     nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
     fn = K.get_wgmma_kernel(fam, nt, fw, stages, index)
@@ -279,6 +293,17 @@ def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: to
     return torch.gather(x[rows], 1, cols)
 
 
+def _large_blocks_ok(hidden: torch.Tensor, h: int, inter: int) -> bool:
+    """Blocks of 128 rows (the wgmma MoE kernel for both expert GEMMs): only with JITMARLIN_WGMMA=1
+    until measured, on sm_90, with shapes it tiles (gate+up: N = 2I, K = H; down: N = H, K = I)."""
+    if not hidden.is_cuda:
+        return False
+    from .gemm import _cc, wgmma_setting
+
+    index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+    return wgmma_setting() == "on" and h % 128 == 0 and inter % 64 == 0 and _cc(index) == (9, 0)
+
+
 def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor,
                      w2_scales: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                      w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
@@ -305,7 +330,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not form experts of hidden={h}: need "
                          f"w13 [E, 2I/64, {h}/16, .] and w2 [E, {h}/64, I/16, .]")
     inter = i2 // 2
-    bs = block_size or choose_block_size(t, top_k, e)
+    bs = block_size or choose_block_size(t, top_k, e, _large_blocks_ok(hidden, h, inter))
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
     hidden = hidden.contiguous()
     if w13_perm is None:

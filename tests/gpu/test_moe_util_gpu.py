@@ -33,7 +33,8 @@ def _ids(t, k, e, seed, skew=False, dtype=torch.int64):
 
 
 @pytest.mark.parametrize("t,k,e,block", [(1, 2, 8, 8), (3, 2, 8, 8), (16, 2, 8, 16), (64, 6, 64, 16),
-                                         (257, 2, 8, 64), (1024, 6, 64, 64), (4096, 8, 256, 32), (7, 1, 1, 8)])
+                                         (257, 2, 8, 64), (1024, 6, 64, 64), (4096, 8, 256, 32), (7, 1, 1, 8),
+                                         (1024, 2, 8, 128)])
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_align_kernel_equals_reference(t, k, e, block, skew, dtype):

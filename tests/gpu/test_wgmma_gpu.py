@@ -108,7 +108,8 @@ def test_route_through_the_op(monkeypatch):
                          ids=["f16", "act-order", "bf16", "u8-g64"])
 def test_moe_blocks_of_64(monkeypatch, fw, kw):
     """The MoE variant (blocks of 64 rows: many tokens per expert) against the mma.sync MoE kernel,
-    through the whole layer, at token counts that fill the last block of an expert partly."""
+    through the whole layer, at token counts that fill the last block of an expert partly. With
+    JITMARLIN_WGMMA=1, 1024 tokens (256 rows per expert) take blocks of 128 (one strip per warpgroup)."""
     from .test_moe_gpu import make_moe
 
     from jitmarlin.ops import moe as M
@@ -122,7 +123,11 @@ def test_moe_blocks_of_64(monkeypatch, fw, kw):
         monkeypatch.setenv("JITMARLIN_WGMMA", "0")
         K.env_flag.cache_clear()
         want = moe(x)
-        monkeypatch.setenv("JITMARLIN_WGMMA", "1")
-        K.env_flag.cache_clear()
-        got = moe(x)
-        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, t
+        for setting in ("auto", "1"):  # wgmma blocks of 64; "1": of 128 at 1024 tokens
+            if setting == "auto":
+                monkeypatch.delenv("JITMARLIN_WGMMA")
+            else:
+                monkeypatch.setenv("JITMARLIN_WGMMA", setting)
+            K.env_flag.cache_clear()
+            got = moe(x)
+            assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, (t, setting)
