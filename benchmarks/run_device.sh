@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
+else  # .whl/ is git-ignored: the device tool copies it only when the call carries it (carry: [".whl"])
+  echo "run_device: no .whl/ here, so the peers it holds (humming-kernels, gemlite) are skipped; carry .whl" >&2
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JITMARLIN_CACHE_DIR=${JITMARLIN_CACHE_DIR:-/tmp/jm-cache}
