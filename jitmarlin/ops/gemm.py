@@ -306,18 +306,22 @@ WGMMA_AUTO_MIN_KN = 1 << 26
 WGMMA_AUTO_SMALL_M_MIN_N = 16384  # below that M range: only wide N
 
 
+def wgmma_allowed(fam: Family, index: int, wanted: bool) -> bool:
+    """The switch and the device, for a shape the kernel tiles: forced on (a build failure then
+    raises), off, or automatic where `wanted` and its module can be built (K.wgmma_module_ready)."""
+    setting = wgmma_setting()
+    if setting == "off" or _cc(index) != (9, 0):
+        return False
+    return setting == "on" or (wanted and K.wgmma_module_ready(fam))
+
+
 def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     """The dense GEMM on the sm_90a wgmma kernel (see wgmma_setting)."""
     if fam.moe or m < 64 or n % 128 or k % 64:
         return False
-    setting = wgmma_setting()
-    if setting == "off" or _cc(index) != (9, 0):
-        return False
-    if setting == "on":
-        return True  # forced: a build failure raises
     lo, hi = WGMMA_AUTO_MID_M
     wanted = n >= WGMMA_AUTO_SMALL_M_MIN_N if m < lo else (m < hi and k * n >= WGMMA_AUTO_MIN_KN)
-    return wanted and K.wgmma_module_ready(fam)
+    return wgmma_allowed(fam, index, wanted)
 
 
 def wgmma_strips(n: int, m_tiles: int, sms: int) -> int:
