@@ -55,6 +55,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,256,1024")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--blocks", default="", help="also time ours with these expert block sizes, e.g. 16,32,64 "
+                    "(to check choose_block_size)")
     args = ap.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     env = common.environment()
@@ -98,6 +100,19 @@ def main(argv=None):
             err = ((got - ref).norm() / ref.norm()).item()
             us_ours = common.time_graph(lambda _i: ours(), 1, calls=10)
             us_ours_eager = eager_us(ours)
+            by_block = {}
+            for b in (int(v) for v in args.blocks.split(",") if v):
+                try:
+                    fn = (lambda b=b: fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight,
+                                                       moe.w2_scales, weights, ids, block_size=b))
+                    berr = ((fn().float() - ref).norm() / ref.norm()).item()
+                    by_block[b] = round(common.time_graph(lambda _i: fn(), 1, calls=10), 1)
+                    if berr > 1e-2:
+                        by_block[b] = f"rel err {berr:.1e}"
+                except Exception as ex:  # noqa: BLE001 - e.g. 128 off sm_90
+                    by_block[b] = repr(ex)[:80]
+            if by_block:
+                print(f"{name} T={t}: ours by block size {by_block} (default {us_ours:.1f})", flush=True)
             us_loop = eager_us(loop, reps=10)
             us_grouped = None
             grouped_mode = "graph"

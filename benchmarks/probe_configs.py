@@ -34,9 +34,9 @@ def main() -> None:
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n)
         for cfg in args.configs.split(","):
-            if cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}
-                _, nt, fw, st = cfg.split("-")
-                override = ("wgmma", int(nt[1:]), int(fw[1:]), int(st[1:]))
+            if cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]
+                parts = cfg.split("-")
+                override = ("wgmma",) + tuple(int(x[1:]) for x in parts[1:])
             else:
                 tag, w = cfg.rsplit("-w", 1)
                 override = (tiles[tag], int(w))

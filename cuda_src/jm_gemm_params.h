@@ -31,5 +31,5 @@ struct JmGemmParams {
   int32_t grid;              // CTAs launched
   int32_t top_k;             // MoE: A row of a slot = slot / top_k (1 for the down projection)
   int32_t a_by_position;     // MoE: 1 = A row r of the padded list is A[r] (pre-gathered A)
-  int32_t pad_;
+  int32_t k_splits;          // wgmma kernel: CTAs sharing one output tile along K (0 or 1: none)
 };

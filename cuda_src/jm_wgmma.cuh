@@ -14,7 +14,9 @@
 // Weights never exist as fp16 in memory (unlike a dequantize-then-cuBLAS path).
 //
 // CTA: two warpgroups; each owns FW 64-feature strips (one wgmma per strip and k16, sharing the
-// activation descriptor) x NT tokens, all of K (no split). MOE: an m tile is one expert's block of
+// activation descriptor) x NT tokens, all of K, or (dense, p.k_splits > 1) one of k_splits
+// contiguous runs of K, reduced through the workspace in a fixed order (as the mma.sync kernel's
+// split units). MOE: an m tile is one expert's block of
 // NT = block-size rows of the sorted slot list (as the mma.sync MoE kernel: A rows gathered
 // through the slot ids, output row = slot, routing weight).
 // Pipeline: a STAGES-deep cp.async ring of 64-k stages holding activations, packed weights, and
@@ -131,12 +133,18 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int g = lane >> 2;
   // p.grid: the m tiles the launch covers (MoE: an upper bound; the padded row count decides)
   const int f_tiles = p.n / (64 * S::kStrips), m_tiles = p.grid;
-  // feature-tile-major order: CTAs running together share weights (L2) and read all token tiles
-  const int f_tile = blockIdx.x / m_tiles, m_tile = blockIdx.x - f_tile * m_tiles;
+  // Split-K (dense only): `splits` CTAs share an output tile, each over a contiguous run of the
+  // 64-k stages; the last to finish sums the partials in split order (wgmma_reduce_splits).
+  const int splits = MOE || p.k_splits < 1 ? 1 : p.k_splits;
+  // feature-tile-major order (then split, then m tile): CTAs running together share weights (L2)
+  const int per_f = m_tiles * splits;
+  const int f_tile = blockIdx.x / per_f, rem = blockIdx.x - f_tile * per_f;
+  const int split = MOE ? 0 : rem / m_tiles, m_tile = rem - split * m_tiles;
   if (f_tile >= f_tiles) return;
   const int strip0 = f_tile * S::kStrips;  // the CTA's first strip
   const int tok0 = m_tile * NT;
-  const int k_tiles = p.k / 64;
+  const int kt0 = MOE ? 0 : split * (p.k / 64) / splits;  // this CTA's stages: [kt0, kt0 + k_tiles)
+  const int k_tiles = MOE ? p.k / 64 : (split + 1) * (p.k / 64) / splits - kt0;
   const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
 
   griddep_wait();  // MoE: the routing tables come from the previous kernels
@@ -190,7 +198,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int soff = (tid / kRowChunks) * p.n + strip0 * 64 + (tid % kRowChunks) * 8;
   const int zoff = (tid / kZRowChunks) * (p.n * BITS / 32) + strip0 * (2 * BITS) + (tid % kZRowChunks) * 4;
 
-  auto fetch = [&](int kt, int slot) {
+  auto fetch = [&](int kt_local, int slot) {
+    const int kt = kt0 + kt_local;
     uint8_t* st = smem + slot * S::kBytes;
     // activations: chunk c = tid + 256 i lands 32 rows (4096 bytes) after chunk tid
 #pragma unroll
@@ -371,6 +380,54 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
+
+  if (splits > 1) {
+    // Every split stores its partial sums in a region of its own (thread-major float4s, so each
+    // warp writes and reads 512 contiguous bytes); the last of the tile's CTAs to arrive adds all
+    // regions up in split order: bit-identical results run to run, whoever arrives last.
+    constexpr int kRegion = 256 * FW * (NT / 2);  // floats per CTA
+    __shared__ int s_last;
+    float* mine = p.ws + static_cast<int64_t>(blockIdx.x) * kRegion + tid * 4;
+#pragma unroll
+    for (int j = 0; j < FW; j++) {
+#pragma unroll
+      for (int q = 0; q < NT / 8; q++)
+        __stcg(reinterpret_cast<float4*>(mine + (j * (NT / 8) + q) * 1024),
+               make_float4(d[j][4 * q], d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3]));
+    }
+    __threadfence();
+    __syncthreads();
+    const int unit = f_tile * m_tiles + m_tile;
+    if (tid == 0) s_last = atomicAdd(p.counters + unit, 1) == splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (tid == 0) p.counters[unit] = 0;  // all the tile's splits have arrived: zero for the next launch
+    const float* first = p.ws + static_cast<int64_t>(f_tile * per_f + m_tile) * kRegion + tid * 4;
+    const int64_t split_stride = static_cast<int64_t>(m_tiles) * kRegion;  // next split, same tile
+#pragma unroll
+    for (int j = 0; j < FW; j++) {
+      constexpr int kChunk = NT / 8 < 8 ? NT / 8 : 8;  // float4 loads in flight per region
+#pragma unroll
+      for (int q0 = 0; q0 < NT / 8; q0 += kChunk) {
+#pragma unroll
+        for (int q = q0; q < q0 + kChunk; q++) d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
+        for (int sp = 0; sp < splits; sp++) {
+          const float* src = first + sp * split_stride + (j * (NT / 8) + q0) * 1024;
+          float4 v[kChunk];
+#pragma unroll
+          for (int q = 0; q < kChunk; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + q * 1024));
+#pragma unroll
+          for (int q = 0; q < kChunk; q++) {
+            d[j][4 * (q0 + q)] += v[q].x;
+            d[j][4 * (q0 + q) + 1] += v[q].y;
+            d[j][4 * (q0 + q) + 2] += v[q].z;
+            d[j][4 * (q0 + q) + 3] += v[q].w;
+          }
+        }
+      }
+    }
+  }
 
   // ---- epilogue: d[j][4i + c] = (feature 16 warp + g + 8 (c >> 1) of strip j, token 8i + 2t + (c & 1)) ----
   T* cbase = static_cast<T*>(p.c);

@@ -85,8 +85,8 @@ def test_workspace_growth_keeps_old_buffers_alive():
 @pytest.mark.parametrize("setting", [None, "0", "1"])
 def test_wgmma_route_rules(monkeypatch, setting):
     """Where the dense GEMM takes the sm_90a wgmma kernel: only on sm_90, shapes it tiles (N % 128,
-    K % 64, M >= 64); by default (where it measured faster) M in [64, 192) with N >= 16384 and M in
-    [192, 512) with K*N >= 2^26; JITMARLIN_WGMMA=1 everywhere it can, =0 never. The MoE blocks of 64
+    K % 64, M >= 64); by default (where it measured faster, with split-K) M in [64, 512);
+    JITMARLIN_WGMMA=1 everywhere it can, =0 never. The MoE blocks of 64
     follow the switch. Strips per warpgroup: two while about 3/4 of the SMs still get a CTA."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
@@ -107,7 +107,7 @@ def test_wgmma_route_rules(monkeypatch, setting):
                 ((256, 4096, 28672), (256, 28672, 8192), (192, 8192, 8192), (511, 8192, 28672),
                  (64, 4096, 28672), (128, 8192, 16384), (512, 8192, 28672), (64, 28672, 8192),
                  (128, 8192, 8192), (256, 14336, 4096), (256, 4096, 4096), (4096, 8192, 28672))]
-        want_auto = {None: [True] * 6 + [False] * 6, "0": [False] * 12, "1": [True] * 12}[setting]
+        want_auto = {None: [True] * 6 + [False] + [True] * 4 + [False], "0": [False] * 12, "1": [True] * 12}[setting]
         assert auto == want_auto
         for m, k, n in ((63, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
             assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile
@@ -120,6 +120,23 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert G.wgmma_config(64, 28672, 132) == (64, 2, 4) and G.wgmma_config(256, 8192, 132) == (128, 1, 4)
     finally:
         K.env_flag.cache_clear()
+
+
+def test_wgmma_k_splits():
+    """Split-K of the wgmma kernel: fills the resident CTA slots (2 per SM with one strip per
+    warpgroup) without runs shorter than 8 stages, at most 8 splits; none once the tiles fill the GPU;
+    the workspace a split launch reserves matches the kernel's region per CTA."""
+    from jitmarlin.ops import gemm as G
+
+    assert G.wgmma_splits(32, 4096, 1, 132) == 8  # 4096^2 at M=64: 32 tiles -> 256 CTAs, 8 stages each
+    assert G.wgmma_splits(32, 1024, 1, 132) == 2  # 16 stages: runs of >= 8
+    assert G.wgmma_splits(32, 448, 1, 132) == 1
+    assert G.wgmma_splits(64, 8192, 1, 132) == 4  # 8192^2 at M=64
+    assert G.wgmma_splits(64, 8192, 2, 132) == 2  # one CTA per SM with two strips
+    assert G.wgmma_splits(100, 8192, 1, 132) == 2
+    assert G.wgmma_splits(133, 28672, 1, 132) == 1 and G.wgmma_splits(448, 8192, 2, 132) == 1
+    floats, counters = G.wgmma_split_workspace(2, 32, 4, 128, 1)
+    assert counters == 64 and floats == 2 * 32 * 4 * 256 * 64
 
 
 def test_wgmma_route_falls_back_when_its_module_cannot_be_built(monkeypatch):

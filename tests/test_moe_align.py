@@ -65,8 +65,9 @@ def test_align_errors():
 
 
 def test_large_blocks_only_when_asked_and_experts_are_full():
-    """Blocks of 128 rows (the wgmma MoE kernel, JITMARLIN_WGMMA=1) from 192 rows per expert on
+    """Blocks of 128 rows (the wgmma MoE kernel on sm_90) from 192 rows per expert on
     average; never without large_blocks; CPU tensors never ask for them."""
+    from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import moe as M
 
     assert choose_block_size(1024, 2, 8, True) == M.WGMMA_BLOCK  # 256 rows per expert
@@ -74,4 +75,8 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert choose_block_size(767, 2, 8, True) == 64
     assert choose_block_size(256, 2, 8, True) == 64
     assert choose_block_size(1024, 2, 8) == 64 and choose_block_size(100000, 8, 8) == 64
-    assert not M._large_blocks_ok(torch.zeros(4, 1024), 1024, 512)
+    fam = K.Family("f16", 4, False, 128, moe=True)
+    assert not M._large_blocks_ok(torch.zeros(4, 1024), ((1024, 512, fam), (512, 512, fam)))
+    b, s = torch.zeros(8, 16, 64, 128, dtype=torch.int32), torch.zeros(8, 8, 1024, dtype=torch.float16)
+    assert M._expert_family(torch.zeros(4, 1024, dtype=torch.float16), b, s, None) == fam
+    assert M._expert_family(torch.zeros(4, 1024), b, s, None) is None  # fp32: moe_gemm raises the error

@@ -296,14 +296,12 @@ def wgmma_setting() -> str:
     return "auto" if K.env_flag("JITMARLIN_WGMMA", default=True) else "off"
 
 
-# H200, 2026-11-30 (benchmarks/NOTES.md, "wgmma v2"): the wgmma kernel beat the mma.sync kernel
-# and dequantize + cuBLAS at M=64 on N=28672 (4096x28672 46 vs 65 us, 8192x28672 89 vs 109) but not
-# on N=8192 (no split-K: too few CTAs), and at M=256 on every shape with K*N >= 64M (8192^2 81 vs
-# 112, 4096x28672 131 vs 201, 8192x28672 251 vs 401, 28672x8192 278 vs 415); at M=1024
+# H200, 2026-11-30 (benchmarks/NOTES.md, "wgmma split-K"): with K split across CTAs when the
+# output tiles are too few to fill the SMs, the wgmma kernel beat the mma.sync kernel and
+# dequantize + cuBLAS at M = 64, 128 and 256 on all six benchmark shapes (e.g. M=64: 4096^2 12.7 vs
+# 26.5 us, 14336x4096 28.0 vs 56.5, 8192^2 30.0 vs 48.6, 28672x8192 84.5 vs 114.7); at M=1024
 # dequantize + cuBLAS stays level or ahead.
-WGMMA_AUTO_MID_M = (192, 512)  # M range where shapes with K*N >= WGMMA_AUTO_MIN_KN take it
-WGMMA_AUTO_MIN_KN = 1 << 26
-WGMMA_AUTO_SMALL_M_MIN_N = 16384  # below that M range: only wide N
+WGMMA_AUTO_M = (64, 512)  # M range the automatic route sends to the wgmma kernel
 
 
 def wgmma_allowed(fam: Family, index: int, wanted: bool) -> bool:
@@ -319,9 +317,7 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     """The dense GEMM on the sm_90a wgmma kernel (see wgmma_setting)."""
     if fam.moe or m < 64 or n % 128 or k % 64:
         return False
-    lo, hi = WGMMA_AUTO_MID_M
-    wanted = n >= WGMMA_AUTO_SMALL_M_MIN_N if m < lo else (m < hi and k * n >= WGMMA_AUTO_MIN_KN)
-    return wgmma_allowed(fam, index, wanted)
+    return wgmma_allowed(fam, index, WGMMA_AUTO_M[0] <= m < WGMMA_AUTO_M[1])
 
 
 def wgmma_strips(n: int, m_tiles: int, sms: int) -> int:
@@ -341,14 +337,38 @@ def wgmma_config(m: int, n: int, sms: int) -> tuple[int, int, int]:
     raise AssertionError((nt, fw))
 
 
+WGMMA_SPLIT_MIN_STAGES = 8  # a K split keeps at least this many 64-k stages (pipeline fill)
+WGMMA_MAX_SPLITS = 8
+
+
+def wgmma_splits(tiles: int, k: int, fw: int, sms: int) -> int:
+    """CTAs per output tile along K: as many as fit the resident CTA slots (two per SM with one
+    strip per warpgroup, one with two), each with at least WGMMA_SPLIT_MIN_STAGES stages."""
+    slots = sms * (2 if fw == 1 else 1)
+    return max(1, min(slots // max(1, tiles), (k // 64) // WGMMA_SPLIT_MIN_STAGES, WGMMA_MAX_SPLITS))
+
+
+def wgmma_split_workspace(m_tiles: int, f_tiles: int, splits: int, nt: int, fw: int) -> tuple[int, int]:
+    """(floats, counters) a split launch needs: a region of 256 * fw * nt / 2 partial sums per CTA
+    (mirrors the kernel's kRegion), one arrival counter per output tile."""
+    return m_tiles * f_tiles * splits * 256 * fw * (nt // 2), m_tiles * f_tiles
+
+
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
-                 nt: int | None = None, fw: int | None = None, stages: int | None = None) -> None:
+                 nt: int | None = None, fw: int | None = None, stages: int | None = None,
+                 splits: int | None = None, workspace: Workspace | None = None) -> None:
     if n % 128 or k % 64:
         raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
+    sms = driver.device(index).sm_count
     if nt is None or fw is None or stages is None:
-        nt, fw, stages = wgmma_config(m, n, driver.device(index).sm_count)
+        nt, fw, stages = wgmma_config(m, n, sms)
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
+    m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
+    if splits is None:
+        splits = wgmma_splits(m_tiles * f_tiles, k, fw, sms)
+    if not 1 <= splits <= k // 64:
+        raise ValueError(f"wgmma K splits must be in [1, K/64 = {k // 64}], got {splits}")
     fn = K.get_wgmma_kernel(fam, nt, fw, stages, index)
     smem = K.wgmma_smem_bytes(fam, nt, fw, stages)
     p = K.GemmParams()
@@ -356,8 +376,13 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
     p.z = zeros.data_ptr() if zeros is not None else None
     p.bias = bias.data_ptr() if bias is not None else None
     p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
-    p.grid = -(-m // nt)  # m tiles
-    fn.launch((n // (128 * fw)) * p.grid, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)))
+    p.grid = m_tiles
+    p.k_splits = splits
+    if splits > 1:
+        ws = workspace if workspace is not None else K.default_workspace(a.device)
+        ws.ensure(*wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw))
+        p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
+    fn.launch(f_tiles * m_tiles * splits, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)))
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -367,10 +392,10 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     pair for the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
-        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:])
+        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace)
         return
     if plan_override is None and use_wgmma_path(m, n, k, fam, index):
-        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index)
+        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace)
         return
     if plan_override == "dequant" or (plan_override is None and use_dequant_path(m, n, k)):
         wt = dequantize_weights(b, scales, zeros, fam, n, k)

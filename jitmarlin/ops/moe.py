@@ -20,8 +20,7 @@ from .gemm import launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
 # The sm_90a wgmma MoE kernel also takes blocks of 128 rows, when experts get at least
-# WGMMA_BLOCK_MIN_ROWS rows on average: half the weight re-reads of blocks of 64. NOT YET RUN ON A
-# GPU: used only with JITMARLIN_WGMMA=1 (see _large_blocks_ok).
+# WGMMA_BLOCK_MIN_ROWS rows on average: half the weight re-reads of blocks of 64 (_large_blocks_ok).
 WGMMA_BLOCK = 128
 WGMMA_BLOCK_MIN_ROWS = 192
 
@@ -291,15 +290,23 @@ def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: to
     return torch.gather(x[rows], 1, cols)
 
 
-def _large_blocks_ok(hidden: torch.Tensor, h: int, inter: int) -> bool:
-    """Blocks of 128 rows (the wgmma MoE kernel for both expert GEMMs): only with JITMARLIN_WGMMA=1
-    until measured, on sm_90, with shapes it tiles (gate+up: N = 2I, K = H; down: N = H, K = I)."""
-    if not hidden.is_cuda:
-        return False
-    from .gemm import _cc, wgmma_setting
+def _expert_family(hidden: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros) -> K.Family | None:
+    """The kernel family of one expert GEMM, or None for tensors moe_gemm will reject anyway."""
+    if hidden.dtype not in DTYPES or b.dim() != 4 or scales.dim() != 3 or scales.shape[1] < 1:
+        return None
+    k, groups = b.shape[2] * 16, scales.shape[1]
+    return Family(DTYPES[hidden.dtype], b.shape[3] // 32, zeros is not None, -1 if groups == 1 else k // groups,
+                  moe=True)
 
+
+def _large_blocks_ok(hidden: torch.Tensor, gemms) -> bool:
+    """Blocks of 128 rows need both expert GEMMs ((n, k, family) each) on the sm_90a wgmma MoE kernel
+    (the device, the switch, shapes it tiles, a module that can be built). H200: Mixtral MoE at
+    1024 tokens 2157 -> 1893 us (benchmarks/NOTES.md)."""
+    if not hidden.is_cuda or any(fam is None for _, _, fam in gemms):
+        return False
     index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
-    return wgmma_setting() == "on" and h % 128 == 0 and inter % 64 == 0 and _cc(index) == (9, 0)
+    return all(_use_wgmma_moe(WGMMA_BLOCK, n, k, fam, index) for n, k, fam in gemms)
 
 
 def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor,
@@ -328,7 +335,12 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not form experts of hidden={h}: need "
                          f"w13 [E, 2I/64, {h}/16, .] and w2 [E, {h}/64, I/16, .]")
     inter = i2 // 2
-    bs = block_size or choose_block_size(t, top_k, e, _large_blocks_ok(hidden, h, inter))
+    bs = block_size
+    if bs is None:
+        gemms = ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
+                 (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))
+        large = choose_block_size(t, top_k, e, True) == WGMMA_BLOCK and _large_blocks_ok(hidden, gemms)
+        bs = choose_block_size(t, top_k, e, large)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
     hidden = hidden.contiguous()
     if w13_perm is None:

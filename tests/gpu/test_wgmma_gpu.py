@@ -1,4 +1,4 @@
-"""The sm_90a warpgroup-MMA GEMM (MoE blocks of 64 rows and M in [192, 512) on wide shapes by default):
+"""The sm_90a warpgroup-MMA GEMM (by default: MoE blocks of 64 and 128 rows, dense M in [64, 512)):
 outputs vs x @ dequant(W) on every format the dense op takes and every compiled config, output
 buffers poisoned with NaN first; the routes through marlin_gemm (JITMARLIN_WGMMA=1 / 0 / unset) and
 the MoE layer (against the mma.sync MoE kernel). Runs only on compute capability 9.0."""
@@ -64,6 +64,57 @@ def test_formats(fmt):
         check_close(run(a, packed, 200, n, k, dtype, cfg), a.float() @ w, tol, f"N={n} config={cfg}")
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_k_splits(fmt):
+    """Split-K: each output tile is the sum of `splits` CTAs' partials over runs of K (uneven runs:
+    80 stages in 3 or 7), the bias added once; a second run is bit-identical (fixed summation
+    order whichever CTA arrives last) and the arrival counters are all zero afterwards."""
+    dtype, bits, group, zp = fmt
+    k, n = 5120, 512
+    packed, w = random_weights(k, n, bits, group, zp, dtype, seed=2)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for m in (1, 64, 100, 257):
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        ref = a.float() @ w + bias.float()
+        for cfg in K.WGMMA_CONFIGS:
+            if n % (128 * cfg[1]):
+                continue
+            for splits in (2, 3, 7):
+                out = run(a, packed, m, n, k, dtype, cfg + (splits,), bias=bias)
+                check_close(out, ref, tol, f"M={m} config={cfg} splits={splits}")
+                again = run(a, packed, m, n, k, dtype, cfg + (splits,), bias=bias)
+                assert torch.equal(out, again), (m, cfg, splits)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    with pytest.raises(ValueError, match="K splits"):
+        run(a, packed, 1, n, k, dtype, K.WGMMA_CONFIGS[0] + (k // 64 + 1,))
+
+
+def test_k_splits_in_a_cuda_graph():
+    """The automatic split count on a narrow shape (few output tiles): captured and replayed equals
+    eager, on fresh inputs copied into the captured buffer."""
+    k, n = 8192, 1024
+    packed, w = random_weights(k, n, 4, 128)
+    m = 64
+    fam = K.Family(K.DTYPES[torch.float16], 4, False, 128)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nt, fw, _ = G.wgmma_config(m, n, sms)
+    assert G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, fw, sms) > 1  # the case under test
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)  # eager: workspace sized
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, eager)
+    a.copy_(torch.randn(m, k, device="cuda", dtype=torch.float16))
+    graph.replay()
+    check_close(out, a.float() @ w, 1e-3, "replay with new inputs")
+
+
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
 def test_shapes(k, n):
     packed, w = random_weights(k, n, 4, 128 if k % 128 == 0 else -1)
@@ -89,7 +140,7 @@ def test_route_through_the_op(monkeypatch):
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
             check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
         assert calls == want, (setting, calls)
-    monkeypatch.delenv("JITMARLIN_WGMMA")  # default: M=64 and 256 on this wide shape, not 1024
+    monkeypatch.delenv("JITMARLIN_WGMMA")  # default: M in [64, 512)
     K.env_flag.cache_clear()
     calls.clear()
     k, n = 4096, 28672
@@ -98,6 +149,12 @@ def test_route_through_the_op(monkeypatch):
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
     assert calls == [64, 256]
+    calls.clear()
+    packed, w = random_weights(4096, 4096, 4, 128)  # narrow: the K split fills the GPU
+    for m in (63, 128, 511, 512):
+        a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+        check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
+    assert calls == [128, 511]
     with pytest.raises(ValueError, match="N % 128"):
         packed2, _ = random_weights(256, 192, 4, 128)
         run(torch.randn(64, 256, device="cuda", dtype=torch.float16), packed2, 64, 192, 256, torch.float16)
@@ -108,8 +165,8 @@ def test_route_through_the_op(monkeypatch):
                          ids=["f16", "act-order", "bf16", "u8-g64"])
 def test_moe_blocks_of_64(monkeypatch, fw, kw):
     """The MoE variant (blocks of 64 rows: many tokens per expert) against the mma.sync MoE kernel,
-    through the whole layer, at token counts that fill the last block of an expert partly. With
-    JITMARLIN_WGMMA=1, 1024 tokens (256 rows per expert) take blocks of 128 (one strip per warpgroup)."""
+    through the whole layer, at token counts that fill the last block of an expert partly; 1024
+    tokens (256 rows per expert) take blocks of 128 (one strip per warpgroup)."""
     from .test_moe_gpu import make_moe
 
     from jitmarlin.ops import moe as M
@@ -123,7 +180,7 @@ def test_moe_blocks_of_64(monkeypatch, fw, kw):
         monkeypatch.setenv("JITMARLIN_WGMMA", "0")
         K.env_flag.cache_clear()
         want = moe(x)
-        for setting in ("auto", "1"):  # wgmma blocks of 64; "1": of 128 at 1024 tokens
+        for setting in ("auto", "1"):  # wgmma blocks of 64, of 128 at 1024 tokens
             if setting == "auto":
                 monkeypatch.delenv("JITMARLIN_WGMMA")
             else:
