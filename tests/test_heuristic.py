@@ -85,7 +85,8 @@ def test_workspace_growth_keeps_old_buffers_alive():
 @pytest.mark.parametrize("setting", [None, "0", "1"])
 def test_wgmma_route_rules(monkeypatch, setting):
     """Where the dense GEMM takes the sm_90a wgmma kernel: only on sm_90, shapes it tiles (N % 128,
-    K % 64, M >= 64); by default (where it measured faster, with split-K) M in [64, 512);
+    K % 64, M >= 17); by default (where it measured faster, with split-K) M in [33, 512), and
+    M in [17, 32] where K*N <= 2^26;
     JITMARLIN_WGMMA=1 everywhere it can, =0 never. The MoE blocks of 64
     follow the switch. Strips per warpgroup: two while about 3/4 of the SMs still get a CTA."""
     from jitmarlin.ops import _kernels as K
@@ -109,7 +110,11 @@ def test_wgmma_route_rules(monkeypatch, setting):
                  (128, 8192, 8192), (256, 14336, 4096), (256, 4096, 4096), (4096, 8192, 28672))]
         want_auto = {None: [True] * 6 + [False] + [True] * 4 + [False], "0": [False] * 12, "1": [True] * 12}[setting]
         assert auto == want_auto
-        for m, k, n in ((63, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
+        small = [G.use_wgmma_path(m, n, k, fam, 0) for m, k, n in
+                 ((33, 4096, 28672), (63, 28672, 8192), (32, 8192, 8192), (17, 4096, 4096), (32, 4096, 28672),
+                  (17, 28672, 8192), (16, 4096, 4096))]
+        assert small == {None: [True] * 4 + [False] * 3, "0": [False] * 7, "1": [True] * 6 + [False]}[setting]
+        for m, k, n in ((16, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
             assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile
         assert not G.use_wgmma_path(256, 28672, 4096, fam, 1)  # not sm_90
         assert not G.use_wgmma_path(256, 28672, 4096, K.Family("f16", 4, False, 128, moe=True), 0)

@@ -65,15 +65,17 @@ def test_align_errors():
 
 
 def test_large_blocks_only_when_asked_and_experts_are_full():
-    """Blocks of 128 rows (the wgmma MoE kernel on sm_90) from 192 rows per expert on
-    average; never without large_blocks; CPU tensors never ask for them."""
+    """With the wgmma MoE kernel (sm_90): blocks of 64 rows from 14 rows per expert on average,
+    of 128 from 48; never without large_blocks; CPU tensors never ask for them."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import moe as M
 
     assert choose_block_size(1024, 2, 8, True) == M.WGMMA_BLOCK  # 256 rows per expert
-    assert choose_block_size(768, 2, 8, True) == M.WGMMA_BLOCK  # 192
-    assert choose_block_size(767, 2, 8, True) == 64
-    assert choose_block_size(256, 2, 8, True) == 64
+    assert choose_block_size(192, 2, 8, True) == M.WGMMA_BLOCK  # 48
+    assert choose_block_size(191, 2, 8, True) == 64
+    assert choose_block_size(64, 2, 8, True) == 64  # 16 rows: the wgmma kernel's blocks of 64
+    assert choose_block_size(64, 2, 8) == 32  # (the mma.sync kernel's choice)
+    assert choose_block_size(16, 2, 8, True) == 8 and choose_block_size(64, 6, 64, True) == 8  # 4, 6 rows
     assert choose_block_size(1024, 2, 8) == 64 and choose_block_size(100000, 8, 8) == 64
     fam = K.Family("f16", 4, False, 128, moe=True)
     assert not M._large_blocks_ok(torch.zeros(4, 1024), ((1024, 512, fam), (512, 512, fam)))

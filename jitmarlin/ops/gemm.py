@@ -290,7 +290,7 @@ def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Fam
 
 def wgmma_setting() -> str:
     """JITMARLIN_WGMMA: "0" never uses the sm_90a warpgroup-MMA kernel, "1" uses it wherever the
-    shape allows (M >= 64), unset = where it measured faster (use_wgmma_path, MoE blocks of 64)."""
+    shape allows (M >= 17), unset = where it measured faster (use_wgmma_path, MoE blocks of 64 and 128)."""
     if K.env_flag("JITMARLIN_WGMMA"):
         return "on"
     return "auto" if K.env_flag("JITMARLIN_WGMMA", default=True) else "off"
@@ -300,8 +300,12 @@ def wgmma_setting() -> str:
 # output tiles are too few to fill the SMs, the wgmma kernel beat the mma.sync kernel and
 # dequantize + cuBLAS at M = 64, 128 and 256 on all six benchmark shapes (e.g. M=64: 4096^2 12.7 vs
 # 26.5 us, 14336x4096 28.0 vs 56.5, 8192^2 30.0 vs 48.6, 28672x8192 84.5 vs 114.7); at M=1024
-# dequantize + cuBLAS stays level or ahead.
-WGMMA_AUTO_M = (64, 512)  # M range the automatic route sends to the wgmma kernel
+# dequantize + cuBLAS stays level or ahead. Below M=64 (64-token tiles, padded): M=48 beat the
+# mma.sync kernel on every shape measured (4096^2 13.9 vs 29.2 us, 8192x28672 85.4 vs 94.5), M=32
+# only where K*N <= 2^26 (8192^2 28.4 vs 32.9; 8192x28672 83.2 vs 79.1).
+WGMMA_AUTO_M = (17, 512)  # M range the automatic route sends to the wgmma kernel ...
+WGMMA_AUTO_SMALL_M = 32  # ... up to this M only where K*N <= WGMMA_AUTO_SMALL_M_MAX_KN
+WGMMA_AUTO_SMALL_M_MAX_KN = 1 << 26
 
 
 def wgmma_allowed(fam: Family, index: int, wanted: bool) -> bool:
@@ -315,9 +319,10 @@ def wgmma_allowed(fam: Family, index: int, wanted: bool) -> bool:
 
 def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     """The dense GEMM on the sm_90a wgmma kernel (see wgmma_setting)."""
-    if fam.moe or m < 64 or n % 128 or k % 64:
+    if fam.moe or m < 17 or n % 128 or k % 64:
         return False
-    return wgmma_allowed(fam, index, WGMMA_AUTO_M[0] <= m < WGMMA_AUTO_M[1])
+    wanted = WGMMA_AUTO_M[0] <= m < WGMMA_AUTO_M[1] and (m > WGMMA_AUTO_SMALL_M or k * n <= WGMMA_AUTO_SMALL_M_MAX_KN)
+    return wgmma_allowed(fam, index, wanted)
 
 
 def wgmma_strips(n: int, m_tiles: int, sms: int) -> int:

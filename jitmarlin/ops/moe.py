@@ -19,19 +19,26 @@ from ._kernels import DTYPES, Family
 from .gemm import launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
-# The sm_90a wgmma MoE kernel also takes blocks of 128 rows, when experts get at least
-# WGMMA_BLOCK_MIN_ROWS rows on average: half the weight re-reads of blocks of 64 (_large_blocks_ok).
+# On sm_90 the wgmma MoE kernel (blocks of 64 or 128 rows) costs less than the mma.sync kernel's
+# blocks of 32-64 even when half the rows are padding. H200, 2026-11-30 (benchmarks/NOTES.md, "MoE
+# block sizes"): Mixtral at 64 tokens (16 rows per expert) blocks of 64 452 us vs 32 534; at 256
+# tokens (64 rows) blocks of 128 694 vs 64 800; E=64 top-6 at 256 tokens (24 rows) 64 238 vs 32
+# 349; at 1024 tokens (96 rows) 128 385 vs 64 502; below ~8 rows blocks of 8 stay fastest.
 WGMMA_BLOCK = 128
-WGMMA_BLOCK_MIN_ROWS = 192
+WGMMA_BLOCK_MIN_ROWS = 48  # rows per expert (average) from which blocks of 128 ...
+WGMMA_64_MIN_ROWS = 14  # ... and blocks of 64, when the wgmma kernel runs both GEMMs
 
 
 def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_blocks: bool = False) -> int:
     """Rows per expert block (= the kernel's m tile): the first B with T*k/E/B < 0.9, else 64.
     Small blocks waste few padded rows at small batch; large ones reuse weights at large batch.
-    With large_blocks (the wgmma MoE kernel runs both GEMMs), 128 from WGMMA_BLOCK_MIN_ROWS."""
+    With large_blocks (the wgmma MoE kernel runs both GEMMs): 64 from WGMMA_64_MIN_ROWS rows per
+    expert, 128 from WGMMA_BLOCK_MIN_ROWS."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if large_blocks and per_expert >= WGMMA_BLOCK_MIN_ROWS:
         return WGMMA_BLOCK
+    if large_blocks and per_expert >= WGMMA_64_MIN_ROWS:
+        return 64
     for b in BLOCK_SIZES:
         if per_expert / b < 0.9:
             return b
@@ -300,9 +307,9 @@ def _expert_family(hidden: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, 
 
 
 def _large_blocks_ok(hidden: torch.Tensor, gemms) -> bool:
-    """Blocks of 128 rows need both expert GEMMs ((n, k, family) each) on the sm_90a wgmma MoE kernel
-    (the device, the switch, shapes it tiles, a module that can be built). H200: Mixtral MoE at
-    1024 tokens 2157 -> 1893 us (benchmarks/NOTES.md)."""
+    """Blocks of 64 rows at few rows per expert, and of 128, need both expert GEMMs ((n, k, family)
+    each) on the sm_90a wgmma MoE kernel (the device, the switch, shapes it tiles, a module that can
+    be built); see WGMMA_BLOCK_MIN_ROWS."""
     if not hidden.is_cuda or any(fam is None for _, _, fam in gemms):
         return False
     index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
@@ -339,7 +346,8 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     if bs is None:
         gemms = ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
                  (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))
-        large = choose_block_size(t, top_k, e, True) == WGMMA_BLOCK and _large_blocks_ok(hidden, gemms)
+        large = choose_block_size(t, top_k, e, True) != choose_block_size(t, top_k, e) and \
+            _large_blocks_ok(hidden, gemms)
         bs = choose_block_size(t, top_k, e, large)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
     hidden = hidden.contiguous()

@@ -140,7 +140,7 @@ def test_route_through_the_op(monkeypatch):
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
             check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
         assert calls == want, (setting, calls)
-    monkeypatch.delenv("JITMARLIN_WGMMA")  # default: M in [64, 512)
+    monkeypatch.delenv("JITMARLIN_WGMMA")  # default: M in [33, 512) here
     K.env_flag.cache_clear()
     calls.clear()
     k, n = 4096, 28672
@@ -151,10 +151,10 @@ def test_route_through_the_op(monkeypatch):
     assert calls == [64, 256]
     calls.clear()
     packed, w = random_weights(4096, 4096, 4, 128)  # narrow: the K split fills the GPU
-    for m in (63, 128, 511, 512):
+    for m in (16, 17, 63, 128, 511, 512):
         a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
-    assert calls == [128, 511]
+    assert calls == [17, 63, 128, 511]
     with pytest.raises(ValueError, match="N % 128"):
         packed2, _ = random_weights(256, 192, 4, 128)
         run(torch.randn(64, 256, device="cuda", dtype=torch.float16), packed2, 64, 192, 256, torch.float16)
