@@ -321,7 +321,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         how = "built" if float(mod.meta.get("built_at", 0.0)) >= t0 else "cached"
         key = " ".join(f"{k}={v}" for k, v in fam.key())
         _out(f"[{n}/{len(jobs)}] {spec.family} {key} {spec.arch}: {how} in {dt:.1f} s  {mod.path}")
-    if not small:  # sm_90: the warpgroup-MMA kernels (MoE blocks of 64, mid-size M on wide shapes)
+    if not small:  # sm_90: the warpgroup-MMA kernels (MoE blocks of 64 and 128, dense M 17-511)
         for fam in families:
             if (9, 0) in ccs:
                 mod = build.get_module(K.wgmma_build_spec(fam, (9, 0)))

@@ -129,17 +129,19 @@ def test_wgmma_route_rules(monkeypatch, setting):
 
 def test_wgmma_k_splits():
     """Split-K of the wgmma kernel: fills the resident CTA slots (2 per SM with one strip per
-    warpgroup) without runs shorter than 8 stages, at most 8 splits; none once the tiles fill the GPU;
+    warpgroup) without runs shorter than 16 stages, at most 8 splits (4 with 128-token tiles); none
+    once the tiles fill the GPU;
     the workspace a split launch reserves matches the kernel's region per CTA."""
     from jitmarlin.ops import gemm as G
 
-    assert G.wgmma_splits(32, 4096, 1, 132) == 8  # 4096^2 at M=64: 32 tiles -> 256 CTAs, 8 stages each
-    assert G.wgmma_splits(32, 1024, 1, 132) == 2  # 16 stages: runs of >= 8
-    assert G.wgmma_splits(32, 448, 1, 132) == 1
-    assert G.wgmma_splits(64, 8192, 1, 132) == 4  # 8192^2 at M=64
-    assert G.wgmma_splits(64, 8192, 2, 132) == 2  # one CTA per SM with two strips
-    assert G.wgmma_splits(100, 8192, 1, 132) == 2
-    assert G.wgmma_splits(133, 28672, 1, 132) == 1 and G.wgmma_splits(448, 8192, 2, 132) == 1
+    assert G.wgmma_splits(32, 4096, 64, 1, 132) == 4  # 4096^2 at M=64: 64 stages, runs of >= 16
+    assert G.wgmma_splits(32, 14336, 64, 1, 132) == 8  # 14336x4096 at M=64: 32 tiles -> 256 CTAs
+    assert G.wgmma_splits(32, 14336, 128, 1, 132) == 4  # 128-token tiles: at most 4
+    assert G.wgmma_splits(32, 1024, 64, 1, 132) == 1  # 16 stages: one run
+    assert G.wgmma_splits(64, 8192, 64, 1, 132) == 4  # 8192^2 at M=64
+    assert G.wgmma_splits(64, 8192, 64, 2, 132) == 2  # one CTA per SM with two strips
+    assert G.wgmma_splits(100, 8192, 64, 1, 132) == 2
+    assert G.wgmma_splits(133, 28672, 64, 1, 132) == 1 and G.wgmma_splits(448, 8192, 64, 2, 132) == 1
     floats, counters = G.wgmma_split_workspace(2, 32, 4, 128, 1)
     assert counters == 64 and floats == 2 * 32 * 4 * 256 * 64
 

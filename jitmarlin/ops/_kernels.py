@@ -216,7 +216,7 @@ def get_moe_util_kernel(name: str, device_index: int, cc: tuple[int, int]) -> dr
     return driver.get_function(mod.cubin(name), name, device_index)
 
 
-# ---- the sm_90a warpgroup-MMA kernel (MoE blocks of 64 rows, mid-size M; see gemm.use_wgmma_path) ----
+# ---- the sm_90a warpgroup-MMA kernel (MoE blocks of 64 and 128 rows, mid-size M; see gemm.use_wgmma_path) ----
 # (token tile NT, 64-feature strips per warpgroup FW, pipeline stages) compiled per family;
 # cuda_src/jm_wgmma.cuh. A CTA covers 128 * FW features x NT tokens.
 WGMMA_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (64, 2, 4), (128, 1, 4), (128, 2, 4))

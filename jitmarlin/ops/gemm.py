@@ -342,15 +342,18 @@ def wgmma_config(m: int, n: int, sms: int) -> tuple[int, int, int]:
     raise AssertionError((nt, fw))
 
 
-WGMMA_SPLIT_MIN_STAGES = 8  # a K split keeps at least this many 64-k stages (pipeline fill)
-WGMMA_MAX_SPLITS = 8
+WGMMA_SPLIT_MIN_STAGES = 16  # a K split keeps at least this many 64-k stages (pipeline fill)
 
 
-def wgmma_splits(tiles: int, k: int, fw: int, sms: int) -> int:
+def wgmma_splits(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
     """CTAs per output tile along K: as many as fit the resident CTA slots (two per SM with one
-    strip per warpgroup, one with two), each with at least WGMMA_SPLIT_MIN_STAGES stages."""
+    strip per warpgroup, one with two), each with at least WGMMA_SPLIT_MIN_STAGES stages, at most 8
+    with 64-token tiles and 4 with 128 (the last CTA reads every split's partials: 32 / 64 KB per
+    CTA). H200 (benchmarks/NOTES.md, "wgmma split-K"): 4096^2 M=64 4 splits 12.7 us vs 8 14.2;
+    14336x4096 M=64 8 splits 28.0 vs 4 31.8; M=128 4 splits 42.0 vs 8 44.5."""
     slots = sms * (2 if fw == 1 else 1)
-    return max(1, min(slots // max(1, tiles), (k // 64) // WGMMA_SPLIT_MIN_STAGES, WGMMA_MAX_SPLITS))
+    cap = 8 if nt == 64 else 4
+    return max(1, min(slots // max(1, tiles), (k // 64) // WGMMA_SPLIT_MIN_STAGES, cap))
 
 
 def wgmma_split_workspace(m_tiles: int, f_tiles: int, splits: int, nt: int, fw: int) -> tuple[int, int]:
@@ -359,9 +362,24 @@ def wgmma_split_workspace(m_tiles: int, f_tiles: int, splits: int, nt: int, fw: 
     return m_tiles * f_tiles * splits * 256 * fw * (nt // 2), m_tiles * f_tiles
 
 
-def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
-                 nt: int | None = None, fw: int | None = None, stages: int | None = None,
-                 splits: int | None = None, workspace: Workspace | None = None) -> None:
+@dataclass(frozen=True)
+class WgmmaLaunch:
+    """The wgmma kernel and its launch for one problem size on one device."""
+
+    fn: driver.Function
+    smem: int
+    m_tiles: int
+    grid: int
+    splits: int
+    ws: tuple[int, int]  # (floats, counters) of the workspace, when splits > 1
+    pdl: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None = None, fw: int | None = None,
+                 stages: int | None = None, splits: int | None = None) -> WgmmaLaunch:
+    """Config, kernel and grid of the wgmma kernel for (M, N, K) (memoized: the eager launch path
+    runs this once per shape, not per call)."""
     if n % 128 or k % 64:
         raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
     sms = driver.device(index).sm_count
@@ -371,23 +389,30 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
     if splits is None:
-        splits = wgmma_splits(m_tiles * f_tiles, k, fw, sms)
+        splits = wgmma_splits(m_tiles * f_tiles, k, nt, fw, sms)
     if not 1 <= splits <= k // 64:
         raise ValueError(f"wgmma K splits must be in [1, K/64 = {k // 64}], got {splits}")
-    fn = K.get_wgmma_kernel(fam, nt, fw, stages, index)
-    smem = K.wgmma_smem_bytes(fam, nt, fw, stages)
+    return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index), K.wgmma_smem_bytes(fam, nt, fw, stages),
+                       m_tiles, f_tiles * m_tiles * splits, splits,
+                       wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw), use_pdl(_cc(index)))
+
+
+def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
+                 nt: int | None = None, fw: int | None = None, stages: int | None = None,
+                 splits: int | None = None, workspace: Workspace | None = None) -> None:
+    wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
     p.z = zeros.data_ptr() if zeros is not None else None
     p.bias = bias.data_ptr() if bias is not None else None
     p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
-    p.grid = m_tiles
-    p.k_splits = splits
-    if splits > 1:
+    p.grid = wl.m_tiles
+    p.k_splits = wl.splits
+    if wl.splits > 1:
         ws = workspace if workspace is not None else K.default_workspace(a.device)
-        ws.ensure(*wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw))
+        ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
-    fn.launch(f_tiles * m_tiles * splits, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)))
+    wl.fn.launch(wl.grid, 256, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl)
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

@@ -229,9 +229,9 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int) -> bool:
-    """The sm_90a wgmma kernel for blocks of 64 rows (many tokens per expert), unless
-    JITMARLIN_WGMMA=0 (or, chosen automatically, its module cannot be built). H200: Mixtral shape
-    at 1024 tokens 3306 -> 2157 us, E=64 at 1024 tokens 841 -> 501 us."""
+    """The sm_90a wgmma kernel for blocks of 64 and 128 rows, unless JITMARLIN_WGMMA=0 (or, chosen
+    automatically, its module cannot be built). H200: Mixtral shape at 1024 tokens 3306 us on the
+    mma.sync kernel -> 2157 (blocks of 64) -> 1899 (128)."""
     from .gemm import wgmma_allowed
 
     return block_size in (64, WGMMA_BLOCK) and n % 128 == 0 and k % 64 == 0 and wgmma_allowed(fam, index, True)

@@ -99,7 +99,7 @@ def test_k_splits_in_a_cuda_graph():
     fam = K.Family(K.DTYPES[torch.float16], 4, False, 128)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     nt, fw, _ = G.wgmma_config(m, n, sms)
-    assert G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, fw, sms) > 1  # the case under test
+    assert G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, sms) > 1  # the case under test
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
     out = torch.empty(m, n, device="cuda", dtype=torch.float16)
     G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)  # eager: workspace sized
