@@ -82,3 +82,57 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     b, s = torch.zeros(8, 16, 64, 128, dtype=torch.int32), torch.zeros(8, 8, 1024, dtype=torch.float16)
     assert M._expert_family(torch.zeros(4, 1024, dtype=torch.float16), b, s, None) == fam
     assert M._expert_family(torch.zeros(4, 1024), b, s, None) is None  # fp32: moe_gemm raises the error
+
+
+@pytest.mark.parametrize("dtype,bits,groups,zp", [(torch.float16, 4, 8, False), (torch.bfloat16, 8, 1, True),
+                                                   (torch.float16, 4, 32, True)])
+def test_moe_args_give_the_kernel_family(dtype, bits, groups, zp):
+    """The family moe_gemm compiles for (dtype, bits, zero points, group size from the scales' rows:
+    one row = per channel) is the one the block-size choice asks the wgmma route about."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import moe as M
+
+    e, n, k = 4, 256, 1024
+    a = torch.zeros(8, k, dtype=dtype)
+    b = torch.zeros(e, n // 64, k // 16, 32 * bits, dtype=torch.int32)
+    s = torch.zeros(e, groups, n, dtype=dtype)
+    z = torch.zeros(e, groups, n * bits // 32, dtype=torch.int32) if zp else None
+    ids = torch.zeros(64, dtype=torch.int32)
+    want = K.Family(K.DTYPES[dtype], bits, zp, -1 if groups == 1 else k // groups, moe=True)
+    assert M._check_moe_args(a, b, s, z, ids, ids[:4], ids[:1], None, 8, 1, 16) == (n, k, want)
+    assert M._expert_family(a, b, s, z) == want
+
+
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_fused_moe_block_choice(monkeypatch, wgmma):
+    """fused_marlin_moe asks for the wgmma kernel's blocks only where they differ from the mma.sync
+    choice, and takes them only when both expert GEMMs can run there."""
+    from jitmarlin.ops import moe as M
+
+    asked, chosen = [], []
+
+    class Stop(Exception):
+        pass
+
+    def fake_ok(hidden, gemms):
+        asked.append([(n, k) for n, k, _ in gemms])
+        return wgmma
+
+    def fake_align(topk_ids, block, num_experts):
+        chosen.append(block)
+        raise Stop
+
+    monkeypatch.setattr(M, "_large_blocks_ok", fake_ok)
+    monkeypatch.setattr(M, "moe_align_block_size", fake_align)
+    e, h, inter, top_k = 8, 256, 128, 2
+    w13 = torch.zeros(e, 2 * inter // 64, h // 16, 128, dtype=torch.int32)
+    w2 = torch.zeros(e, h // 64, inter // 16, 128, dtype=torch.int32)
+    s13, s2 = torch.zeros(e, 2, 2 * inter, dtype=torch.float16), torch.zeros(e, 1, h, dtype=torch.float16)
+    for t, want in ((16, 8), (64, 64 if wgmma else 32), (256, 128 if wgmma else 64)):
+        x = torch.zeros(t, h, dtype=torch.float16)
+        ids = torch.zeros(t, top_k, dtype=torch.int64)
+        asked.clear()
+        with pytest.raises(Stop):
+            M.fused_marlin_moe(x, w13, s13, w2, s2, torch.ones(t, top_k), ids)
+        assert chosen[-1] == want, (t, chosen)
+        assert asked == ([] if t == 16 else [[(2 * inter, h), (h, inter)]])
