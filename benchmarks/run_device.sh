@@ -73,8 +73,9 @@ for st in $STAGES; do
     moeutil) JITMARLIN_MOE_KERNELS=0 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe_torch_align.json" \
              > "$OUT/moe_torch_align.log" 2>&1; echo "moe bench (torch align/silu, JITMARLIN_MOE_KERNELS=0) rc=$?"; tail -12 "$OUT/moe_torch_align.log";;
     wgmma) # configs of the sm_90a kernel, and the whole benchmarks with it everywhere (JITMARLIN_WGMMA=1)
-           timeout 200 python3 benchmarks/probe_configs.py --shapes 4096x4096,8192x28672,28672x8192 --m 64,256,1024 \
-             --configs wgmma-n64-f1-s6,wgmma-n64-f2-s4,wgmma-n128-f1-s4,wgmma-n128-f2-s4 > "$OUT/wgmma_probe.log" 2>&1; echo "wgmma probe rc=$?"; cat "$OUT/wgmma_probe.log"
+           timeout 200 python3 benchmarks/probe_configs.py --shapes ${WGMMA_SHAPES:-4096x4096,8192x28672,28672x8192} \
+             --m ${WGMMA_M:-64,256,1024} --configs ${WGMMA_CONFIGS:-wgmma-n64-f1-s6,wgmma-n64-f2-s4,wgmma-n128-f1-s4,wgmma-n128-f2-s4} \
+             > "$OUT/wgmma_probe.log" 2>&1; echo "wgmma probe rc=$?"; grep -v "^done" "$OUT/wgmma_probe.log"
            JITMARLIN_WGMMA=1 timeout 240 python3 benchmarks/bench_gemm.py --m 64,256,1024 --peers humming --variants none \
              --json "$OUT/wgmma_bench.json" > "$OUT/wgmma_bench.log" 2>&1; echo "wgmma bench rc=$?"; grep -E "^\| [0-9]" "$OUT/wgmma_bench.log"
            JITMARLIN_WGMMA=1 timeout 200 python3 benchmarks/bench_moe.py --json "$OUT/wgmma_moe.json" > "$OUT/wgmma_moe.log" 2>&1
