@@ -236,14 +236,15 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
   float accg[S::kScaleAcc ? S::kAcc : 1];  // this tile's unscaled partial sums (kScaleAcc)
   // Raw fp16 weights (transposed MMA, one group per tile): the MMA multiplies the exact values
-  // (1024 + q) / (1024 + 16 q) (dequant4_raw), and the end of the tile removes base and zero
+  // (1024 + q) / (1024 + 16 q) (dequant4_raw; bf16 4-bit: 128 + q), and the end of the tile removes base and zero
   // point per column with sum(a) over the tile, which one more MMA per 16 k (weights = 1)
   // provides. Saves 4 of 9 ALU instructions per 8 weights. Cancellation costs at most
   // log2(1024 / 4.6) ~ 8 of fp32's 24 mantissa bits, far below the fp16 output's rounding.
 #ifdef JM_NO_RAW  // tuning switch (JITMARLIN_NVCC_FLAGS=-DJM_NO_RAW): subtract per weight pair
   constexpr bool kRaw = false;
 #else
-  constexpr bool kRaw = !DType<T>::kBF16 && S::kScaleAcc && SWAP;
+  // bf16: 4-bit only (128 + q); 128 + q of 8-bit weights needs 9 significant bits
+  constexpr bool kRaw = (!DType<T>::kBF16 || BITS == 4) && S::kScaleAcc && SWAP;
 #endif
 
   // MMA into accumulator block i (4 floats): the running sums, or with kScaleAcc the tile's
@@ -269,9 +270,12 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     ZeroConst zc[8];    // zero point of n8-block e, as dequant constants
     float cz[8];        // kRaw: base + zero point of n8-block e as the raw sums carry it
     float sa[kRaw ? M_BLOCKS : 1][4];  // kRaw: sum of a over the tile, per token (columns 2t, 2t+1)
-    // raw 4-bit: block 2j holds 1024 + q, block 2j+1 holds (1024 + 16 q) / 16 = 64 + q after the
-    // epilogue's 1/16; raw 8-bit: 1024 + q
-    auto raw_base = [](int e, uint32_t z) { return static_cast<float>((BITS == 4 && (e & 1) ? 64u : 1024u) + z); };
+    // raw fp16 4-bit: block 2j holds 1024 + q, block 2j+1 holds (1024 + 16 q) / 16 = 64 + q after
+    // the epilogue's 1/16; raw fp16 8-bit: 1024 + q; raw bf16 4-bit: 128 + q in every block
+    constexpr bool kHiSixteenth = BITS == 4 && !DType<T>::kBF16;  // block 2j+1 carries 16 q
+    auto raw_base = [](int e, uint32_t z) {
+      return static_cast<float>((DType<T>::kBF16 ? 128u : (kHiSixteenth && (e & 1) ? 64u : 1024u)) + z);
+    };
     if constexpr (!HAS_ZP) {
 #pragma unroll
       for (int e = 0; e < 8; e++) {
@@ -331,7 +335,8 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
           const int row = 8 * tg + (lane & 7), ch = 2 * kb + ((lane >> 3) & 1);
           ldmatrix_x2(bt[tg], st + a_offset(row, ch));
           if constexpr (kRaw) {
-            constexpr uint32_t kOnes[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
+            constexpr uint32_t kOne = DType<T>::kBF16 ? 0x3F803F80u : 0x3C003C00u;
+            constexpr uint32_t kOnes[4] = {kOne, kOne, kOne, kOne};
             if (kk == 0) sa[tg][0] = sa[tg][1] = sa[tg][2] = sa[tg][3] = 0.f;
             mma_16816<T>(sa[tg], kOnes, bt[tg][0], bt[tg][1]);
           }
@@ -349,7 +354,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         Frag f0, f1;  // n8-blocks 2j and 2j+1
         if constexpr (kRaw) {
           if constexpr (BITS == 4) {
-            dequant4_raw(qw[j], f0, f1);
+            dequant4_raw<T>(qw[j], f0, f1);
           } else {
             f0 = dequant8_raw(qw[2 * j]);
             f1 = dequant8_raw(qw[2 * j + 1]);
@@ -388,7 +393,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
           const int e = 2 * ((i >> 2) & 3) + ((i & 3) >> 1);
           float v = accg[i];
           if constexpr (kRaw) {
-            const float mul = (BITS == 4 && (e & 1)) ? 0.0625f : 1.f;
+            const float mul = (kHiSixteenth && (e & 1)) ? 0.0625f : 1.f;
             v = fmaf(v, mul, -cz[e] * sa[i >> 4][i & 1]);
           }
           acc[i] = fmaf(half_to_float<T>(sr[e >> 1], e & 1), v, acc[i]);
