@@ -211,23 +211,32 @@ def test_misaligned_activations_are_refused():
 
 @pytest.mark.parametrize("bits,zp", [(4, False), (4, True), (8, False), (8, True)])
 @pytest.mark.parametrize("m", [1, 5, 16])
-def test_outlier_activations(bits, zp, m):
+def test_outlier_activations(bits, zp, m, dtype=torch.float16):
     """Activations with large outliers (as in LLM hidden states): the small-M kernels feed raw
-    (1024 + q) weights to the MMA and remove the base per column afterwards, which cancels
-    large fp32 sums; the result must stay as accurate as the fp16 output allows, row by row."""
+    (1024 + q; bf16 4-bit: 128 + q) weights to the MMA and remove the base per column afterwards,
+    which cancels large fp32 sums; the result must stay as accurate as the output dtype allows,
+    row by row."""
     k, n = 8192, 1024
-    packed, w = random_weights(k, n, bits, 128, zp)
+    packed, w = random_weights(k, n, bits, 128, zp, dtype)
     gen = torch.Generator(device="cuda").manual_seed(m)
     a = torch.randn(m, k, device="cuda", generator=gen)
     cols = torch.randperm(k, device="cuda", generator=gen)[: k // 100]
     a[:, cols] *= 300.0
-    a = a.half()
+    a = a.to(dtype)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
     ref = a.float() @ w
     plans = [None]  # the heuristic's choice, and the transposed (raw) tile of this M
     if torch.cuda.get_device_capability(0) >= (9, 0):
         plans.append((K.Tile(1 if m <= 8 else 2, True, 8, 4, True), 4))
     for plan in plans:
         out = run_poisoned(a, packed, override=plan)
-        check_close(out, ref, 1e-3, f"bits={bits} zp={zp} M={m} plan={plan}")
+        check_close(out, ref, tol, f"bits={bits} zp={zp} M={m} plan={plan}")
         for r in range(m):
-            check_close(out[r:r + 1], ref[r:r + 1], 1e-3, f"bits={bits} zp={zp} M={m} plan={plan} row {r}")
+            check_close(out[r:r + 1], ref[r:r + 1], tol, f"bits={bits} zp={zp} M={m} plan={plan} row {r}")
+
+
+@pytest.mark.parametrize("zp", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_outlier_activations_bf16(zp, m):
+    """The same with bf16 4-bit weights (raw as 128 + q) and bf16 activations."""
+    test_outlier_activations(4, zp, m, torch.bfloat16)
