@@ -144,6 +144,19 @@ def test_wgmma_k_splits():
     assert G.wgmma_splits(64, 8192, 64, 2, 132) == 2  # one CTA per SM with two strips
     assert G.wgmma_splits(100, 8192, 64, 1, 132) == 2
     assert G.wgmma_splits(133, 28672, 64, 1, 132) == 1 and G.wgmma_splits(448, 8192, 64, 2, 132) == 1
+    from jitmarlin.ops import _kernels as K
+
+    for sms in (78, 114, 132):  # every split launch the heuristic makes fits the reserved bound
+        for nt, fw, _ in K.WGMMA_CONFIGS:
+            for m in (17, 64, 100, 128, 256, 511):
+                for k in (1024, 4096, 14336, 28672):
+                    for n in (1024, 4096, 8192, 28672):
+                        if n % (128 * fw):
+                            continue
+                        mt, ft = -(-m // nt), n // (128 * fw)
+                        sp = G.wgmma_splits(mt * ft, k, nt, fw, sms)
+                        need, _ = G.wgmma_split_workspace(mt, ft, sp, nt, fw)
+                        assert sp == 1 or need <= G.wgmma_split_bound(sms), (sms, nt, fw, m, k, n, sp)
     floats, counters = G.wgmma_split_workspace(2, 32, 4, 128, 1)
     assert counters == 64 and floats == 2 * 32 * 4 * 256 * 64
 

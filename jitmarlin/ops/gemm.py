@@ -362,6 +362,13 @@ def wgmma_split_workspace(m_tiles: int, f_tiles: int, splits: int, nt: int, fw: 
     return m_tiles * f_tiles * splits * 256 * fw * (nt // 2), m_tiles * f_tiles
 
 
+def wgmma_split_bound(sms: int) -> int:
+    """Partial-sum floats that cover every split launch the heuristic makes (grid <= resident
+    slots, region <= 256 x 64 floats per slot). The first split launch reserves this much, so a
+    CUDA graph captured later never needs the workspace to grow (≈ 17 MB on 132 SMs)."""
+    return 2 * sms * 256 * 64
+
+
 @dataclass(frozen=True)
 class WgmmaLaunch:
     """The wgmma kernel and its launch for one problem size on one device."""
@@ -371,7 +378,7 @@ class WgmmaLaunch:
     m_tiles: int
     grid: int
     splits: int
-    ws: tuple[int, int]  # (floats, counters) of the workspace, when splits > 1
+    ws: tuple[int, int]  # (floats, counters) to reserve when splits > 1 (at least wgmma_split_bound)
     pdl: bool
 
 
@@ -392,9 +399,10 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         splits = wgmma_splits(m_tiles * f_tiles, k, nt, fw, sms)
     if not 1 <= splits <= k // 64:
         raise ValueError(f"wgmma K splits must be in [1, K/64 = {k // 64}], got {splits}")
+    floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index), K.wgmma_smem_bytes(fam, nt, fw, stages),
-                       m_tiles, f_tiles * m_tiles * splits, splits,
-                       wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw), use_pdl(_cc(index)))
+                       m_tiles, f_tiles * m_tiles * splits, splits, (max(floats, wgmma_split_bound(sms)), counters),
+                       use_pdl(_cc(index)))
 
 
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,

@@ -115,6 +115,29 @@ def test_k_splits_in_a_cuda_graph():
     check_close(out, a.float() @ w, 1e-3, "replay with new inputs")
 
 
+def test_capture_of_a_new_split_shape_needs_no_growth():
+    """After any eager split launch the workspace holds wgmma_split_bound floats, so a CUDA graph of
+    another split shape captures without growing it (growth during capture is refused)."""
+    fam = K.Family(K.DTYPES[torch.float16], 4, False, 128)
+    packed, _ = random_weights(2048, 1024, 4, 128)
+    a = torch.randn(64, 2048, device="cuda", dtype=torch.float16)
+    out = torch.empty(64, 1024, device="cuda", dtype=torch.float16)
+    G.launch_wgmma(a, packed.b, packed.scales, None, None, out, 64, 1024, 2048, fam, 0)
+    ws = K.default_workspace(torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ws.ws.numel() >= G.wgmma_split_bound(sms)
+    k, n, m = 8192, 4096, 300  # a larger split launch, first seen inside the capture
+    packed2, w2 = random_weights(k, n, 4, 128, seed=3)
+    a2 = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    out2 = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    assert G.wgmma_launch(m, n, k, fam, 0).splits > 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.launch_wgmma(a2, packed2.b, packed2.scales, None, None, out2, m, n, k, fam, 0)
+    graph.replay()
+    check_close(out2, a2.float() @ w2, 1e-3, "captured first")
+
+
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
 def test_shapes(k, n):
     packed, w = random_weights(k, n, 4, 128 if k % 128 == 0 else -1)
