@@ -4,7 +4,7 @@ a per-kernel GPU-time breakdown of one decode step / prefill of the model shapes
 a captured decode step reproduces eager execution bit for bit.
 
     python benchmarks/diag_decode.py host
-    python benchmarks/diag_decode.py profile --layers 4
+    python benchmarks/diag_decode.py profile --layers 4 --variants fp16,w4,w4-fused --cases 8x128 --top 12
     python benchmarks/diag_decode.py graph --model mixtral --layers 2 --batch 8 --prefill 128
 """
 
@@ -84,6 +84,8 @@ def _kernel_times(fn, reps: int = 3) -> dict[str, float]:
 def _category(name: str) -> str:
     if name.startswith("jm_gemm"):
         return "jitmarlin gemm"
+    if name.startswith("jm_wgmma"):
+        return "jitmarlin wgmma"
     if name.startswith("jm_dequant"):
         return "jitmarlin dequant"
     low = name.lower()
@@ -103,11 +105,17 @@ def profile_cmd(args) -> None:
         model = E.build_model(spec, dev, 0)
         if qopts:
             jitmarlin.quantize_model(model, device=dev, **qopts)
+        if vkey in E.FUSED_VARIANTS:
+            jitmarlin.fuse_projections(model)
         api = E.ModelAPI(model)
-        for batch, prefill in ((1, 128), (8, 128), (1, 512)):
+        for batch, prefill in [tuple(map(int, c.split("x"))) for c in (args.cases or "1x128,8x128,1x512").split(",")]:
             ids = torch.randint(0, spec.vocab, (batch, prefill), device=dev)
             with torch.no_grad():
-                pre = _kernel_times(lambda: model(input_ids=ids, use_cache=True, **api.keep_last()))
+                fwd = lambda: model(input_ids=ids, use_cache=True, **api.keep_last())  # noqa: E731
+                pre = _kernel_times(fwd)  # (its first call warms up)
+                wall = sorted(E.time_call(fwd, dev) for _ in range(3))[1]
+                print(f"{spec.label} {label} B={batch} P={prefill} prefill: {wall * 1e3:.3f} ms per forward (CUDA "
+                      "events around the eager call: host gaps included)", flush=True)
                 dec = E.Decoder(model, api, ids, 16)
                 dec.reset()
                 step = _kernel_times(dec.step)
@@ -136,7 +144,7 @@ def graph_cmd(args) -> None:
         jitmarlin.quantize_model(model, device=dev, **qopts)
     api = E.ModelAPI(model)
     print(f"JITMARLIN_PDL={os.environ.get('JITMARLIN_PDL', '(unset)')} {spec.label} {label}")
-    for batch, prefill in [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]:
+    for batch, prefill in [tuple(map(int, c.split("x"))) for c in (args.cases or "8x128,8x512,1x2048").split(",")]:
         ids = torch.randint(0, spec.vocab, (batch, prefill), device=dev, generator=torch.Generator(dev).manual_seed(1))
         with torch.no_grad():
             for _ in range(2):  # prefill as the benchmark does (grows the workspace)
@@ -200,7 +208,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--variants", default="fp16,w4")
     ap.add_argument("--variant", default="w4")
-    ap.add_argument("--cases", default="8x128,8x512,1x2048")
+    ap.add_argument("--cases", default=None, help="BATCHxPREFILL list (profile: 1x128,8x128,1x512; graph: "
+                    "8x128,8x512,1x2048)")
     ap.add_argument("--top", type=int, default=0)
     args = ap.parse_args()
     {"host": host, "profile": profile_cmd, "graph": graph_cmd, "det": det_cmd}[args.what](args)
