@@ -179,8 +179,7 @@ def _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, top
     for name, t in (("weights", b), ("scales", scales), ("zero points", zeros), ("topk_weights", topk_weights)):
         if t is not None and t.device != a.device:
             raise ValueError(f"{name} are on {t.device} but the activations on {a.device}")
-    group_size = -1 if groups == 1 else k // groups
-    return n, k, Family(DTYPES[a.dtype], bits, zeros is not None, group_size, moe=True)
+    return n, k, _expert_family(a, b, scales, zeros)
 
 
 from .gemm import _lib  # noqa: E402  (the "jitmarlin" op library)
@@ -343,12 +342,11 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
                          f"w13 [E, 2I/64, {h}/16, .] and w2 [E, {h}/64, I/16, .]")
     inter = i2 // 2
     bs = block_size
-    if bs is None:
-        gemms = ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
-                 (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))
-        large = choose_block_size(t, top_k, e, True) != choose_block_size(t, top_k, e) and \
-            _large_blocks_ok(hidden, gemms)
-        bs = choose_block_size(t, top_k, e, large)
+    if bs is None:  # the expert families are only needed when the wgmma blocks would differ
+        bs, wide = choose_block_size(t, top_k, e), choose_block_size(t, top_k, e, True)
+        if wide != bs and _large_blocks_ok(hidden, ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
+                                                    (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))):
+            bs = wide
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
     hidden = hidden.contiguous()
     if w13_perm is None:
