@@ -218,12 +218,10 @@ def get_moe_util_kernel(name: str, device_index: int, cc: tuple[int, int]) -> dr
 
 # ---- the sm_90a warpgroup-MMA kernel (MoE blocks of 64 and 128 rows, mid-size M; see gemm.use_wgmma_path) ----
 # (token tile NT, 64-feature strips per warpgroup FW, pipeline stages) compiled per family;
-# cuda_src/jm_wgmma.cuh. A CTA covers 128 * FW features x NT tokens. (256, 1, 4) dequantizes each
-# weight once per 256 tokens (half the ALU work per MMA of 128-token tiles); compiled and tested,
-# but the automatic route does not pick it until it is measured (probe config wgmma-n256-f1-s4).
-WGMMA_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (64, 2, 4), (128, 1, 4), (128, 2, 4), (256, 1, 4))
-# MoE: the m tile is the expert block: 64 rows, or 128 (many tokens per expert), with one strip
-# per warpgroup (two spill registers in the two-strip MoE variant of some formats)
+# cuda_src/jm_wgmma.cuh. A CTA covers 128 * FW features x NT tokens.
+WGMMA_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (64, 2, 4), (128, 1, 4), (128, 2, 4))
+# MoE: the m tile is the expert block: 64 rows, or 128 (many tokens per expert; JITMARLIN_WGMMA=1)
+# with one strip per warpgroup (two spill registers in the MoE variant of some formats)
 WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (64, 2, 4), (128, 1, 4))
 
 

@@ -347,12 +347,12 @@ WGMMA_SPLIT_MIN_STAGES = 16  # a K split keeps at least this many 64-k stages (p
 
 def wgmma_splits(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
     """CTAs per output tile along K: as many as fit the resident CTA slots (two per SM with one
-    strip per warpgroup and <= 128 tokens, else one), each with at least WGMMA_SPLIT_MIN_STAGES
-    stages, at most 8 with 64-token tiles, 4 with 128 and 2 with 256 (the last CTA reads every
-    split's partials: 32 / 64 / 128 KB per CTA). H200 (benchmarks/NOTES.md, "wgmma split-K"): 4096^2 M=64 4 splits 12.7 us vs 8 14.2;
+    strip per warpgroup, one with two), each with at least WGMMA_SPLIT_MIN_STAGES stages, at most 8
+    with 64-token tiles and 4 with 128 (the last CTA reads every split's partials: 32 / 64 KB per
+    CTA). H200 (benchmarks/NOTES.md, "wgmma split-K"): 4096^2 M=64 4 splits 12.7 us vs 8 14.2;
     14336x4096 M=64 8 splits 28.0 vs 4 31.8; M=128 4 splits 42.0 vs 8 44.5."""
-    slots = sms * (2 if fw == 1 and nt < 256 else 1)
-    cap = {64: 8, 128: 4}.get(nt, 2)
+    slots = sms * (2 if fw == 1 else 1)
+    cap = 8 if nt == 64 else 4
     return max(1, min(slots // max(1, tiles), (k // 64) // WGMMA_SPLIT_MIN_STAGES, cap))
 
 
