@@ -461,12 +461,21 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         const int r = u == (cta * sch.iters) / k_tiles ? 0 : 1;
         return p.ws + (2 * static_cast<int64_t>(cta) + r) * region_floats + warp * (32 * S::kAcc) + lane * 4;
       };
+      // Partials of rows past M are never read back: float4 q of a thread holds rows
+      // (SWAP) 8(q/4) + 2t + {0, 1}, (normal) 16(q/8) + g + {0, 8} of the m tile. Skipping them
+      // cuts the split traffic by up to 4x at M=1 (dense; MoE rows are not contiguous).
+      auto live = [&](int q) {
+        if constexpr (MOE) return true;
+        const int r = SWAP ? 8 * (q >> 2) + 2 * t : (q >> 3) * 16 + g;
+        return m_tile * S::kRows + r < p.m;
+      };
       if (owner) {
         float* mine = region(blockIdx.x);
 #pragma unroll
         for (int q = 0; q < S::kAcc / 4; q++)
-          __stcg(reinterpret_cast<float4*>(mine + q * 128),
-                 make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+          if (live(q))
+            __stcg(reinterpret_cast<float4*>(mine + q * 128),
+                   make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
       }
       __threadfence();
       math_sync();
@@ -489,7 +498,9 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
           const float* src = region(cta);
           float4 v[kChunk / 4];
 #pragma unroll
-          for (int q = 0; q < kChunk / 4; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + (c0 / 4 + q) * 128));
+          for (int q = 0; q < kChunk / 4; q++)
+            v[q] = live(c0 / 4 + q) ? __ldcg(reinterpret_cast<const float4*>(src + (c0 / 4 + q) * 128))
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
           for (int q = 0; q < kChunk / 4; q++) {
             acc[c0 + 4 * q] += v[q].x;
@@ -839,18 +850,19 @@ namespace jm {
 // Act-order: C[r, j] = A[r, perm[j]] for r < p.m, j < p.k (row strides p.lda, p.ldc), the
 // activation columns in the order of the sorted weight rows. One thread per 8 output columns
 // (one 16-byte store). Under programmatic dependent launch (sm_90) it lets the GEMM after it
-// launch at once, so that the GEMM's first weight copies overlap this kernel, and it waits for
-// the kernel that wrote A before reading it.
+// launch at once, so that the GEMM's first weight copies overlap this kernel, reads perm while
+// the kernel before it still runs, and waits for that kernel before reading A.
 template <typename T>
 JM_DEVICE void gather_body(const JmGemmParams p) {
   griddep_launch_dependents();
-  griddep_wait();
   const int chunks = p.k / 8;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(p.m) * chunks) return;
   const int row = static_cast<int>(idx / chunks), j0 = static_cast<int>(idx % chunks) * 8;
+  // perm is a layer constant (no kernel writes it): read it while the previous kernel finishes
   const int4 c0 = __ldg(reinterpret_cast<const int4*>(p.perm + j0));
   const int4 c1 = __ldg(reinterpret_cast<const int4*>(p.perm + j0 + 4));
+  griddep_wait();
   const unsigned short* src = static_cast<const unsigned short*>(p.a) + static_cast<int64_t>(row) * p.lda;
   const int cols[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
   uint32_t packed[4];

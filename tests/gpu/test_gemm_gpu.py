@@ -240,3 +240,14 @@ def test_outlier_activations(bits, zp, m, dtype=torch.float16):
 def test_outlier_activations_bf16(zp, m):
     """The same with bf16 4-bit weights (raw as 128 + q) and bf16 activations."""
     test_outlier_activations(4, zp, m, torch.bfloat16)
+
+
+def test_act_order_public_op_small_m():
+    """marlin_gemm with perm (the gather kernel, then the GEMM) at small M, against the reference."""
+    k, n = 11008, 1024
+    packed, w = random_weights(k, n, 4, 128)
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    for m in (1, 3, 8, 9, 16, 17):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        out = jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm)
+        check_close(out, a[:, perm.long()].float() @ w, 1e-3, f"M={m}")
