@@ -3,6 +3,8 @@ with kernel build switches ($JITMARLIN_NVCC_FLAGS). Prints one line per (shape, 
 
     JITMARLIN_NVCC_FLAGS=-DJM_STREAM_ONLY python benchmarks/probe_configs.py \
         --shapes 8192x28672 --m 1 --configs w8_k128_s6_bk-w4,w8_k128_s6_bk-w8
+    python benchmarks/probe_configs.py --m 16 --extra-tiles w16_k128_s5_bk \
+        --configs w16_k128_s4_bk-w4,w16_k128_s5_bk-w4
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN, e.g. w8_k128_s6_bk-w4")
+    ap.add_argument("--extra-tiles", default="", help="comma-separated tile tags built into the families "
+                    "for this run only (candidates outside the built-in lists), e.g. w16_k128_s5_bk")
     args = ap.parse_args()
+    extra = tuple(K.Tile.from_tag(t) for t in args.extra_tiles.split(",") if t)
+    if extra:  # before the first build: the family's module (and cache key) then holds them
+        K.TILES = K.TILES + tuple(t for t in extra if not t.bulk and t not in K.TILES)
+        K.BULK_TILES = K.BULK_TILES + tuple(t for t in extra if t.bulk and t not in K.BULK_TILES)
     tiles = {t.tag(): t for t in K.tiles_for(torch.cuda.get_device_capability(0))}
     bw = common.copy_bandwidth()
     flags = os.environ.get("JITMARLIN_NVCC_FLAGS", "")

@@ -21,7 +21,9 @@ python3 -m jitmarlin info > "$OUT/info.txt" 2>&1; tail -5 "$OUT/info.txt"
 for st in $STAGES; do
   t0=$(date +%s)
   case $st in
-    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs --maxfail=40 tests/gpu ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1
+    tests) # PYTEST_K: a -k expression (may hold spaces); PYTEST_ARGS: more words for pytest
+           timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs --maxfail=40 tests/gpu ${PYTEST_K:+-k "$PYTEST_K"} \
+             ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1
            echo "tests rc=$?"; tail -25 "$OUT/tests.log";;
     cputests) timeout 300 python3 -m pytest -q tests --ignore=tests/gpu -x > "$OUT/cputests.log" 2>&1
            echo "cputests rc=$?"; tail -3 "$OUT/cputests.log";;
@@ -36,9 +38,11 @@ for st in $STAGES; do
              IFS=, read -r k n m <<< "$spec"; set -- $k $n $m
              timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
                --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-               --section InstructionStats -k regex:jm_gemm -s 2 -c 1 \
+               --section InstructionStats --section SourceCounters \
+               --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k regex:jm_gemm -s 2 -c 1 \
                python3 benchmarks/profile_gemm.py --k $1 --n $2 --m $3 > "$OUT/prof_$1_$2_$3.txt" 2>&1
              echo "prof $spec rc=$?"; grep -E "Duration|Throughput|Registers|Achieved Occupancy|Stall|Issued Ipc|No Eligible" "$OUT/prof_$1_$2_$3.txt" | head -30
+             grep -E "issue_stalled" "$OUT/prof_$1_$2_$3.txt" | sort -k3 -g -r | head -12  # stall cycles per issued instruction, by reason
            done;;
     demo)  timeout 240 python3 -m jitmarlin demo > "$OUT/demo.log" 2>&1
            echo "demo rc=$?"; tail -12 "$OUT/demo.log";;

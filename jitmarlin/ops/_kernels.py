@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import re
 import threading
 from dataclasses import dataclass
 
@@ -108,6 +109,19 @@ class Tile:
         m = f"w{8 * self.m_blocks}" if self.swap else f"m{self.m_blocks}"
         return (f"{m}_k{self.tile_k}_s{self.stages}" + ("_bk" if self.bulk else "")
                 + (f"_ks{self.ksplit}" if self.ksplit > 1 else ""))
+
+    @classmethod
+    def from_tag(cls, tag: str) -> "Tile":
+        """The inverse of tag(): "w16_k128_s5_bk" -> Tile(2, True, 8, 5, True) (for experiments
+        with tiles outside the built-in lists, e.g. benchmarks/probe_configs.py --extra-tiles)."""
+        m = re.fullmatch(r"(w|m)(\d+)_k(\d+)_s(\d+)(_bk)?(?:_ks(\d+))?", tag)
+        if m is None:
+            raise ValueError(f"not a tile tag: {tag!r} (expected e.g. w8_k128_s6_bk, m1_k128_s4, w16_k128_s4_bk_ks2)")
+        swap, rows, tile_k = m.group(1) == "w", int(m.group(2)), int(m.group(3))
+        if (swap and rows % 8) or tile_k % 16:
+            raise ValueError(f"tile tag {tag!r}: w<rows> needs a multiple of 8 rows, k a multiple of 16")
+        return cls(rows // 8 if swap else rows, swap, tile_k // 16, int(m.group(4)), m.group(5) is not None,
+                   int(m.group(6) or 1))
 
 
 # Compiled in every family. Chosen from the tuning sweep in benchmarks/ (see NOTES.md).
