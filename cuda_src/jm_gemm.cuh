@@ -567,18 +567,32 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     // mbarriers and the bulk copy engine: the Hopper tuning guide and PTX ISA; our code.)
     __shared__ __align__(8) uint64_t full_bar[STAGES];
     __shared__ __align__(8) uint64_t empty_bar[STAGES];
+    // Activations of 16-row m tiles: 16-byte cp.async copies by the producer's 32 lanes (each
+    // lane then arrives on the slot's full barrier when its copies have landed: 1 + 32 arrivals
+    // per fill), instead of one bulk copy per 256-byte row: 16 bulk copies per stage against 4
+    // for the weights (NOTES.md, session 6). 8-row tiles keep the row copies (the cp.async loop
+    // pushes the f16 4-bit w8 tiles past their 96-register cap). -DJM_A_BULK_ROWS: row copies
+    // everywhere, for A/B runs.
+#ifdef JM_A_BULK_ROWS
+    constexpr bool kACp = false;
+#else
+    constexpr bool kACp = S::kRows >= 16;
+#endif
     if (tid == 0) {
 #pragma unroll
       for (int s = 0; s < STAGES; s++) {
-        mbar_init(&full_bar[s], 1);
+        mbar_init(&full_bar[s], kACp ? 33 : 1);
         mbar_init(&empty_bar[s], nmath);
       }
       mbar_fence_init();
     }
-    // Activation rows a copy never fills (rows past M) enter the MMA as zeros.
-    for (int i = tid; i < STAGES * (S::kAStageBytes / 16); i += blockDim.x) {
-      const int slot = i / (S::kAStageBytes / 16), off = i - slot * (S::kAStageBytes / 16);
-      *reinterpret_cast<int4*>(smem + slot * stage_bytes + off * 16) = make_int4(0, 0, 0, 0);
+    // Activation rows a bulk copy never fills (rows past M) enter the MMA as zeros (the cp.async
+    // path zero-fills them itself).
+    if constexpr (!kACp) {
+      for (int i = tid; i < STAGES * (S::kAStageBytes / 16); i += blockDim.x) {
+        const int slot = i / (S::kAStageBytes / 16), off = i - slot * (S::kAStageBytes / 16);
+        *reinterpret_cast<int4*>(smem + slot * stage_bytes + off * 16) = make_int4(0, 0, 0, 0);
+      }
     }
     fence_proxy_async_smem();
     __syncthreads();
@@ -661,6 +675,19 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       };
       auto issue_acts = [&](const Cursor& c, int slot) {
         uint8_t* st = smem + slot * stage_bytes;
+        if constexpr (kACp) {  // rows past M (or padded MoE slots) are zero-filled
+          for (int ci = lane; ci < S::kRows * S::kAChunksPerRow; ci += 32) {
+            const int r = ci / S::kAChunksPerRow, ch = ci % S::kAChunksPerRow;
+            int src_row;
+            const bool valid = a_row(c, r, src_row);
+            cp_async16(st + r * S::kAPitch + ch * 16,
+                       static_cast<const T*>(p.a) + static_cast<int64_t>(valid ? src_row : 0) * p.lda +
+                           c.kt * S::kTileK + ch * 8,
+                       valid);
+          }
+          cp_async_mbar_arrive(&full_bar[slot]);
+          return;
+        }
         for (int r = lane; r < S::kRows; r += 32) {
           int src_row;
           if (a_row(c, r, src_row))
@@ -675,7 +702,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       // (they never depend on it); the activations follow once it has finished.
       const int pre = MOE ? 0 : min(STAGES, n_it);
       for (int i = 0; i < pre; i++) {
-        const int rows = valid_rows(c);
+        const int rows = kACp ? 0 : valid_rows(c);  // activation bytes the bulk copies bring
         if (lane == 0) mbar_arrive_expect_tx(&full_bar[i], weight_bytes + rows * kRowBytes);
         __syncwarp();
         issue_weights(c, i);
@@ -691,7 +718,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       uint32_t phase = pre / STAGES;  // fills of this slot so far, mod 2
       for (int i = pre; i < n_it; i++) {
         if (i >= STAGES) mbar_wait(&empty_bar[slot], (phase & 1) ^ 1);
-        const int rows = valid_rows(c);
+        const int rows = kACp ? 0 : valid_rows(c);
         if (lane == 0) mbar_arrive_expect_tx(&full_bar[slot], weight_bytes + rows * kRowBytes);
         __syncwarp();
         issue_weights(c, slot);

@@ -17,6 +17,14 @@ JM_DEVICE void cp_async16(void* smem, const void* gmem, bool valid = true) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(n));
 }
 
+// Arrive on an mbarrier once every cp.async this thread has issued so far has landed (.noinc:
+// the barrier's expected count already includes this arrival). Lets 16-byte cp.async copies
+// complete a producer/consumer ring slot together with bulk copies (PTX ISA,
+// "cp.async.mbarrier.arrive").
+JM_DEVICE void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // One group per pipeline stage, committed even when empty so group counting stays uniform.
 JM_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
