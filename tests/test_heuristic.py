@@ -205,3 +205,28 @@ def test_tile_tags_round_trip():
     for bad in ("w16_k128", "q1_k128_s4", "w12_k128_s4", "m1_k100_s4", "w8_k128_s6_bk_ks"):
         with pytest.raises(ValueError, match="tile tag"):
             K.Tile.from_tag(bad)
+
+
+def test_perm_values_checked_once_and_after_changes():
+    """check_perm_values (CPU tensors here; the GPU path runs the same torch ops): a permutation
+    passes and is remembered; repeats, out-of-range values and in-place changes are caught."""
+    import torch
+
+    from jitmarlin.ops import gemm as G
+
+    k = 256
+    perm = torch.randperm(k).to(torch.int32)
+    G.check_perm_values(perm, k)
+    assert G._PERMS_CHECKED[id(perm)][0]() is perm
+    perm[3] = perm[4]  # in place: the version counter moves, so it is checked again
+    with pytest.raises(ValueError, match="permutation of range\\(K=256\\)"):
+        G.check_perm_values(perm, k)
+    bad = torch.arange(k, dtype=torch.int32)
+    bad[0] = k  # outside [0, K)
+    with pytest.raises(ValueError, match="values outside"):
+        G.check_perm_values(bad, k)
+    rows = torch.stack([torch.randperm(k) for _ in range(3)]).to(torch.int32)
+    G.check_perm_values(rows, k)  # [E, K]: every row
+    rows[1, 0] = -1
+    with pytest.raises(ValueError, match="every row of perm"):
+        G.check_perm_values(rows, k)

@@ -160,8 +160,8 @@ def check_args(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Op
 
 
 def check_perm(perm: Optional[torch.Tensor], k: int, device: torch.device) -> None:
-    """Act-order column order: int32 [K] on the activations' device (its values are trusted to be a
-    permutation of range(K); MarlinLinear checks that once when it is built)."""
+    """Act-order column order: int32 [K] on the activations' device (shape, dtype and device; the
+    values are checked by check_perm_values where the order is used)."""
     if perm is None:
         return
     if perm.dtype != torch.int32 or perm.dim() != 1 or perm.shape[0] != k or not perm.is_contiguous():
@@ -169,6 +169,38 @@ def check_perm(perm: Optional[torch.Tensor], k: int, device: torch.device) -> No
                          f"{perm.dtype} {tuple(perm.shape)}")
     if perm.device != device:
         raise ValueError(f"perm is on {perm.device} but the activations on {device}: all must be on one device")
+
+
+# Act-order orders whose values were checked (id -> (weak reference, version counter, address)):
+# a gather with an index outside [0, K) would read out of bounds (an illegal-address error that
+# ends the CUDA context), so every order is checked once, and again after an in-place change.
+_PERMS_CHECKED: dict[int, tuple] = {}
+
+
+def check_perm_values(perm: torch.Tensor, k: int) -> None:
+    """Every row of perm ([K] or [E, K]) must be a permutation of range(K). Checked on the first
+    use of each tensor (one sort and one host sync) and after any in-place change (its version
+    counter moves); later calls cost a dictionary lookup. Inside CUDA-graph capture (no sync
+    possible) an unchecked order is trusted: run once eagerly first, as for the workspace; so is
+    one seen while torch.compile traces (the MoE path calls this from traced Python)."""
+    import weakref
+
+    if torch.compiler.is_compiling():
+        return
+    hit = _PERMS_CHECKED.get(id(perm))
+    if hit is not None and hit[0]() is perm and hit[1] == perm._version and hit[2] == perm.data_ptr():
+        return
+    if perm.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    want = torch.arange(k, device=perm.device, dtype=perm.dtype)
+    if not bool((torch.sort(perm, dim=-1).values == want).all()):
+        rows = "every row of perm" if perm.dim() == 2 else "perm"
+        raise ValueError(f"{rows} must be a permutation of range(K={k}) (the act-order column order): "
+                         f"values outside [0, {k}) or repeated")
+    if len(_PERMS_CHECKED) >= 4096:  # drop the entries of tensors that no longer exist
+        for key in [key for key, v in _PERMS_CHECKED.items() if v[0]() is None]:
+            del _PERMS_CHECKED[key]
+    _PERMS_CHECKED[id(perm)] = (weakref.ref(perm), perm._version, perm.data_ptr())
 
 
 # ---- launch ----
@@ -466,6 +498,8 @@ _lib.define("gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor? bias
 def _gemm_cuda(a, b, scales, zeros, bias, perm=None, workspace: Workspace | None = None):
     m, n, k, fam = check_args(a, b, scales, zeros, bias)
     check_perm(perm, k, a.device)
+    if perm is not None:
+        check_perm_values(perm, k)
     if a.device.type != "cuda":
         raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")
     if a.data_ptr() % 16:

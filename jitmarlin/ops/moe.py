@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from . import _kernels as K
 from ._kernels import DTYPES, Family
-from .gemm import launch_params, prepare_launch
+from .gemm import check_perm_values, launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
 # On sm_90 the wgmma MoE kernel (blocks of 64 or 128 rows) costs less than the mma.sync kernel's
@@ -341,6 +341,14 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not form experts of hidden={h}: need "
                          f"w13 [E, 2I/64, {h}/16, .] and w2 [E, {h}/64, I/16, .]")
     inter = i2 // 2
+    for name, perm, k in (("w13_perm", w13_perm, h), ("w2_perm", w2_perm, inter)):
+        if perm is None:
+            continue
+        if perm.shape != (e, k) or perm.dtype.is_floating_point or perm.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor [E={e}, {k}], got {perm.dtype} {tuple(perm.shape)}")
+        if perm.device != hidden.device:
+            raise ValueError(f"{name} is on {perm.device} but hidden on {hidden.device}: all must be on one device")
+        check_perm_values(perm, k)
     bs = block_size
     if bs is None:  # the expert families are only needed when the wgmma blocks would differ
         bs, wide = choose_block_size(t, top_k, e), choose_block_size(t, top_k, e, True)

@@ -251,3 +251,20 @@ def test_act_order_public_op_small_m():
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         out = jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm)
         check_close(out, a[:, perm.long()].float() @ w, 1e-3, f"M={m}")
+
+
+def test_bad_act_order_is_refused_not_a_crash():
+    """An order with a value outside [0, K) or a repeat would gather out of bounds: the op refuses
+    it (checked once per tensor, and again after an in-place change), and the GPU stays usable."""
+    k, n = 1024, 256
+    packed, w = random_weights(k, n, 4, 128)
+    a = torch.randn(4, k, device="cuda", dtype=torch.float16)
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm), a[:, perm.long()].float() @ w, 1e-3, "ok")
+    perm[0] = 1 << 20  # in place, far outside K
+    with pytest.raises(ValueError, match="permutation"):
+        jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm)
+    dup = torch.zeros(k, device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="permutation"):
+        jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=dup)
+    torch.cuda.synchronize()  # no illegal-address error pending

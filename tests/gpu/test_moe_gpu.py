@@ -126,3 +126,19 @@ def test_moe_on_second_device():
             torch.cuda.synchronize(1)
             weights, ids = moe.route(x)
             check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"cuda:1 T={t}")
+
+
+def test_moe_bad_act_order_is_refused():
+    e, h, i, top_k = QWEN
+    moe, _, _ = make_moe(e, h, i, top_k, act_order=True)
+    x = torch.randn(5, h, device="cuda", dtype=torch.float16)
+    weights, ids = moe.route(x)
+    bad = moe.w2_perm.clone()
+    bad[3, 7] = bad[3, 8]  # a repeat in expert 3's order
+    with pytest.raises(ValueError, match="every row of perm"):
+        fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
+                         w13_perm=moe.w13_perm, w2_perm=bad)
+    with pytest.raises(ValueError, match="w13_perm must be an integer tensor"):
+        fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
+                         w13_perm=moe.w13_perm[:, :-1], w2_perm=moe.w2_perm)
+    torch.cuda.synchronize()
