@@ -729,6 +729,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
           ++phase;
         }
       }
+      if constexpr (kACp) cp_async_wait_all();  // leave no cp.async of this thread in flight at exit
       return;
     }
 

@@ -25,6 +25,9 @@ JM_DEVICE void cp_async_mbar_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// Wait for every cp.async of this thread, committed or not.
+JM_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // One group per pipeline stage, committed even when empty so group counting stays uniform.
 JM_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
