@@ -62,6 +62,16 @@ for st in $STAGES; do
              --shapes ${PDL_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,4096x4096} --m 1,16 --peers none \
              > "$OUT/pdl_off.log" 2>&1
            echo "pdl off rc=$?"; grep -E "^\| [0-9]" "$OUT/pdl_off.log";;
+    ab16)  # activations of the 16-row bulk tiles: cp.async (default) vs bulk row copies, M = 1 / 9 / 16,
+           # with compute and stream-only; and the 5-stage w16 ring (a tile outside the built-in list)
+           for f in "" -DJM_A_BULK_ROWS "-DJM_STREAM_ONLY" "-DJM_STREAM_ONLY -DJM_A_BULK_ROWS"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py \
+               --shapes ${AB_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192} --m 1,9,16 \
+               --configs w16_k128_s4_bk-w4,m1_k128_s4_bk-w4,w8_k128_s6_bk-w4 2>&1 | grep -v "^done" | tee -a "$OUT/ab16.log"
+           done
+           timeout 100 python3 benchmarks/probe_configs.py --shapes ${AB_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192} \
+             --m 16 --extra-tiles w16_k128_s5_bk --configs w16_k128_s4_bk-w4,w16_k128_s5_bk-w4 2>&1 | grep -v "^done" \
+             | tee -a "$OUT/ab16.log";;
     moe)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1
            echo "moe rc=$?"; tail -30 "$OUT/moe.log";;
     readme) timeout 240 python3 -m pytest -q -rs tests/test_readme.py > "$OUT/readme.log" 2>&1
