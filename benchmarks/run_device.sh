@@ -62,6 +62,9 @@ for st in $STAGES; do
              --shapes ${PDL_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,4096x4096} --m 1,16 --peers none \
              > "$OUT/pdl_off.log" 2>&1
            echo "pdl off rc=$?"; grep -E "^\| [0-9]" "$OUT/pdl_off.log";;
+    stream) # how fast each weight-stream mechanism reads HBM at the GEMM's occupancies (plain CUDA, no torch)
+           nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/stream_probe.cu -o /tmp/stream_probe \
+             && timeout 120 /tmp/stream_probe > "$OUT/stream.log" 2>&1; echo "stream rc=$?"; cat "$OUT/stream.log";;
     moe)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1
            echo "moe rc=$?"; tail -30 "$OUT/moe.log";;
     readme) timeout 240 python3 -m pytest -q -rs tests/test_readme.py > "$OUT/readme.log" 2>&1
