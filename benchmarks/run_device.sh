@@ -72,6 +72,9 @@ for st in $STAGES; do
            timeout 100 python3 benchmarks/probe_configs.py --shapes ${AB_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192} \
              --m 16 --extra-tiles w16_k128_s5_bk --configs w16_k128_s4_bk-w4,w16_k128_s5_bk-w4 2>&1 | grep -v "^done" \
              | tee -a "$OUT/ab16.log";;
+    stream) # how fast each weight-stream mechanism reads HBM at the GEMM's occupancies (plain CUDA, no torch)
+           nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/stream_probe.cu -o /tmp/stream_probe \
+             && timeout 120 /tmp/stream_probe > "$OUT/stream.log" 2>&1; echo "stream rc=$?"; cat "$OUT/stream.log";;
     moe)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1
            echo "moe rc=$?"; tail -30 "$OUT/moe.log";;
     readme) timeout 240 python3 -m pytest -q -rs tests/test_readme.py > "$OUT/readme.log" 2>&1

@@ -96,3 +96,17 @@ def test_wgmma_smem_formula_matches_the_kernel(cuda_toolchain, tmp_path):
     r = subprocess.run([str(cuda_toolchain.nvcc), "-std=c++17", "-arch=sm_90a", "-c", "-I", str(source_dir()), str(src),
                         "-o", str(tmp_path / "smem_check.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_stream_probe_builds(cuda_toolchain, tmp_path):
+    """benchmarks/stream_probe.cu (the device-session stream probe) keeps compiling against our
+    PTX wrappers for sm_90a (it is built on the GPU machine by run_device.sh)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "stream_probe"
+    r = subprocess.run([str(cuda_toolchain.nvcc), "-std=c++17", "-O3", "-arch=sm_90a", "-I", str(root / "cuda_src"),
+                        str(root / "benchmarks" / "stream_probe.cu"), "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert out.stat().st_size > 0
