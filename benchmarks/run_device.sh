@@ -72,6 +72,13 @@ for st in $STAGES; do
            timeout 100 python3 benchmarks/probe_configs.py --shapes ${AB_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192} \
              --m 16 --extra-tiles w16_k128_s5_bk --configs w16_k128_s4_bk-w4,w16_k128_s5_bk-w4 2>&1 | grep -v "^done" \
              | tee -a "$OUT/ab16.log";;
+    direct) # direct-load tiles (weights straight into registers, a few tiles ahead) vs the default
+           # bulk-copy tiles at M <= 8; the probe prints each config's error against the reference
+           timeout 200 python3 benchmarks/probe_configs.py \
+             --shapes ${DIRECT_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,4096x4096} --m 1,4,8 \
+             --extra-tiles w8_k64_s8_bk_dr4,w8_k128_s6_bk_dr2,w8_k64_s8_bk_dr2 \
+             --configs w8_k128_s6_bk-w4,w8_k128_s6_bk_ks2-w4,w8_k64_s8_bk_dr4-w4,w8_k64_s8_bk_dr4-w2,w8_k128_s6_bk_dr2-w4,w8_k64_s8_bk_dr2-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/direct.log";;
     stream) # how fast each weight-stream mechanism reads HBM at the GEMM's occupancies (plain CUDA, no torch)
            nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/stream_probe.cu -o /tmp/stream_probe \
              && timeout 120 /tmp/stream_probe > "$OUT/stream.log" 2>&1; echo "stream rc=$?"; cat "$OUT/stream.log";;

@@ -28,7 +28,8 @@
 
 namespace jm {
 
-template <int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS, bool BULK = false>
+template <int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS, bool BULK = false,
+          bool DIRECT = false>
 struct GemmShape {
   static constexpr int kRows = SWAP ? 8 * M_BLOCKS : 16 * M_BLOCKS;  // rows of an m tile
   static constexpr int kTileK = 16 * K_BLOCKS;
@@ -41,7 +42,8 @@ struct GemmShape {
   // ldmatrix phase then start in 8 different bank groups).
   static constexpr int kAPitch = BULK ? kTileK * 2 + 16 : kTileK * 2;
   static constexpr int kAStageBytes = kRows * kAPitch;
-  static constexpr int kBWarpBytes = K_BLOCKS * 16 * 64 * BITS / 8;  // one strip, one tile
+  // one strip, one tile (DIRECT: the weights go to registers, not through shared memory)
+  static constexpr int kBWarpBytes = DIRECT ? 0 : K_BLOCKS * 16 * 64 * BITS / 8;
   static constexpr int kSWarpBytes = kGrouped ? kGroupRows * 64 * 2 : 0;
   static constexpr int kZWarpBytes = HAS_ZP ? kGroupRows * 64 * BITS / 8 : 0;
   static constexpr int kWordsPerK16 = 16 * 64 * BITS / 32;  // int32 words of one strip per 16 k
@@ -107,9 +109,13 @@ JM_DEVICE float half_to_float(uint32_t r, int hi) {
 }
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS,
-          int STAGES, bool MOE, bool BULK, int KSPLIT>
+          int STAGES, bool MOE, bool BULK, int KSPLIT, int DIRECT = 0>
 JM_DEVICE void gemm_body(const JmGemmParams p) {
-  using S = GemmShape<BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, BULK>;
+  // DIRECT > 0 (experiment, session 6): the math warps load their own weight words straight from
+  // global memory into registers, DIRECT tiles ahead (Marlin's layout gives each lane its
+  // fragments in one 16-byte word per 16 k), and the producer warp brings only A and the scales.
+  static_assert(DIRECT == 0 || (BULK && KSPLIT == 1 && !MOE), "direct weight loads: bulk tiles, dense, no k split");
+  using S = GemmShape<BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, BULK, (DIRECT > 0)>;
   // KSPLIT warps share each 64-column strip, each taking K_BLOCKS / KSPLIT of every k tile, and
   // meet in shared memory when a unit ends: more warps per SM without a deeper ring.
   static_assert(KSPLIT == 1 || (BULK && K_BLOCKS % KSPLIT == 0), "k-split warps: bulk tiles, KSPLIT | K_BLOCKS");
@@ -263,7 +269,8 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   };
 
   // ---- dequantize + MMA over one tile in shared memory ----
-  auto compute_tile = [&](int slot) {
+  // wreg: DIRECT only, this tile's weight words of this lane (uint4 per 16 k; two for 8-bit)
+  auto compute_tile = [&](int slot, const uint4* wreg) {
     const uint8_t* st = smem + slot * stage_bytes;
     uint32_t sr[4];     // raw group scales of lane g: half e = column 8e + g
     uint32_t sc[8];     // group scale of n8-block e, broadcast to both halves
@@ -317,7 +324,14 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       }
 
       uint32_t qw[BITS == 4 ? 4 : 8];
-      if constexpr (BITS == 4) {
+      if constexpr (DIRECT > 0) {
+        const uint4 v = wreg[BITS == 4 ? kb : 2 * kb];
+        qw[0] = v.x; qw[1] = v.y; qw[2] = v.z; qw[3] = v.w;
+        if constexpr (BITS == 8) {
+          const uint4 v1 = wreg[2 * kb + 1];
+          qw[4] = v1.x; qw[5] = v1.y; qw[6] = v1.z; qw[7] = v1.w;
+        }
+      } else if constexpr (BITS == 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(st + b_off + kb * 512 + lane * 16);
         qw[0] = v.x; qw[1] = v.y; qw[2] = v.z; qw[3] = v.w;
       } else {
@@ -628,10 +642,12 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         if constexpr (MOE) expert = __ldg(p.expert_ids + c.m_tile);
         const uint32_t* b = static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
                             static_cast<int64_t>(c.kt) * K_BLOCKS * S::kWordsPerK16;
-        for (int w = lane; w < nwarps; w += 32) {
-          const int strip = c.n_tile * nwarps + w;
-          bulk_copy_g2s(st + S::kAStageBytes + w * S::kBWarpBytes, b + strip * strip_words, S::kBWarpBytes,
-                        &full_bar[slot]);
+        if constexpr (DIRECT == 0) {
+          for (int w = lane; w < nwarps; w += 32) {
+            const int strip = c.n_tile * nwarps + w;
+            bulk_copy_g2s(st + S::kAStageBytes + w * S::kBWarpBytes, b + strip * strip_words, S::kBWarpBytes,
+                          &full_bar[slot]);
+          }
         }
         int grow0 = 0;
         if constexpr (S::kGrouped) grow0 = (c.kt * S::kTileK) / group_k;
@@ -734,6 +750,60 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     }
 
     // the math warps
+    if constexpr (DIRECT > 0) {
+      constexpr int kWords = K_BLOCKS * (BITS == 4 ? 1 : 2);  // 16-byte weight words per lane per tile
+      uint4 wbuf[DIRECT][kWords];
+      Cursor lcur = cursor_at(begin);  // the next tile whose weights to load
+      auto load_w = [&](uint4 (&dst)[kWords], const Cursor& c) {
+        const int strip = c.n_tile * nwarps + warp;
+        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.b) + strip * strip_words +
+                                                          static_cast<int64_t>(c.kt) * K_BLOCKS * S::kWordsPerK16) +
+                           lane;
+#pragma unroll
+        for (int j = 0; j < kWords; j++) dst[j] = ldg_stream(src + 32 * j);
+      };
+      // the weights never depend on the previous kernel: the first DIRECT tiles go out before the wait
+#pragma unroll
+      for (int d = 0; d < DIRECT; d++)
+        if (d < n_it) {
+          load_w(wbuf[d], lcur);
+          advance(lcur);
+        }
+      griddep_wait();
+      Cursor ccur = cursor_at(begin);
+      int slot = 0;
+      uint32_t phase = 0;
+      for (int i0 = 0; i0 < n_it; i0 += DIRECT) {
+#pragma unroll
+        for (int d = 0; d < DIRECT; d++) {
+          const int i = i0 + d;
+          if (i < n_it) {
+            mbar_wait(&full_bar[slot], phase);
+#ifndef JM_STREAM_ONLY
+            compute_tile(slot, wbuf[d]);
+#else
+            uint32_t x = 0;  // keep the loads alive
+#pragma unroll
+            for (int j = 0; j < kWords; j++) x ^= wbuf[d][j].x ^ wbuf[d][j].w;
+            acc[0] += static_cast<float>(x & 1u);
+#endif
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty_bar[slot]);
+            if (i + DIRECT < n_it) {  // refill this buffer DIRECT tiles ahead
+              load_w(wbuf[d], lcur);
+              advance(lcur);
+            }
+            if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
+            advance(ccur);
+            if (++slot == STAGES) {
+              slot = 0;
+              phase ^= 1;
+            }
+          }
+        }
+      }
+      return;
+    }
     griddep_wait();
     Cursor ccur = cursor_at(begin);
     int slot = 0;
@@ -741,7 +811,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     for (int i = 0; i < n_it; i++) {
       mbar_wait(&full_bar[slot], phase);
 #ifndef JM_STREAM_ONLY  // diagnostic switch: stream the weights, compute nothing (wrong results)
-      compute_tile(slot);
+      compute_tile(slot, nullptr);
 #endif
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty_bar[slot]);
@@ -781,7 +851,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       }
       cp_async_commit();
       fslot = fslot == STAGES - 1 ? 0 : fslot + 1;
-      compute_tile(cslot);
+      compute_tile(cslot, nullptr);
       cslot = cslot == STAGES - 1 ? 0 : cslot + 1;
       if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
       advance(ccur);
@@ -792,10 +862,10 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 }  // namespace jm
 
 // One extern "C" kernel per template instantiation, so the launcher finds it by a plain name.
-#define JM_GEMM_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK, \
-                       KSPLIT, MAX_THREADS, MIN_BLOCKS)                                                     \
-  extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) NAME(const JmGemmParams p) {        \
-    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK, KSPLIT>(p);   \
+#define JM_GEMM_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK,      \
+                       KSPLIT, MAX_THREADS, MIN_BLOCKS, DIRECT)                                                  \
+  extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) NAME(const JmGemmParams p) {             \
+    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK, KSPLIT, DIRECT>(p); \
   }
 
 namespace jm {

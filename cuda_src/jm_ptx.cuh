@@ -28,6 +28,16 @@ JM_DEVICE void cp_async_mbar_arrive(uint64_t* bar) {
 // Wait for every cp.async of this thread, committed or not.
 JM_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// 16-byte load of data read once (the weight stream of the direct-load tiles): the read-only
+// path, no L1 allocation.
+JM_DEVICE uint4 ldg_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // One group per pipeline stage, committed even when empty so group counting stays uniform.
 JM_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 

@@ -198,10 +198,12 @@ def test_wgmma_route_falls_back_when_its_module_cannot_be_built(monkeypatch):
 def test_tile_tags_round_trip():
     from jitmarlin.ops import _kernels as K
 
-    extra = (K.Tile(2, True, 8, 5, True), K.Tile(1, False, 8, 4, True, 4), K.Tile(3, False, 4, 4))
+    extra = (K.Tile(2, True, 8, 5, True), K.Tile(1, False, 8, 4, True, 4), K.Tile(3, False, 4, 4),
+             K.Tile(1, True, 4, 8, True, 1, 4))
     for tile in K.TILES + K.BULK_TILES + extra:
         assert K.Tile.from_tag(tile.tag()) == tile
     assert K.Tile.from_tag("w16_k128_s5_bk") == K.Tile(2, True, 8, 5, True)
+    assert K.Tile.from_tag("w8_k64_s8_bk_dr4") == K.Tile(1, True, 4, 8, True, 1, 4)
     for bad in ("w16_k128", "q1_k128_s4", "w12_k128_s4", "m1_k100_s4", "w8_k128_s6_bk_ks"):
         with pytest.raises(ValueError, match="tile tag"):
             K.Tile.from_tag(bad)

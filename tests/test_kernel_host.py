@@ -72,13 +72,14 @@ def test_smem_formula_matches_kernel(nvcc, tmp_path):
     cases = []
     for bits, zp, g in itertools.product((4, 8), (False, True), (-1, 32, 64, 128, 256)):
         fam = K.Family("f16", bits, zp, g)
-        for tile in K.TILES + K.BULK_TILES:
+        for tile in K.TILES + K.BULK_TILES + (K.Tile.from_tag("w8_k64_s8_bk_dr4"),):  # + a direct-load tile
             if K.tile_fits(fam, tile):
                 cases.append((fam, tile))
     body = ""
     for fam, t in cases:
         shape = (f"jm::GemmShape<{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
-                 f"{t.m_blocks}, {'true' if t.swap else 'false'}, {t.k_blocks}, {'true' if t.bulk else 'false'}>")
+                 f"{t.m_blocks}, {'true' if t.swap else 'false'}, {t.k_blocks}, {'true' if t.bulk else 'false'}, "
+                 f"{'true' if t.direct else 'false'}>")
         body += (f'printf("%d %d %d %d %d\\n", {shape}::stage_bytes(1), {shape}::stage_bytes(4), '
                  f'{shape}::stage_bytes(8), {shape}::kAcc, {shape}::reduce_bytes(4, {t.ksplit}));\n')
     lines = _run_host(nvcc, tmp_path, body).splitlines()

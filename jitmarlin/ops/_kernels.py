@@ -75,6 +75,10 @@ class Tile:
     stages: int  # pipeline depth (shared-memory ring slots)
     bulk: bool = False  # sm_90: producer warp + bulk copies + mbarrier ring (else cp.async ring)
     ksplit: int = 1  # warps sharing one 64-column strip, each on 1/ksplit of every k tile (bulk only)
+    # experiment (bulk, dense): math warps load their weight words straight into registers, this
+    # many tiles ahead; the producer brings only A and the scales. Not in the built-in lists:
+    # benchmarks/probe_configs.py --extra-tiles w8_k64_s8_bk_dr4
+    direct: int = 0
 
     @property
     def rows(self) -> int:
@@ -86,6 +90,8 @@ class Tile:
 
     @property
     def max_warps(self) -> int:  # strips (64 columns each) a CTA may have
+        if self.direct:
+            return 4  # registers: the prefetched weights need up to ~200 per thread
         return (16 if (self.bulk and self.swap and self.m_blocks == 1) else 8) // self.ksplit
 
     @property
@@ -98,7 +104,7 @@ class Tile:
     @property
     def min_blocks(self) -> int:  # __launch_bounds__ minimum CTAs/SM
         if self.bulk:
-            return 1
+            return 2 if self.direct else 1
         return 2 if self.m_blocks == 1 else 1
 
     @property
@@ -108,20 +114,20 @@ class Tile:
     def tag(self) -> str:
         m = f"w{8 * self.m_blocks}" if self.swap else f"m{self.m_blocks}"
         return (f"{m}_k{self.tile_k}_s{self.stages}" + ("_bk" if self.bulk else "")
-                + (f"_ks{self.ksplit}" if self.ksplit > 1 else ""))
+                + (f"_ks{self.ksplit}" if self.ksplit > 1 else "") + (f"_dr{self.direct}" if self.direct else ""))
 
     @classmethod
     def from_tag(cls, tag: str) -> "Tile":
         """The inverse of tag(): "w16_k128_s5_bk" -> Tile(2, True, 8, 5, True) (for experiments
         with tiles outside the built-in lists, e.g. benchmarks/probe_configs.py --extra-tiles)."""
-        m = re.fullmatch(r"(w|m)(\d+)_k(\d+)_s(\d+)(_bk)?(?:_ks(\d+))?", tag)
+        m = re.fullmatch(r"(w|m)(\d+)_k(\d+)_s(\d+)(_bk)?(?:_ks(\d+))?(?:_dr(\d+))?", tag)
         if m is None:
             raise ValueError(f"not a tile tag: {tag!r} (expected e.g. w8_k128_s6_bk, m1_k128_s4, w16_k128_s4_bk_ks2)")
         swap, rows, tile_k = m.group(1) == "w", int(m.group(2)), int(m.group(3))
         if (swap and rows % 8) or tile_k % 16:
             raise ValueError(f"tile tag {tag!r}: w<rows> needs a multiple of 8 rows, k a multiple of 16")
         return cls(rows // 8 if swap else rows, swap, tile_k // 16, int(m.group(4)), m.group(5) is not None,
-                   int(m.group(6) or 1))
+                   int(m.group(6) or 1), int(m.group(7) or 0))
 
 
 # Compiled in every family. Chosen from the tuning sweep in benchmarks/ (see NOTES.md).
@@ -159,7 +165,7 @@ def kernel_source(fam: Family, tile: Tile) -> str:
         f"{'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {tile.m_blocks}, "
         f"{'true' if tile.swap else 'false'}, {tile.k_blocks}, {tile.stages}, "
         f"{'true' if fam.moe else 'false'}, {'true' if tile.bulk else 'false'}, {tile.ksplit}, {tile.max_threads}, "
-        f"{tile.min_blocks})\n")
+        f"{tile.min_blocks}, {tile.direct})\n")
 
 
 def dequant_kernel_name(fam: Family) -> str:
@@ -190,6 +196,8 @@ def gather_kernel_source(fam: Family) -> str:
 def build_spec(fam: Family, cc: tuple[int, int], tiles: tuple[Tile, ...] | None = None) -> BuildSpec:
     if tiles is None:
         tiles = tiles_for(cc)
+    if fam.moe:  # direct-load tiles are dense only
+        tiles = tuple(t for t in tiles if not t.direct)
     sources = tuple((kernel_name(fam, t), kernel_source(fam, t)) for t in tiles)
     if not fam.moe:
         sources += ((dequant_kernel_name(fam), dequant_kernel_source(fam)),
@@ -332,7 +340,7 @@ def group_rows(fam: Family, tile: Tile) -> int:
 
 def stage_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
     a = tile.rows * (tile.tile_k * 2 + (16 if tile.bulk else 0))
-    b = tile.k_blocks * 16 * 64 * fam.bits // 8
+    b = 0 if tile.direct else tile.k_blocks * 16 * 64 * fam.bits // 8
     s = group_rows(fam, tile) * 128 if fam.group_size != -1 else 0
     z = group_rows(fam, tile) * 64 * fam.bits // 8 if fam.zero_points else 0
     return a + nwarps * (b + s + z)
