@@ -32,13 +32,7 @@
 
 namespace {
 
-__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+using jm::ldg_stream;  // the direct-load tiles' weight load
 
 // ---- ldg: each warp owns `per_warp` contiguous bytes; lane L reads word 32 j + L ----
 template <int DEPTH>
