@@ -750,77 +750,69 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     }
 
     // the math warps
-    if constexpr (DIRECT > 0) {
-      constexpr int kWords = K_BLOCKS * (BITS == 4 ? 1 : 2);  // 16-byte weight words per lane per tile
-      uint4 wbuf[DIRECT][kWords];
-      Cursor lcur = cursor_at(begin);  // the next tile whose weights to load
-      auto load_w = [&](uint4 (&dst)[kWords], const Cursor& c) {
-        const int strip = c.n_tile * nwarps + warp;
-        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.b) + strip * strip_words +
-                                                          static_cast<int64_t>(c.kt) * K_BLOCKS * S::kWordsPerK16) +
-                           lane;
+    constexpr int kWords = K_BLOCKS * (BITS == 4 ? 1 : 2);  // DIRECT: 16-byte weight words per lane per tile
+    uint4 wbuf[DIRECT > 0 ? DIRECT : 1][kWords];             // DIRECT: the tiles in flight
+    Cursor lcur = cursor_at(begin);                           // DIRECT: the next tile whose weights to load
+    auto load_w = [&](uint4 (&dst)[kWords], const Cursor& c) {
+      const int strip = c.n_tile * nwarps + warp;
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.b) + strip * strip_words +
+                                                        static_cast<int64_t>(c.kt) * K_BLOCKS * S::kWordsPerK16) +
+                         lane;
 #pragma unroll
-        for (int j = 0; j < kWords; j++) dst[j] = ldg_stream(src + 32 * j);
-      };
-      // the weights never depend on the previous kernel: the first DIRECT tiles go out before the wait
+      for (int j = 0; j < kWords; j++) dst[j] = ldg_stream(src + 32 * j);
+    };
+    if constexpr (DIRECT > 0) {  // the weights never depend on the previous kernel: out before the wait
 #pragma unroll
       for (int d = 0; d < DIRECT; d++)
         if (d < n_it) {
           load_w(wbuf[d], lcur);
           advance(lcur);
         }
-      griddep_wait();
-      Cursor ccur = cursor_at(begin);
-      int slot = 0;
-      uint32_t phase = 0;
-      for (int i0 = 0; i0 < n_it; i0 += DIRECT) {
-#pragma unroll
-        for (int d = 0; d < DIRECT; d++) {
-          const int i = i0 + d;
-          if (i < n_it) {
-            mbar_wait(&full_bar[slot], phase);
-#ifndef JM_STREAM_ONLY
-            compute_tile(slot, wbuf[d]);
-#else
-            uint32_t x = 0;  // keep the loads alive
-#pragma unroll
-            for (int j = 0; j < kWords; j++) x ^= wbuf[d][j].x ^ wbuf[d][j].w;
-            acc[0] += static_cast<float>(x & 1u);
-#endif
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty_bar[slot]);
-            if (i + DIRECT < n_it) {  // refill this buffer DIRECT tiles ahead
-              load_w(wbuf[d], lcur);
-              advance(lcur);
-            }
-            if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
-            advance(ccur);
-            if (++slot == STAGES) {
-              slot = 0;
-              phase ^= 1;
-            }
-          }
-        }
-      }
-      return;
     }
     griddep_wait();
     Cursor ccur = cursor_at(begin);
     int slot = 0;
     uint32_t phase = 0;
-    for (int i = 0; i < n_it; i++) {
+    // tile i of the run: wait for its slot, compute, free the slot, `after_release`, then the
+    // unit's fixup and output when the unit ends here
+    auto step = [&](int i, const uint4* wreg, auto&& after_release) {
       mbar_wait(&full_bar[slot], phase);
 #ifndef JM_STREAM_ONLY  // diagnostic switch: stream the weights, compute nothing (wrong results)
-      compute_tile(slot, nullptr);
+      compute_tile(slot, wreg);
+#else
+      if constexpr (DIRECT > 0) {  // keep the direct loads alive
+        uint32_t x = 0;
+#pragma unroll
+        for (int j = 0; j < kWords; j++) x ^= wreg[j].x ^ wreg[j].w;
+        acc[0] += static_cast<float>(x & 1u);
+      }
 #endif
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty_bar[slot]);
+      after_release();
       if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
       advance(ccur);
       if (++slot == STAGES) {
         slot = 0;
         phase ^= 1;
       }
+    };
+    if constexpr (DIRECT > 0) {
+      for (int i0 = 0; i0 < n_it; i0 += DIRECT) {
+#pragma unroll
+        for (int d = 0; d < DIRECT; d++) {
+          const int i = i0 + d;
+          if (i < n_it)
+            step(i, wbuf[d], [&] {
+              if (i + DIRECT < n_it) {  // refill this buffer DIRECT tiles ahead
+                load_w(wbuf[d], lcur);
+                advance(lcur);
+              }
+            });
+        }
+      }
+    } else {
+      for (int i = 0; i < n_it; i++) step(i, nullptr, [] {});
     }
     return;
   } else {
