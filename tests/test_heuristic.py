@@ -205,3 +205,20 @@ def test_tile_tags_round_trip():
     for bad in ("w16_k128", "q1_k128_s4", "w12_k128_s4", "m1_k100_s4", "w8_k128_s6_bk_ks"):
         with pytest.raises(ValueError, match="tile tag"):
             K.Tile.from_tag(bad)
+
+
+def test_pdl_switch(monkeypatch):
+    """JITMARLIN_PDL is read through K.env_flag like the other switches: on by default on sm_90,
+    off with "0", never before sm_90."""
+    from jitmarlin.ops import gemm as G
+
+    for value, want in ((None, True), ("1", True), ("0", False), ("", True)):
+        if value is None:
+            monkeypatch.delenv("JITMARLIN_PDL", raising=False)
+        else:
+            monkeypatch.setenv("JITMARLIN_PDL", value)
+        K.env_flag.cache_clear()
+        assert G.use_pdl((9, 0)) is want, value
+        assert G.use_pdl((8, 9)) is False
+    monkeypatch.delenv("JITMARLIN_PDL", raising=False)
+    K.env_flag.cache_clear()
