@@ -232,3 +232,20 @@ def test_perm_values_checked_once_and_after_changes():
     rows[1, 0] = -1
     with pytest.raises(ValueError, match="every row of perm"):
         G.check_perm_values(rows, k)
+
+
+def test_pdl_switch(monkeypatch):
+    """JITMARLIN_PDL is read through K.env_flag like the other switches: on by default on sm_90,
+    off with "0", never before sm_90."""
+    from jitmarlin.ops import gemm as G
+
+    for value, want in ((None, True), ("1", True), ("0", False), ("", True)):
+        if value is None:
+            monkeypatch.delenv("JITMARLIN_PDL", raising=False)
+        else:
+            monkeypatch.setenv("JITMARLIN_PDL", value)
+        K.env_flag.cache_clear()
+        assert G.use_pdl((9, 0)) is want, value
+        assert G.use_pdl((8, 9)) is False
+    monkeypatch.delenv("JITMARLIN_PDL", raising=False)
+    K.env_flag.cache_clear()

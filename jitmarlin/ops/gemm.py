@@ -237,13 +237,11 @@ def _make_launch(plan: Plan, rows: int, n: int, k: int, fam: Family, index: int)
     return Launch(fn, plan, grid, K.workspace_floats(grid, plan.nwarps, plan.tile), pdl=use_pdl(_cc(index)))
 
 
-@functools.lru_cache(maxsize=None)
 def use_pdl(cc: tuple[int, int]) -> bool:
     """Programmatic dependent launch: on by default on sm_90 and newer (every sm_90 kernel
-    waits for the previous kernel before reading its outputs); JITMARLIN_PDL=0 turns it off."""
-    import os
-
-    return cc >= (9, 0) and os.environ.get("JITMARLIN_PDL", "1") != "0"
+    waits for the previous kernel before reading its outputs); JITMARLIN_PDL=0 turns it off
+    (read once, like the other switches: K.env_flag)."""
+    return cc >= (9, 0) and K.env_flag("JITMARLIN_PDL", default=True)
 
 
 @functools.lru_cache(maxsize=None)
