@@ -32,24 +32,24 @@ SHAPES = [(4096, 4096), (4096, 28672), (14336, 4096), (8192, 8192), (8192, 28672
 GROUP = 128
 
 
-def make_weights(k, n, seed=0):
+def make_weights(k, n, seed=0, bits=4):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32, generator=gen)
+    q = torch.randint(0, 1 << bits, (k, n), device="cuda", dtype=torch.int32, generator=gen)
     s = (torch.rand(k // GROUP, n, device="cuda", generator=gen) * 0.02 + 0.005).half()
     return q, s
 
 
-def floor_us(k, n, m, bw):
-    return (k * n / 2 + k / GROUP * n * 2 + 2 * m * (k + n)) / bw * 1e6
+def floor_us(k, n, m, bw, bits=4):
+    return (k * n * bits / 8 + k / GROUP * n * 2 + 2 * m * (k + n)) / bw * 1e6
 
 
-def bench_ours(k, n, ms, q, s, results, override=None, tag="jitmarlin"):
-    packed = Packed(pack_weights(q, 4), permute_scales(s), None, 4, GROUP)
+def bench_ours(k, n, ms, q, s, results, override=None, tag="jitmarlin", bits=4):
+    packed = Packed(pack_weights(q, bits), permute_scales(s), None, bits, GROUP)
     nbytes = packed.b.numel() * 4 + packed.scales.numel() * 2
-    copies = [packed] + [Packed(packed.b.clone(), packed.scales.clone(), None, 4, GROUP)
+    copies = [packed] + [Packed(packed.b.clone(), packed.scales.clone(), None, bits, GROUP)
                          for _ in range(common.copies_for(nbytes) - 1)]
-    w = dequantize(q, s, None, 4, GROUP)
-    fam = K.Family("f16", 4, False, GROUP)
+    w = dequantize(q, s, None, bits, GROUP)
+    fam = K.Family("f16", bits, False, GROUP)
     for m in ms:
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         out = torch.empty(m, n, device="cuda", dtype=torch.float16)

@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN, e.g. w8_k128_s6_bk-w4")
     ap.add_argument("--extra-tiles", default="", help="comma-separated tile tags built into the families "
                     "for this run only (candidates outside the built-in lists), e.g. w16_k128_s5_bk")
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="weight bits (fp16, group 128)")
     args = ap.parse_args()
     extra = tuple(K.Tile.from_tag(t) for t in args.extra_tiles.split(",") if t)
     if extra:  # before the first build: the family's module (and cache key) then holds them
@@ -40,7 +41,7 @@ def main() -> None:
     flags = os.environ.get("JITMARLIN_NVCC_FLAGS", "")
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
-        q, s = make_weights(k, n)
+        q, s = make_weights(k, n, bits=args.bits)
         for cfg in args.configs.split(","):
             if cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]
                 parts = cfg.split("-")
@@ -50,12 +51,12 @@ def main() -> None:
                 override = (tiles[tag], int(w))
             results: dict = {}
             ms = [int(x) for x in args.m.split(",")]
-            bench_ours(k, n, ms, q, s, results, override=override, tag=cfg)
+            bench_ours(k, n, ms, q, s, results, override=override, tag=cfg, bits=args.bits)
             for m in ms:
                 r = results.get((cfg, k, n, m))
-                what = f"{r['us']:.1f} us (floor {floor_us(k, n, m, bw):.1f}) err {r['err']:.1e}" if r else \
+                what = f"{r['us']:.1f} us (floor {floor_us(k, n, m, bw, args.bits):.1f}) err {r['err']:.1e}" if r else \
                     f"failed: {results.get('errors')}"
-                print(f"[{flags or 'default'}] {k}x{n} M={m} {cfg}: {what}", flush=True)
+                print(f"[{flags or 'default'}] u{args.bits} {k}x{n} M={m} {cfg}: {what}", flush=True)
 
 
 if __name__ == "__main__":

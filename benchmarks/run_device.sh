@@ -79,6 +79,18 @@ for st in $STAGES; do
              --extra-tiles w8_k64_s8_bk_dr4,w8_k128_s6_bk_dr2,w8_k64_s8_bk_dr2 \
              --configs w8_k128_s6_bk-w4,w8_k128_s6_bk_ks2-w4,w8_k64_s8_bk_dr4-w4,w8_k64_s8_bk_dr4-w2,w8_k128_s6_bk_dr2-w4,w8_k64_s8_bk_dr2-w4 \
              2>&1 | grep -v "^done" | tee "$OUT/direct.log";;
+    tune7) # session-7 candidates: deeper w16 rings at M = 9-16, direct-load tiles at M <= 8, 8-bit rings
+           S6=4096x4096,4096x28672,14336x4096,8192x8192,8192x28672,28672x8192
+           P="timeout 150 python3 benchmarks/probe_configs.py --shapes $S6"
+           $P --m 9,16 --extra-tiles w16_k128_s5_bk,m1_k128_s5_bk,w16_k64_s10_bk \
+             --configs w16_k128_s4_bk-w4,w16_k128_s5_bk-w4,m1_k128_s5_bk-w4,w16_k64_s10_bk-w4,m1_k128_s6-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/tune7_m16.log"
+           $P --m 1,4,8 --extra-tiles w8_k128_s6_bk_dr2,w8_k128_s4_bk_dr2 \
+             --configs w8_k128_s6_bk-w4,w8_k128_s6_bk_ks2-w4,w8_k128_s6_bk_dr2-w4,w8_k128_s4_bk_dr2-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/tune7_m1.log"
+           $P --bits 8 --m 1,16 --extra-tiles w16_k128_s5_bk,w16_k64_s6_bk,w8_k64_s6_bk \
+             --configs w8_k128_s6_bk-w4,w8_k64_s6_bk-w4,w16_k128_s4_bk-w4,w16_k128_s5_bk-w4,w16_k64_s6_bk-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/tune7_u8.log";;
     stream) # how fast each weight-stream mechanism reads HBM at the GEMM's occupancies (plain CUDA, no torch)
            nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/stream_probe.cu -o /tmp/stream_probe \
              && timeout 120 /tmp/stream_probe > "$OUT/stream.log" 2>&1; echo "stream rc=$?"; cat "$OUT/stream.log";;

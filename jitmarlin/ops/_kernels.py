@@ -75,9 +75,9 @@ class Tile:
     stages: int  # pipeline depth (shared-memory ring slots)
     bulk: bool = False  # sm_90: producer warp + bulk copies + mbarrier ring (else cp.async ring)
     ksplit: int = 1  # warps sharing one 64-column strip, each on 1/ksplit of every k tile (bulk only)
-    # experiment (bulk, dense): math warps load their weight words straight into registers, this
-    # many tiles ahead; the producer brings only A and the scales. Not in the built-in lists:
-    # benchmarks/probe_configs.py --extra-tiles w8_k64_s8_bk_dr4
+    # bulk, dense, 4-bit: math warps load their weight words straight into registers, this many
+    # tiles ahead; the producer brings only A and the scales (w8_k128_s6_bk_dr2 is built in; other
+    # depths for experiments: benchmarks/probe_configs.py --extra-tiles w8_k64_s8_bk_dr4)
     direct: int = 0
 
     @property
@@ -144,7 +144,8 @@ TILES: tuple[Tile, ...] = (
 # (The H200 sweeps of benchmarks/NOTES.md kept these out of 15 candidates.)
 BULK_TILES: tuple[Tile, ...] = (
     Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 8, True), Tile(1, True, 8, 6, True, 2),
-    Tile(2, True, 8, 4, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),
+    Tile(2, True, 8, 4, True), Tile(2, True, 8, 5, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),
+    Tile(1, True, 8, 6, True, direct=2),
 )
 
 
@@ -196,8 +197,7 @@ def gather_kernel_source(fam: Family) -> str:
 def build_spec(fam: Family, cc: tuple[int, int], tiles: tuple[Tile, ...] | None = None) -> BuildSpec:
     if tiles is None:
         tiles = tiles_for(cc)
-    if fam.moe:  # direct-load tiles are dense only
-        tiles = tuple(t for t in tiles if not t.direct)
+    tiles = tuple(t for t in tiles if tile_fits(fam, t))  # e.g. no direct-load tiles in MoE or 8-bit families
     sources = tuple((kernel_name(fam, t), kernel_source(fam, t)) for t in tiles)
     if not fam.moe:
         sources += ((dequant_kernel_name(fam), dequant_kernel_source(fam)),
@@ -356,7 +356,10 @@ def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
 
 
 def tile_fits(fam: Family, tile: Tile) -> bool:
-    """Compile-time constraints between family and tile (mirrors the static_asserts)."""
+    """Constraints between family and tile: the kernel's static_asserts, and the direct-load tiles
+    only for 4-bit dense families (8-bit weights need twice the prefetch registers: they spill)."""
+    if tile.direct and (fam.moe or fam.bits != 4):
+        return False
     gb = fam.group_blocks
     return gb < 0 or tile.k_blocks % gb == 0 or gb % tile.k_blocks == 0
 

@@ -34,17 +34,23 @@ class Plan:
 # H200 sweep of every tile config x CTA width on the six benchmark shapes (benchmarks/NOTES.md,
 # "tuning sweep"); the alternatives only serve shapes the first choice cannot take.
 _SMALL_KN = 1 << 26  # K*N below this: few tiles per SM, deeper pipelines and fewer CTAs win
+_TINY_KN = 1 << 25  # K*N below this at M <= 8: the k-split ring beats the direct-load tile
+DIRECT_W8 = Tile(1, True, 8, 6, True, direct=2)
 
 
 def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0)) -> tuple[tuple[Tile, int], ...]:
     small = k * n < _SMALL_KN
     cls = m_class(m)
     if cc >= (9, 0) and cls == "w8":
-        # sm_90: the producer-warp / bulk-copy ring (NOTES.md, "bulk-copy pipeline")
-        first = (Tile(1, True, 8, 6, True, 2), 4) if small else (Tile(1, True, 8, 6, True), 4)
-        return (first,) + _preferences(m, n, k)
+        # sm_90: the producer-warp / bulk-copy ring (NOTES.md, "bulk-copy pipeline"); from K*N = 32M
+        # on, the direct-load tile (weights straight into registers, NOTES.md session 7) where the
+        # family takes it (4-bit dense: tile_fits), else the ring
+        ring = (Tile(1, True, 8, 6, True, 2), 4) if small else (Tile(1, True, 8, 6, True), 4)
+        first = () if k * n < _TINY_KN else ((DIRECT_W8, 4),)
+        return first + (ring,) + _preferences(m, n, k)
     if cc >= (9, 0) and cls == "m1" and not small:
-        return ((Tile(2, True, 8, 4, True), 4),) + _preferences(m, n, k)
+        # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7)
+        return ((Tile(2, True, 8, 5, True), 4), (Tile(2, True, 8, 4, True), 4)) + _preferences(m, n, k)
     if cls == "w8":
         first = (Tile(1, True, 4, 8), 4) if small else (Tile(1, True, 8, 6), 4)
         return (first, (Tile(1, True, 8, 4), 4), (Tile(1, True, 4, 8), 4))

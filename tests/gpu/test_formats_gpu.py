@@ -30,3 +30,31 @@ def test_format(dtype, bits, group, zp):
         a = torch.randn(40, k, device="cuda", dtype=dtype)  # the large-M path: dequantize + cuBLAS
         check_close(run_poisoned(a, packed, override="dequant"), a.float() @ w, tol, f"dequant K={k} N={n}")
     assert_workspace_clean()
+
+
+SM90_ROUTED = [pytest.param(tag, id=tag) for tag in ("w8_k128_s6_bk_dr2", "w16_k128_s5_bk")]
+
+
+@pytest.mark.parametrize("tag", SM90_ROUTED)
+@pytest.mark.parametrize("dtype,bits,group,zp", FORMATS)
+def test_format_sm90_small_m_tiles(dtype, bits, group, zp, tag):
+    """The tiles the sm_90 heuristic routes M <= 16 to on large problems (the direct-load tile, the
+    five-slot 16-row ring), in every format they take, on a shape the heuristic would not give them."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("bulk-copy tiles are built for sm_90 and newer only")
+    tile, nw = K.Tile.from_tag(tag), 4
+    fam = K.Family("bf16" if dtype == torch.bfloat16 else "f16", bits, zp, group)
+    if not K.tile_fits(fam, tile):
+        pytest.skip(f"{tag} is not built for {fam} (tile_fits)")
+    if K.smem_bytes(fam, tile, nw) > torch.cuda.get_device_properties(0).shared_memory_per_block_optin - G.SMEM_RESERVE:
+        pytest.skip("does not fit shared memory")
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    k, n = 5120, 768
+    packed, w = random_weights(k, n, bits, group, zp, dtype)
+    for m in (1, 5, 8, 9, 16, 17):
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        check_close(run_poisoned(a, packed, override=(tile, nw)), a.float() @ w, tol, f"{tag} M={m}")
+    assert_workspace_clean()
