@@ -939,13 +939,12 @@ namespace jm {
 
 // Act-order: C[r, j] = A[r, perm[j]] for r < p.m, j < p.k (row strides p.lda, p.ldc), the
 // activation columns in the order of the sorted weight rows. One thread per 8 output columns
-// (one 16-byte store). Under programmatic dependent launch (sm_90) it reads perm while the kernel
-// before it still runs and waits for that kernel before reading A. It lets the GEMM after it
-// launch only once its own stores are issued: triggered at the start, the GEMM's CTAs were placed
-// beside waiting gather CTAs and the pair ran 12 us slower than one after the other (H200,
-// 28672x8192, M=16; benchmarks/NOTES.md session 7).
+// (one 16-byte store). Under programmatic dependent launch (sm_90) it lets the GEMM after it
+// launch at once, so that the GEMM's first weight copies overlap this kernel, reads perm while
+// the kernel before it still runs, and waits for that kernel before reading A.
 template <typename T>
 JM_DEVICE void gather_body(const JmGemmParams p) {
+  griddep_launch_dependents();
   const int chunks = p.k / 8;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(p.m) * chunks) return;
@@ -962,7 +961,6 @@ JM_DEVICE void gather_body(const JmGemmParams p) {
     packed[i] = static_cast<uint32_t>(__ldg(src + cols[2 * i])) | (static_cast<uint32_t>(__ldg(src + cols[2 * i + 1])) << 16);
   *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.c) + static_cast<int64_t>(row) * p.ldc + j0) =
       make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  griddep_launch_dependents();  // (threads past the end exited above, which counts as triggered)
 }
 
 }  // namespace jm
