@@ -43,16 +43,17 @@ def floor_us(k, n, m, bw, bits=4):
     return (k * n * bits / 8 + k / GROUP * n * 2 + 2 * m * (k + n)) / bw * 1e6
 
 
-def bench_ours(k, n, ms, q, s, results, override=None, tag="jitmarlin", bits=4):
+def bench_ours(k, n, ms, q, s, results, override=None, tag="jitmarlin", bits=4, dtype=torch.float16):
+    s = s.to(dtype)
     packed = Packed(pack_weights(q, bits), permute_scales(s), None, bits, GROUP)
     nbytes = packed.b.numel() * 4 + packed.scales.numel() * 2
     copies = [packed] + [Packed(packed.b.clone(), packed.scales.clone(), None, bits, GROUP)
                          for _ in range(common.copies_for(nbytes) - 1)]
     w = dequantize(q, s, None, bits, GROUP)
-    fam = K.Family("f16", bits, False, GROUP)
+    fam = K.Family("bf16" if dtype == torch.bfloat16 else "f16", bits, False, GROUP)
     for m in ms:
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
         try:
             if override is not None:
                 G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n, k, fam, plan_override=override)

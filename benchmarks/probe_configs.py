@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN, e.g. w8_k128_s6_bk-w4")
     ap.add_argument("--extra-tiles", default="", help="comma-separated tile tags built into the families "
                     "for this run only (candidates outside the built-in lists), e.g. w16_k128_s5_bk")
-    ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="weight bits (fp16, group 128)")
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="weight bits (group 128)")
+    ap.add_argument("--dtype", default="f16", choices=("f16", "bf16"), help="activation dtype")
     args = ap.parse_args()
     extra = tuple(K.Tile.from_tag(t) for t in args.extra_tiles.split(",") if t)
     if extra:  # before the first build: the family's module (and cache key) then holds them
@@ -51,12 +52,13 @@ def main() -> None:
                 override = (tiles[tag], int(w))
             results: dict = {}
             ms = [int(x) for x in args.m.split(",")]
-            bench_ours(k, n, ms, q, s, results, override=override, tag=cfg, bits=args.bits)
+            bench_ours(k, n, ms, q, s, results, override=override, tag=cfg, bits=args.bits,
+                       dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float16)
             for m in ms:
                 r = results.get((cfg, k, n, m))
                 what = f"{r['us']:.1f} us (floor {floor_us(k, n, m, bw, args.bits):.1f}) err {r['err']:.1e}" if r else \
                     f"failed: {results.get('errors')}"
-                print(f"[{flags or 'default'}] u{args.bits} {k}x{n} M={m} {cfg}: {what}", flush=True)
+                print(f"[{flags or 'default'}] {args.dtype} u{args.bits} {k}x{n} M={m} {cfg}: {what}", flush=True)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,18 @@ for st in $STAGES; do
            $P --bits 8 --m 1,16 --extra-tiles w16_k128_s5_bk,w16_k64_s6_bk,w8_k64_s6_bk \
              --configs w8_k128_s6_bk-w4,w8_k64_s6_bk-w4,w16_k128_s4_bk-w4,w16_k128_s5_bk-w4,w16_k64_s6_bk-w4 \
              2>&1 | grep -v "^done" | tee "$OUT/tune7_u8.log";;
+    bf16) # bf16 activations on the session-7 routes (direct-load tile, five-slot w16 ring) vs the rings
+           timeout 150 python3 benchmarks/probe_configs.py --dtype bf16 --shapes 4096x28672,8192x8192,8192x28672,28672x8192 \
+             --m 1,8,16 --configs w8_k128_s6_bk-w4,w8_k128_s6_bk_dr2-w4,w16_k128_s4_bk-w4,w16_k128_s5_bk-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/bf16.log"
+           timeout 150 python3 benchmarks/bench_gemm.py --json "$OUT/variants.json" --m 1,16 --peers none \
+             --shapes 4096x28672,8192x8192,8192x28672,28672x8192 > "$OUT/variants.log" 2>&1
+           echo "variants rc=$?"; grep -E "^\| [0-9]" "$OUT/variants.log";;
+    actorder) # act-order at small M: layer vs GEMM alone vs gather alone; PDL on/off; the 4-slot w16 ring
+           for env in "JITMARLIN_PDL=1" "JITMARLIN_PDL=0"; do
+             env $env timeout 100 python3 benchmarks/probe_act_order.py --m 1,8,16 2>&1 | grep -v "^done" | tee -a "$OUT/actorder.log"
+           done
+           timeout 100 python3 benchmarks/probe_act_order.py --m 16 --w16-stages 4 2>&1 | grep -v "^done" | tee -a "$OUT/actorder.log";;
     stream) # how fast each weight-stream mechanism reads HBM at the GEMM's occupancies (plain CUDA, no torch)
            nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/stream_probe.cu -o /tmp/stream_probe \
              && timeout 120 /tmp/stream_probe > "$OUT/stream.log" 2>&1; echo "stream rc=$?"; cat "$OUT/stream.log";;

@@ -1,0 +1,72 @@
+"""Where the act-order time goes at small M: the layer (gather kernel + GEMM) against the GEMM alone
+on already-gathered activations and the gather alone, each timed as a CUDA graph over enough layer
+copies to stream from HBM. Run it under JITMARLIN_PDL=0 / =1 to see what the programmatic launch
+overlap gives, and with --w16-stages 4 to time the M = 9-16 ring of the previous route.
+
+    python benchmarks/probe_act_order.py --shapes 28672x8192,8192x28672 --m 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from jitmarlin.nn import MarlinLinear  # noqa: E402
+from jitmarlin.ops import _kernels as K  # noqa: E402
+from jitmarlin.ops import gemm as G  # noqa: E402
+from jitmarlin.quant import Packed, pack_weights, permute_scales  # noqa: E402
+
+GROUP = 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="28672x8192,8192x28672")
+    ap.add_argument("--m", default="1,16")
+    ap.add_argument("--w16-stages", type=int, default=0, help="ring slots of the M = 9-16 tile (0: the route's)")
+    args = ap.parse_args()
+    if args.w16_stages:
+        base = G._preferences
+
+        def prefs(m, n, k, cc=(8, 0)):
+            out = base(m, n, k, cc)
+            if out and out[0][0].rows == 16 and out[0][0].bulk:
+                return ((K.Tile(2, True, 8, args.w16_stages, True), 4),) + out
+            return out
+        G._preferences = prefs
+        K.BULK_TILES = K.BULK_TILES + tuple(t for t in (K.Tile(2, True, 8, args.w16_stages, True),)
+                                            if t not in K.BULK_TILES)
+    tag = f"PDL={os.environ.get('JITMARLIN_PDL', '1')} w16 stages={args.w16_stages or 'route'}"
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32, generator=gen)
+        s = (torch.rand(k // GROUP, n, device="cuda", generator=gen) * 0.002 + 0.0005).half()
+        perm = torch.randperm(k, device="cuda", generator=gen)
+        packed = Packed(pack_weights(q, 4), permute_scales(s), None, 4, GROUP)
+        copies = [MarlinLinear.from_packed(Packed(packed.b.clone(), packed.scales.clone(), None, 4, GROUP), perm=perm)
+                  for _ in range(common.copies_for(k * n // 2))]
+        fam = K.Family("f16", 4, False, GROUP)
+        p32 = copies[0].perm
+        for m in (int(x) for x in args.m.split(",")):
+            a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            ag = a[:, p32.long()].contiguous()
+            layer = common.time_graph(lambda i: copies[i](a), len(copies))
+            out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+            gemm = common.time_graph(lambda i: G.launch_gemm(ag, copies[i].qweight, copies[i].scales, None, None,
+                                                             out, m, n, k, fam), len(copies))
+            gather = common.time_graph(lambda i: G.gather_columns(a, p32, m, k, fam), len(copies))
+            plan = G.select_plan(m, n, k, fam, G.device_info(0).smem_per_block, G.device_info(0).cc)
+            print(f"[{tag}] {k}x{n} M={m}: layer {layer:.1f} us, gemm on gathered A {gemm:.1f}, gather alone "
+                  f"{gather:.1f} ({plan.tile.tag()}-w{plan.nwarps})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
