@@ -103,6 +103,19 @@ for st in $STAGES; do
              env $env timeout 100 python3 benchmarks/probe_act_order.py --m 1,8,16 2>&1 | grep -v "^done" | tee -a "$OUT/actorder.log"
            done
            timeout 100 python3 benchmarks/probe_act_order.py --m 16 --w16-stages 4 2>&1 | grep -v "^done" | tee -a "$OUT/actorder.log";;
+    tune7b) # second round: direct-load 16-row tiles at M = 9-16, deeper direct prefetch at M <= 8,
+           # bulk-copy 32-row tiles and the w16 ring at M = 32 / 64
+           S6=4096x4096,4096x28672,14336x4096,8192x8192,8192x28672,28672x8192
+           P="timeout 150 python3 benchmarks/probe_configs.py --shapes $S6"
+           $P --m 16 --extra-tiles w16_k128_s6_bk_dr1,w16_k128_s6_bk_dr2 \
+             --configs w16_k128_s5_bk-w4,w16_k128_s6_bk_dr1-w4,w16_k128_s6_bk_dr2-w4,w16_k128_s5_bk-w2 \
+             2>&1 | grep -v "^done" | tee "$OUT/tune7b_m16.log"
+           $P --m 1,8 --extra-tiles w8_k128_s6_bk_dr3 \
+             --configs w8_k128_s6_bk_dr2-w4,w8_k128_s6_bk_dr3-w4,w8_k128_s6_bk_dr2-w2 \
+             2>&1 | grep -v "^done" | tee "$OUT/tune7b_m1.log"
+           $P --m 32,64 --extra-tiles m2_k128_s4_bk,m2_k64_s6_bk \
+             --configs m2_k128_s4-w4,m2_k128_s4-w2,m2_k128_s4_bk-w4,m2_k64_s6_bk-w4,w16_k128_s5_bk-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/tune7b_m32.log";;
     stream) # how fast each weight-stream mechanism reads HBM at the GEMM's occupancies (plain CUDA, no torch)
            nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/stream_probe.cu -o /tmp/stream_probe \
              && timeout 120 /tmp/stream_probe > "$OUT/stream.log" 2>&1; echo "stream rc=$?"; cat "$OUT/stream.log";;
