@@ -52,7 +52,7 @@ def test_small_batch_uses_the_transposed_mma():
 def test_sm90_small_m_routes():
     """The H200 measurements of NOTES.md session 7: M <= 8 takes the direct-load tile from K*N = 32M
     on (4-bit dense only: 8-bit and MoE families keep the ring), the k-split ring below; M = 9-16
-    on large problems takes the five-slot 16-row ring."""
+    on large problems takes the five-slot 16-row ring, M = 17-32 the 32-row bulk ring."""
     sm90, cc = SMEM["sm_90"], (9, 0)
     u4, u8, moe = K.Family("f16", 4, False, 128), K.Family("f16", 8, False, 128), K.Family("f16", 4, False, 128, True)
     for m in (1, 5, 8):
@@ -65,6 +65,10 @@ def test_sm90_small_m_routes():
     for m in (9, 16):
         assert select_plan(m, 28672, 8192, u4, sm90, cc).tile.tag() == "w16_k128_s5_bk"
         assert select_plan(m, 28672, 8192, u8, sm90, cc).tile.tag() == "w16_k128_s5_bk"
+    for m in (17, 32):  # the 32-row bulk ring on large problems, the cp.async ring on small ones
+        assert select_plan(m, 28672, 8192, u4, sm90, cc).tile.tag() == "m2_k128_s4_bk"
+        assert not select_plan(m, 4096, 4096, u4, sm90, cc).tile.bulk
+        assert not select_plan(m, 28672, 8192, u4, SMEM["sm_80"], (8, 0)).tile.bulk
     assert "w8_k128_s6_bk_dr2" in {t.tag() for t in K.tiles_for(cc)}
     names = {name for name, _ in K.build_spec(u4, cc).sources}
     assert K.kernel_name(u4, K.Tile.from_tag("w8_k128_s6_bk_dr2")) in names

@@ -145,7 +145,7 @@ TILES: tuple[Tile, ...] = (
 BULK_TILES: tuple[Tile, ...] = (
     Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 8, True), Tile(1, True, 8, 6, True, 2),
     Tile(2, True, 8, 4, True), Tile(2, True, 8, 5, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),
-    Tile(1, True, 8, 6, True, direct=2),
+    Tile(1, True, 8, 6, True, direct=2), Tile(2, False, 8, 4, True),
 )
 
 

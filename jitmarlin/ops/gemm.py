@@ -51,6 +51,9 @@ def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0)) -> tuple[
     if cc >= (9, 0) and cls == "m1" and not small:
         # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7)
         return ((Tile(2, True, 8, 5, True), 4), (Tile(2, True, 8, 4, True), 4)) + _preferences(m, n, k)
+    if cc >= (9, 0) and cls == "m2" and not small:
+        # the 32-row bulk-copy ring (M = 17-32 on large problems; smaller ones go to the wgmma kernel)
+        return ((Tile(2, False, 8, 4, True), 4),) + _preferences(m, n, k)
     if cls == "w8":
         first = (Tile(1, True, 4, 8), 4) if small else (Tile(1, True, 8, 6), 4)
         return (first, (Tile(1, True, 8, 4), 4), (Tile(1, True, 4, 8), 4))

@@ -32,14 +32,14 @@ def test_format(dtype, bits, group, zp):
     assert_workspace_clean()
 
 
-SM90_ROUTED = [pytest.param(tag, id=tag) for tag in ("w8_k128_s6_bk_dr2", "w16_k128_s5_bk")]
+SM90_ROUTED = [pytest.param(tag, id=tag) for tag in ("w8_k128_s6_bk_dr2", "w16_k128_s5_bk", "m2_k128_s4_bk")]
 
 
 @pytest.mark.parametrize("tag", SM90_ROUTED)
 @pytest.mark.parametrize("dtype,bits,group,zp", FORMATS)
 def test_format_sm90_small_m_tiles(dtype, bits, group, zp, tag):
     """The tiles the sm_90 heuristic routes M <= 16 to on large problems (the direct-load tile, the
-    five-slot 16-row ring), in every format they take, on a shape the heuristic would not give them."""
+    five-slot 16-row ring, the 32-row ring), in every format they take, on a shape the heuristic would not give them."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
 
@@ -54,7 +54,7 @@ def test_format_sm90_small_m_tiles(dtype, bits, group, zp, tag):
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     k, n = 5120, 768
     packed, w = random_weights(k, n, bits, group, zp, dtype)
-    for m in (1, 5, 8, 9, 16, 17):
+    for m in (1, 5, 8, 9, 16, 17, 31, 33):
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         check_close(run_poisoned(a, packed, override=(tile, nw)), a.float() @ w, tol, f"{tag} M={m}")
     assert_workspace_clean()
