@@ -31,7 +31,20 @@ def main() -> None:
     ap.add_argument("--shapes", default="28672x8192,8192x28672")
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--w16-stages", type=int, default=0, help="ring slots of the M = 9-16 tile (0: the route's)")
+    ap.add_argument("--gather-pdl", type=int, default=1, help="0: launch the gather kernel without programmatic "
+                    "dependent launch (the GEMM after it keeps it): an A/B of the act-order pair")
     args = ap.parse_args()
+    if not args.gather_pdl:
+        def gather_plain(a, perm, m, k, fam):  # gemm.gather_columns with the PDL attribute off
+            index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+            fn = K.get_kernel(fam, "gather", index, G._cc(index))
+            out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+            p = K.GemmParams()
+            p.a, p.c, p.perm = a.data_ptr(), out.data_ptr(), perm.data_ptr()
+            p.m, p.k, p.lda, p.ldc = m, k, k, k
+            fn.launch(-(-(m * (k // 8)) // 256), 256, 0, K.current_stream_handle(a.device), p, pdl=False)
+            return out
+        G.gather_columns = gather_plain
     if args.w16_stages:
         base = G._preferences
 
@@ -43,7 +56,8 @@ def main() -> None:
         G._preferences = prefs
         K.BULK_TILES = K.BULK_TILES + tuple(t for t in (K.Tile(2, True, 8, args.w16_stages, True),)
                                             if t not in K.BULK_TILES)
-    tag = f"PDL={os.environ.get('JITMARLIN_PDL', '1')} w16 stages={args.w16_stages or 'route'}"
+    tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} gather PDL={args.gather_pdl} "
+           f"w16 stages={args.w16_stages or 'route'}")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
