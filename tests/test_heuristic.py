@@ -276,3 +276,12 @@ def test_pdl_switch(monkeypatch):
         assert G.use_pdl((8, 9)) is False
     monkeypatch.delenv("JITMARLIN_PDL", raising=False)
     K.env_flag.cache_clear()
+
+
+def test_gather_pdl_rule():
+    from jitmarlin.ops.gemm import gather_pdl
+
+    # grid = M * K / 8 / 256: K=8192 at M <= 16 overlaps, K=28672 from M=8 launches plainly
+    assert gather_pdl(1 * 8192 // 8 // 256) and gather_pdl(16 * 8192 // 8 // 256)
+    assert gather_pdl(-(-28672 // 8 // 256))
+    assert not gather_pdl(8 * 28672 // 8 // 256) and not gather_pdl(16 * 28672 // 8 // 256)

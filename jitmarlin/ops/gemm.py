@@ -323,8 +323,19 @@ def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Fam
     p.m, p.k, p.lda, p.ldc = m, k, k, k
     threads = 256
     grid = -(-(m * (k // 8)) // threads)
-    fn.launch(grid, threads, 0, K.current_stream_handle(a.device), p, pdl=use_pdl(cc))
+    fn.launch(grid, threads, 0, K.current_stream_handle(a.device), p, pdl=use_pdl(cc) and gather_pdl(grid))
     return out
+
+
+GATHER_PDL_MAX_CTAS = 96
+
+
+def gather_pdl(grid: int) -> bool:
+    """Launch the act-order gather as a programmatic dependent only while its grid is small: on the
+    H200 a gather of 112 / 224 CTAs (K=28672, M=8 / 16) parked beside the previous GEMM made the
+    gather -> GEMM pair 1.3 / 9.7 us slower than a plain launch, while one of 4-64 CTAs gains up
+    to 2 us from the overlap (benchmarks/NOTES.md session 7). The GEMM after it keeps PDL."""
+    return grid < GATHER_PDL_MAX_CTAS
 
 
 def wgmma_setting() -> str:
