@@ -31,20 +31,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="28672x8192,8192x28672")
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--w16-stages", type=int, default=0, help="ring slots of the M = 9-16 tile (0: the route's)")
-    ap.add_argument("--gather-pdl", type=int, default=1, help="0: launch the gather kernel without programmatic "
-                    "dependent launch (the GEMM after it keeps it): an A/B of the act-order pair")
+    ap.add_argument("--gather-pdl", default="route", choices=("route", "0", "1"),
+                    help="launch the act-order gather as a programmatic dependent: the route's rule "
+                         "(gemm.gather_pdl), never, or always (the GEMM after it keeps PDL)")
     args = ap.parse_args()
-    if not args.gather_pdl:
-        def gather_plain(a, perm, m, k, fam):  # gemm.gather_columns with the PDL attribute off
-            index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-            fn = K.get_kernel(fam, "gather", index, G._cc(index))
-            out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-            p = K.GemmParams()
-            p.a, p.c, p.perm = a.data_ptr(), out.data_ptr(), perm.data_ptr()
-            p.m, p.k, p.lda, p.ldc = m, k, k, k
-            fn.launch(-(-(m * (k // 8)) // 256), 256, 0, K.current_stream_handle(a.device), p, pdl=False)
-            return out
-        G.gather_columns = gather_plain
+    if args.gather_pdl != "route":
+        G.gather_pdl = lambda grid: args.gather_pdl == "1"
     if args.w16_stages:
         base = G._preferences
 

@@ -102,7 +102,9 @@ for st in $STAGES; do
            for env in "JITMARLIN_PDL=1" "JITMARLIN_PDL=0"; do
              env $env timeout 100 python3 benchmarks/probe_act_order.py --m 1,8,16 2>&1 | grep -v "^done" | tee -a "$OUT/actorder.log"
            done
-           timeout 100 python3 benchmarks/probe_act_order.py --m 1,8,16 --gather-pdl 0 2>&1 | grep -v "^done" | tee -a "$OUT/actorder.log"
+           for g in 0 1; do
+             timeout 100 python3 benchmarks/probe_act_order.py --m 1,8,16 --gather-pdl $g 2>&1 | grep -v "^done" | tee -a "$OUT/actorder.log"
+           done
            timeout 100 python3 benchmarks/probe_act_order.py --m 16 --w16-stages 4 2>&1 | grep -v "^done" | tee -a "$OUT/actorder.log";;
     tune7b) # second round: direct-load 16-row tiles at M = 9-16, deeper direct prefetch at M <= 8,
            # bulk-copy 32-row tiles and the w16 ring at M = 32 / 64
