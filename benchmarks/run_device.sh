@@ -119,6 +119,21 @@ for st in $STAGES; do
            $P --m 32,64 --extra-tiles m2_k128_s4_bk,m2_k64_s6_bk \
              --configs m2_k128_s4-w4,m2_k128_s4-w2,m2_k128_s4_bk-w4,m2_k64_s6_bk-w4,w16_k128_s5_bk-w4 \
              2>&1 | grep -v "^done" | tee "$OUT/tune7b_m32.log";;
+    gap)   # where the M=1 kernel loses to a plain stream (38 vs ~30 us on 8192x28672): duration, DRAM
+           # bytes and throughput, SM active cycles (min / avg / max: start-up and tail), for the GEMM,
+           # its stream-only build and the stream probe's GEMM-shaped bulk ring
+           GM="gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed"
+           GM="$GM,sm__cycles_active.min,sm__cycles_active.avg,sm__cycles_active.max,gpc__cycles_elapsed.max"
+           GM="$GM,launch__grid_size,launch__registers_per_thread,smsp__inst_executed.sum"
+           for f in "" -DJM_STREAM_ONLY; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 ncu --clock-control none --metrics "$GM" -k regex:jm_gemm -s 2 -c 1 \
+               python3 benchmarks/profile_gemm.py --k 8192 --n 28672 --m 1 > "$OUT/gap_gemm${f}.txt" 2>&1
+             echo "gap gemm [$f] rc=$?"; grep -E "jm_gemm|__" "$OUT/gap_gemm${f}.txt" | tail -12
+           done
+           nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/stream_probe.cu -o /tmp/stream_probe \
+             && timeout 150 ncu --clock-control none --metrics "$GM" -k regex:bulk_kernel -c 1 /tmp/stream_probe \
+               > "$OUT/gap_probe.txt" 2>&1
+           echo "gap probe rc=$?"; grep -E "bulk_kernel|__" "$OUT/gap_probe.txt" | tail -12;;
     stream) # how fast each weight-stream mechanism reads HBM at the GEMM's occupancies (plain CUDA, no torch)
            nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/stream_probe.cu -o /tmp/stream_probe \
              && timeout 120 /tmp/stream_probe > "$OUT/stream.log" 2>&1; echo "stream rc=$?"; cat "$OUT/stream.log";;
