@@ -140,8 +140,9 @@ TILES: tuple[Tile, ...] = (
 )
 
 
-# sm_90 and newer also get the producer-warp / bulk-copy tiles for small M.
-# (The H200 sweeps of benchmarks/NOTES.md kept these out of 15 candidates.)
+# sm_90 and newer also get the producer-warp / bulk-copy tiles for small M (the H200 sweeps of
+# benchmarks/NOTES.md kept the first seven out of 15 candidates; session 7 added the five-slot
+# 16-row ring, the direct-load tile and the 32-row tile, each measured on the H200).
 BULK_TILES: tuple[Tile, ...] = (
     Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 8, True), Tile(1, True, 8, 6, True, 2),
     Tile(2, True, 8, 4, True), Tile(2, True, 8, 5, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),

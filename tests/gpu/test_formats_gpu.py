@@ -8,6 +8,9 @@ import itertools
 import pytest
 import torch
 
+from jitmarlin.ops import _kernels as K
+from jitmarlin.ops import gemm as G
+
 from .helpers import check_close, random_weights
 from .test_gemm_gpu import assert_workspace_clean, run_poisoned
 
@@ -38,11 +41,9 @@ SM90_ROUTED = [pytest.param(tag, id=tag) for tag in ("w8_k128_s6_bk_dr2", "w16_k
 @pytest.mark.parametrize("tag", SM90_ROUTED)
 @pytest.mark.parametrize("dtype,bits,group,zp", FORMATS)
 def test_format_sm90_small_m_tiles(dtype, bits, group, zp, tag):
-    """The tiles the sm_90 heuristic routes M <= 16 to on large problems (the direct-load tile, the
-    five-slot 16-row ring, the 32-row ring), in every format they take, on a shape the heuristic would not give them."""
-    from jitmarlin.ops import _kernels as K
-    from jitmarlin.ops import gemm as G
-
+    """The tiles the sm_90 heuristic routes M <= 32 to on large problems (the direct-load tile, the
+    five-slot 16-row ring, the 32-row ring), in every format they take, on a shape the heuristic
+    would not give them."""
     if torch.cuda.get_device_capability(0) < (9, 0):
         pytest.skip("bulk-copy tiles are built for sm_90 and newer only")
     tile, nw = K.Tile.from_tag(tag), 4
