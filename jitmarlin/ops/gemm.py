@@ -9,6 +9,7 @@ symmetric weights, bias [N] or None. Result [..., N] in A's dtype.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -192,8 +193,6 @@ def check_perm_values(perm: torch.Tensor, k: int) -> None:
     counter moves); later calls cost a dictionary lookup. Inside CUDA-graph capture (no sync
     possible) an unchecked order is trusted: run once eagerly first, as for the workspace; so is
     one seen while torch.compile traces (the MoE path calls this from traced Python)."""
-    import weakref
-
     if torch.compiler.is_compiling():
         return
     hit = _PERMS_CHECKED.get(id(perm))
