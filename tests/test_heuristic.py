@@ -74,10 +74,8 @@ def test_sm90_small_m_routes():
     assert K.kernel_name(u4, K.Tile.from_tag("w8_k128_s6_bk_dr2")) in names
     for fam in (u8, moe):  # not built where it cannot run
         assert not any("_dr" in name for name, _ in K.build_spec(fam, cc).sources)
-    for m in (16, 32):  # MoE keeps the tiles its GPU tests cover
-        assert select_plan(m, 28672, 8192, moe, sm90, cc).tile not in K.DENSE_ONLY_TILES
-    moe_names = {name for name, _ in K.build_spec(moe, cc).sources}
-    assert not any(K.kernel_name(moe, t) in moe_names for t in K.DENSE_ONLY_TILES)
+    for m, tag in ((16, "w16_k128_s5_bk"), (32, "m2_k128_s4_bk")):  # MoE blocks on large experts too
+        assert select_plan(m, 28672, 8192, moe, sm90, cc).tile.tag() == tag
 
 
 def test_dequant_path_only_for_large_m():

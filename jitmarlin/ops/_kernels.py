@@ -356,18 +356,10 @@ def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
     return tile.stages * stage_bytes(fam, tile, nwarps) + reduce_bytes(tile, nwarps)
 
 
-# Tiles added in session 7 from dense measurements; the MoE GPU tests do not reach them yet
-# (MoE routes them only for experts with K*N >= 64M), so MoE families keep their earlier tiles.
-DENSE_ONLY_TILES: tuple[Tile, ...] = (Tile(2, True, 8, 5, True), Tile(2, False, 8, 4, True))
-
-
 def tile_fits(fam: Family, tile: Tile) -> bool:
-    """Constraints between family and tile: the kernel's static_asserts, the direct-load tiles only
-    for 4-bit dense families (8-bit weights need twice the prefetch registers: they spill), and
-    DENSE_ONLY_TILES not in MoE families."""
+    """Constraints between family and tile: the kernel's static_asserts, and the direct-load tiles
+    only for 4-bit dense families (8-bit weights need twice the prefetch registers: they spill)."""
     if tile.direct and (fam.moe or fam.bits != 4):
-        return False
-    if fam.moe and tile in DENSE_ONLY_TILES:
         return False
     gb = fam.group_blocks
     return gb < 0 or tile.k_blocks % gb == 0 or gb % tile.k_blocks == 0
@@ -393,10 +385,15 @@ class GemmParams(ctypes.Structure):
 _raw_stream_fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device index of `device` (the current device for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def current_stream_handle(device: torch.device) -> int:
     """cudaStream_t of torch's current stream on `device` (CUDA graph capture records launches on
     it). torch's private raw getter when present (a few times cheaper than building a Stream)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     if _raw_stream_fn is not None:
         return _raw_stream_fn(index)
     return torch.cuda.current_stream(index).cuda_stream
@@ -448,7 +445,7 @@ _ws_lock = threading.Lock()
 
 
 def default_workspace(device: torch.device) -> Workspace:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     ws = _workspaces.get(idx)
     if ws is None:
         with _ws_lock:

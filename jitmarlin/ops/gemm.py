@@ -9,6 +9,7 @@ symmetric weights, bias [N] or None. Result [..., N] in A's dtype.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -192,8 +193,6 @@ def check_perm_values(perm: torch.Tensor, k: int) -> None:
     counter moves); later calls cost a dictionary lookup. Inside CUDA-graph capture (no sync
     possible) an unchecked order is trusted: run once eagerly first, as for the workspace; so is
     one seen while torch.compile traces (the MoE path calls this from traced Python)."""
-    import weakref
-
     if torch.compiler.is_compiling():
         return
     hit = _PERMS_CHECKED.get(id(perm))
@@ -297,7 +296,7 @@ def use_dequant_path(m: int, n: int, k: int) -> bool:
 def dequantize_weights(b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], fam: Family,
                        n: int, k: int) -> torch.Tensor:
     """Packed weights -> W^T [N, K] in the scales' dtype, with one kernel."""
-    index = b.device.index if b.device.index is not None else torch.cuda.current_device()
+    index = K.cuda_index(b.device)
     fn = K.get_kernel(fam, None, index, _cc(index))
     wt = torch.empty(n, k, dtype=scales.dtype, device=b.device)
     p = K.GemmParams()
@@ -314,7 +313,7 @@ def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Fam
     """A[:, perm] for the act-order layout, by our gather kernel: on sm_90 it is launched as a
     programmatic dependent of the previous kernel and lets the GEMM after it start streaming
     weights at once (a torch index_select in between would serialize all three)."""
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    index = K.cuda_index(a.device)
     cc = _cc(index)
     fn = K.get_kernel(fam, "gather", index, cc)
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
@@ -478,7 +477,7 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
                 workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None) -> None:
     """Compute out[m, n] = a @ dequant(b) (+ bias). plan_override (for tuning): a (tile, warps)
     pair for the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    index = K.cuda_index(a.device)
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace)
         return

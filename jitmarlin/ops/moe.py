@@ -74,7 +74,7 @@ def use_moe_kernels() -> bool:
 
 def _align_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     dev = topk_ids.device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = K.cuda_index(dev)
     from .gemm import _cc
 
     ids = topk_ids.reshape(-1)
@@ -103,7 +103,7 @@ def silu_mul(c1: torch.Tensor, inter: int) -> torch.Tensor:
         return F.silu(c1[:, :inter]) * c1[:, inter:]
     from .gemm import _cc
 
-    index = c1.device.index if c1.device.index is not None else torch.cuda.current_device()
+    index = K.cuda_index(c1.device)
     y = torch.empty(c1.shape[0], inter, dtype=c1.dtype, device=c1.device)
     if c1.shape[0] == 0:
         return y
@@ -205,7 +205,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     out = torch.empty(size_m, n, dtype=a.dtype, device=a.device)
     if size_m == 0:
         return out
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    index = K.cuda_index(a.device)
     if block_size == WGMMA_BLOCK and not _use_wgmma_moe(block_size, n, k, fam, index):
         raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel: compute capability 9.0, "
                          f"N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), JITMARLIN_WGMMA not 0")
@@ -311,7 +311,7 @@ def _large_blocks_ok(hidden: torch.Tensor, gemms) -> bool:
     be built); see WGMMA_BLOCK_MIN_ROWS."""
     if not hidden.is_cuda or any(fam is None for _, _, fam in gemms):
         return False
-    index = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+    index = K.cuda_index(hidden.device)
     return all(_use_wgmma_moe(WGMMA_BLOCK, n, k, fam, index) for n, k, fam in gemms)
 
 

@@ -142,3 +142,31 @@ def test_moe_bad_act_order_is_refused():
         fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
                          w13_perm=moe.w13_perm[:, :-1], w2_perm=moe.w2_perm)
     torch.cuda.synchronize()
+
+
+LARGE = (2, 8192, 4096, 2)  # w13 of one expert: K*N = 8192 * 8192 = 64M, the large-problem routes
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_moe_large_experts(dtype):
+    """Experts with K*N >= 64M: the sm_90 ring tiles of the large-problem routes (16-row five-slot,
+    32-row bulk copy) run the w13 GEMM of the MoE kernel, blocks of 8 / 16 / 32 rows."""
+    from jitmarlin.ops import gemm as G
+    from jitmarlin.ops.moe import choose_block_size
+
+    e, h, i, top_k = LARGE
+    moe, w13, w2 = make_moe(e, h, i, top_k, dtype)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family("bf16" if dtype == torch.bfloat16 else "f16", 4, False, 128, True)
+    info = G.device_info(0)
+    for t, rows in ((4, 8), (12, 16), (24, 32)):
+        assert choose_block_size(t, top_k, e) == rows
+        if info.cc >= (9, 0) and rows > 8:  # the test reaches the tiles it is meant for
+            tile = G.select_plan(rows, 2 * i, h, fam, info.smem_per_block, info.cc).tile
+            assert tile.bulk and tile.rows == rows, tile
+        x = torch.randn(t, h, device="cuda", dtype=dtype)
+        weights, ids = moe.route(x)
+        check_close(moe(x), reference(x, w13, w2, weights, ids, dtype), tol, f"T={t}")
+    ws = K.default_workspace(torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert int(ws.counters.abs().sum()) == 0
