@@ -159,6 +159,9 @@ def main(argv=None):
     ap.add_argument("--variants", default="bf16,u8,act_order", help="extra formats to time (or none): "
                     + ",".join(VARIANTS))
     ap.add_argument("--variant-m", default="1,16,64", help="M values for the extra formats")
+    ap.add_argument("--settle", type=float, default=common.SETTLE_S,
+                    help="seconds the GPU idles before each timed block, so its clocks recover from the block "
+                         "before (0: back to back); the GPU's clocks and power at each block go to the JSON")
     ap.add_argument("--sweep", action="store_true", help="time every tile config and CTA width instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -173,15 +176,21 @@ def main(argv=None):
         return sweep(shapes, ms, env, bw, args.json)
     peer_names = [] if args.peers == "none" else (["torch_int4", "humming", "gemlite"] if args.peers == "all"
                                                   else args.peers.split(","))
+    common.SETTLE_S = args.settle
+    states = results.setdefault("gpu_state", [])
     for k, n in shapes:
         q, s = make_weights(k, n)
+        common.settle(f"{k}x{n} jitmarlin", states)
         bench_ours(k, n, ms, q, s, results)
+        common.settle(f"{k}x{n} fp16", states)
         bench_fp16(k, n, ms, q, s, results)
         variants = [] if args.variants == "none" else args.variants.split(",")
         vms = [int(x) for x in args.variant_m.split(",")]
         for v in variants:
+            common.settle(f"{k}x{n} {v}", states)
             bench_variant(v, k, n, vms, results)
         for name in peer_names:
+            common.settle(f"{k}x{n} {name}", states)
             try:
                 bench_peer(name, k, n, ms, q, s, results)
             except Exception:  # noqa: BLE001
@@ -228,7 +237,10 @@ def main(argv=None):
         print(f"peer {p}: {note}")
     common.write_json(args.json, {"env": env, "copy_bw": bw, "rows": flat, "errors": results.get("errors", []),
                                   "unavailable": results.get("unavailable", {}),
-                                  "peer_notes": results.get("peer_notes", {}), "table": table})
+                                  "peer_notes": results.get("peer_notes", {}), "table": table,
+                                  "settle_s": args.settle, "gpu_state": results.get("gpu_state", [])})
+    for line in results.get("gpu_state", []):
+        print("gpu state before", line)
 
 
 def sweep(shapes, ms, env, bw, json_path):

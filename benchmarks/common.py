@@ -36,6 +36,32 @@ def time_graph(step, n_copies: int, calls: int = 20, replays: int = 15, warmup: 
     return jitmarlin.demo.time_graph(step, n_copies, calls, replays, warmup)
 
 
+SETTLE_S = 0.5  # idle time before each timed block (0: none); benchmarks pass --settle
+
+
+def gpu_state() -> str:
+    """SM / memory clock, power, temperature and active clock-limit reasons, from nvidia-smi
+    (a few per benchmark: it takes tens of ms); '?' where it is not there."""
+    q = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader", "-i",
+                              str(torch.cuda.current_device())], capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() or out.stderr.strip() or "?"
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def settle(what: str, log: list | None = None) -> None:
+    """Before a timed block: wait for the GPU, then leave it idle SETTLE_S seconds so that the
+    clocks recover from the block before (a memory-bound kernel timed right after compute-heavy
+    cuBLAS calls at M=1024 read up to 1.4x slower in sessions 6-7), and log the GPU's state."""
+    torch.cuda.synchronize()
+    if SETTLE_S > 0:
+        time.sleep(SETTLE_S)
+    if log is not None:
+        log.append(f"{what}: {gpu_state()}")
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")

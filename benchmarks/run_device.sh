@@ -159,6 +159,25 @@ for st in $STAGES; do
              --json "$OUT/wgmma_bench.json" > "$OUT/wgmma_bench.log" 2>&1; echo "wgmma bench rc=$?"; grep -E "^\| [0-9]" "$OUT/wgmma_bench.log"
            JITMARLIN_WGMMA=1 timeout 200 python3 benchmarks/bench_moe.py --json "$OUT/wgmma_moe.json" > "$OUT/wgmma_moe.log" 2>&1
            echo "wgmma moe bench rc=$?"; tail -14 "$OUT/wgmma_moe.log";;
+    s8a)   # session 8: 8-bit rings with 8 math warps (latency hiding at one CTA/SM), the act-order pair
+           # before fusing the gather, the bf16 block with and without idle time before each block
+           timeout 200 python3 benchmarks/probe_configs.py --bits 8 --shapes 4096x28672,8192x8192,8192x28672,28672x8192 \
+             --m 1,16 --extra-tiles w8_k64_s6_bk,w8_k128_s3_bk,w16_k64_s6_bk,w16_k128_s6_bk \
+             --configs w8_k128_s6_bk-w4,w8_k64_s6_bk-w8,w8_k128_s3_bk-w8,w16_k128_s5_bk-w4,w16_k64_s6_bk-w8,w16_k128_s6_bk-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/s8a_u8.log"
+           timeout 100 python3 benchmarks/probe_act_order.py --m 1,16 --shapes 28672x8192,8192x28672,8192x8192,4096x4096 \
+             2>&1 | grep -v "^done" | tee "$OUT/s8a_actorder.log"
+           for st in 0 0.5; do
+             timeout 150 python3 benchmarks/bench_gemm.py --shapes 4096x28672,8192x28672 --m 1,16,1024 --peers none \
+               --variants bf16 --variant-m 1,16 --settle $st --json "$OUT/s8a_settle$st.json" > "$OUT/s8a_settle$st.log" 2>&1
+             echo "settle $st rc=$?"; grep -E "^\| [0-9]|gpu state" "$OUT/s8a_settle$st.log"
+           done;;
+    s8b)   # session 8: act-order with the GEMM's CTAs gathering A themselves vs the gather kernel first
+           for f in 1 0; do
+             timeout 120 python3 benchmarks/probe_act_order.py --m 1,8,16,32 --fused $f \
+               --shapes 28672x8192,8192x28672,4096x28672,14336x4096,8192x8192,4096x4096 2>&1 | grep -v "^done" \
+               | tee -a "$OUT/s8b_actorder.log"
+           done;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
            echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
   esac
