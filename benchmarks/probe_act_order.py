@@ -34,13 +34,7 @@ def main() -> None:
     ap.add_argument("--gather-pdl", default="route", choices=("route", "0", "1"),
                     help="launch the act-order gather as a programmatic dependent: the route's rule "
                          "(gemm.gather_pdl), never, or always (the GEMM after it keeps PDL)")
-    ap.add_argument("--fused", default="route", choices=("route", "0", "1"),
-                    help="the GEMM's CTAs gather A themselves (sm_90 bulk tiles, gemm.fused_gather; route: "
-                         "JITMARLIN_FUSED_GATHER or its default), or 0: our gather kernel before the GEMM")
     args = ap.parse_args()
-    if args.fused != "route":
-        os.environ["JITMARLIN_FUSED_GATHER"] = args.fused
-        K.env_flag.cache_clear()
     if args.gather_pdl != "route":
         G.gather_pdl = lambda grid: args.gather_pdl == "1"
     if args.w16_stages:
@@ -54,8 +48,7 @@ def main() -> None:
         G._preferences = prefs
         K.BULK_TILES = K.BULK_TILES + tuple(t for t in (K.Tile(2, True, 8, args.w16_stages, True),)
                                             if t not in K.BULK_TILES)
-    tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} fused={os.environ.get('JITMARLIN_FUSED_GATHER', '1')} "
-           f"gather PDL={args.gather_pdl} "
+    tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} gather PDL={args.gather_pdl} "
            f"w16 stages={args.w16_stages or 'route'}")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in args.shapes.split(","):

@@ -571,66 +571,6 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
   };
 
-  // ---- act-order, fused (dense bulk tiles): A = a_src[:, perm], gathered by the CTAs themselves ----
-  // Instead of a gather kernel before the GEMM (an extra launch between two GEMMs, whose
-  // dependent-launch overlap it breaks), each busy CTA's math warps gather an equal share of the
-  // 8-column chunks of A into the scratch `p.a` as soon as the previous kernel has finished, while
-  // the producer's first weight copies are already in flight; the producer waits at a grid-wide
-  // barrier (every busy CTA has written its share) before it copies any activations. The grid
-  // never exceeds the CTAs that fit on the GPU at once, so all busy CTAs are resident together.
-  // The barrier: one arrival counter (back to zero by its last arrival, so it is zero between
-  // launches and graph replays) and a generation word the last arrival bumps.
-  const int busy = ceil_div(sch.total, sch.iters);  // CTAs with work: the ones that arrive
-  auto gather_share = [&](int nthreads) {
-    const int row_chunks = p.k / 8, chunks = p.m * row_chunks;
-    const int stride = busy * nthreads;
-    int c = blockIdx.x * nthreads + tid;
-    int4 q0 = make_int4(0, 0, 0, 0), q1 = q0;
-    if (c < chunks) {  // perm is a layer constant: read it while the previous kernel finishes
-      const int j0 = (c % row_chunks) * 8;
-      q0 = __ldg(reinterpret_cast<const int4*>(p.perm + j0));
-      q1 = __ldg(reinterpret_cast<const int4*>(p.perm + j0 + 4));
-    }
-    griddep_wait();
-    const unsigned short* src = static_cast<const unsigned short*>(p.a_src);
-    unsigned short* dst = static_cast<unsigned short*>(const_cast<void*>(p.a));
-    for (; c < chunks; c += stride) {
-      const int row = c / row_chunks, j0 = (c - row * row_chunks) * 8;
-      if (c != blockIdx.x * nthreads + tid) {
-        q0 = __ldg(reinterpret_cast<const int4*>(p.perm + j0));
-        q1 = __ldg(reinterpret_cast<const int4*>(p.perm + j0 + 4));
-      }
-      const unsigned short* r = src + static_cast<int64_t>(row) * p.lda;
-      uint4 v;
-      v.x = static_cast<uint32_t>(__ldg(r + q0.x)) | (static_cast<uint32_t>(__ldg(r + q0.y)) << 16);
-      v.y = static_cast<uint32_t>(__ldg(r + q0.z)) | (static_cast<uint32_t>(__ldg(r + q0.w)) << 16);
-      v.z = static_cast<uint32_t>(__ldg(r + q1.x)) | (static_cast<uint32_t>(__ldg(r + q1.y)) << 16);
-      v.w = static_cast<uint32_t>(__ldg(r + q1.z)) | (static_cast<uint32_t>(__ldg(r + q1.w)) << 16);
-      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(row) * p.lda + j0) = v;
-    }
-    fence_proxy_async_global();  // our stores before other CTAs' bulk copies read them
-  };
-  // The producer warp: wait until this CTA's math warps have stored their share, arrive, and
-  // spin until every busy CTA has (release / acquire at GPU scope, as a cooperative grid sync).
-  auto wait_gathered = [&](int nthreads) {
-    named_sync2(nthreads);
-    if (lane == 0) {
-      int* const gen_word = p.grid_sync + JM_GRID_SYNC_GEN;
-      const int gen = ld_acquire_gpu(gen_word);  // read before arriving: it cannot move until we do
-      __threadfence();
-      if (atomicAdd(p.grid_sync, 1) == busy - 1) {
-        atomicExch(p.grid_sync, 0);
-        __threadfence();
-        atomicAdd(gen_word, 1);
-      } else {
-        while (ld_acquire_gpu(gen_word) == gen) __nanosleep(64);
-      }
-    }
-    __syncwarp();
-    __threadfence();
-    fence_proxy_async_global();  // the gathered A, now visible, before our copies read it
-  };
-
   if constexpr (BULK) {
     // ---- producer warp + bulk copies (sm_90) ----
     // Warp `nwarps` streams every tile of the CTA's run into a ring of STAGES slots with bulk
@@ -785,9 +725,6 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         advance(c);
       }
       griddep_wait();
-      if constexpr (!MOE) {
-        if (p.a_src != nullptr) wait_gathered(32 * (nmath + 1));
-      }
       c = cursor_at(begin);
       for (int i = 0; i < pre; i++) {
         issue_acts(c, i);
@@ -831,12 +768,6 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
           load_w(wbuf[d], lcur);
           advance(lcur);
         }
-    }
-    if constexpr (!MOE) {
-      if (p.a_src != nullptr) {
-        gather_share(32 * nmath);  // waits for the previous kernel itself
-        named_arrive2(32 * (nmath + 1));
-      }
     }
     griddep_wait();
     Cursor ccur = cursor_at(begin);

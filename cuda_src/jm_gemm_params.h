@@ -5,9 +5,6 @@
 
 #include <stdint.h>
 
-#define JM_GRID_SYNC_GEN 32  // int index of the grid barrier's generation word
-#define JM_GRID_SYNC_INTS 64
-
 struct JmGemmParams {
   const void* a;             // activations [rows, lda], fp16 or bf16
   const void* b;             // packed weights (jitmarlin layout), int32 words
@@ -21,11 +18,7 @@ struct JmGemmParams {
   const int* expert_ids;     // MoE: expert of each m tile
   const int* num_padded;     // MoE: number of rows of the padded list (device scalar)
   const float* topk_weights; // MoE: routing weight of each (token, k) slot, or null
-  const int* perm;           // act-order: column j of the gathered A = column perm[j] of the activations
-  const void* a_src;         // dense sm_90 bulk tiles: non-null = the CTAs first gather A = a_src[:, perm]
-                             // into `a` (same strides), meet at a grid barrier, then run the GEMM
-  int* grid_sync;            // that barrier: arrivals at [0] (zero between launches), generation at
-                             // [JM_GRID_SYNC_GEN] (its own 128-byte line)
+  const int* perm;           // column gather kernel (act-order): output column j = input column perm[j]
   int64_t b_expert_stride;   // MoE: int32 words between two experts' packed weights
   int64_t s_expert_stride;   // MoE: elements between two experts' scales
   int64_t z_expert_stride;   // MoE: int32 words between two experts' zero points

@@ -219,24 +219,4 @@ JM_DEVICE void griddep_launch_dependents() {
 // Barrier over the first `threads` threads of the CTA (named barrier 1; 0 is __syncthreads).
 JM_DEVICE void named_sync(int threads) { asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory"); }
 
-// Named barrier 2, split: warps that only signal arrive (and go on), the warp that needs them
-// waits; `threads` counts both sides (PTX ISA, "bar.arrive").
-JM_DEVICE void named_arrive2(int threads) { asm volatile("bar.arrive 2, %0;\n" ::"r"(threads) : "memory"); }
-JM_DEVICE void named_sync2(int threads) { asm volatile("bar.sync 2, %0;\n" ::"r"(threads) : "memory"); }
-
-// Order this thread's generic-proxy global writes / reads against async-proxy (bulk copy)
-// accesses of the same global memory (PTX ISA, memory consistency model: proxies).
-JM_DEVICE void fence_proxy_async_global() {
-#if JM_HAS_BULK
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
-
-// Load with acquire semantics at GPU scope (the reader side of a flag another CTA releases).
-JM_DEVICE int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 }  // namespace jm

@@ -367,16 +367,12 @@ def tile_fits(fam: Family, tile: Tile) -> bool:
 
 # ---- the launch parameter struct (mirrors cuda_src/jm_gemm_params.h) ----
 
-GRID_SYNC_INTS = 64  # jm_gemm_params.h
-
-
 class GemmParams(ctypes.Structure):
     _fields_ = [
         ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p),
         ("bias", ctypes.c_void_p), ("c", ctypes.c_void_p), ("ws", ctypes.c_void_p), ("counters", ctypes.c_void_p),
         ("sorted_ids", ctypes.c_void_p), ("expert_ids", ctypes.c_void_p), ("num_padded", ctypes.c_void_p),
-        ("topk_weights", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("a_src", ctypes.c_void_p),
-        ("grid_sync", ctypes.c_void_p),
+        ("topk_weights", ctypes.c_void_p), ("perm", ctypes.c_void_p),
         ("b_expert_stride", ctypes.c_int64), ("s_expert_stride", ctypes.c_int64), ("z_expert_stride", ctypes.c_int64),
         ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("lda", ctypes.c_int32),
         ("ldc", ctypes.c_int32), ("nwarps", ctypes.c_int32), ("grid", ctypes.c_int32), ("top_k", ctypes.c_int32),
@@ -419,8 +415,6 @@ class Workspace:
         self.device = torch.device(device)
         self.ws = torch.empty(floats, dtype=torch.float32, device=self.device)
         self.counters = torch.zeros(slots, dtype=torch.int32, device=self.device)
-        # the grid barrier of the fused act-order gather (jm_gemm_params.h: JM_GRID_SYNC_INTS)
-        self.sync = torch.zeros(GRID_SYNC_INTS, dtype=torch.int32, device=self.device)
         # Buffers replaced by a larger one stay allocated: a CUDA graph captured earlier still
         # launches kernels that use them (the counters stay all zero after every launch).
         self._retired: list[torch.Tensor] = []
@@ -444,7 +438,6 @@ class Workspace:
     def zero_(self) -> None:
         """Restore the all-zero counters (only needed after a failed launch)."""
         self.counters.zero_()
-        self.sync.zero_()
 
 
 _workspaces: dict[int, Workspace] = {}

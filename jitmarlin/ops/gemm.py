@@ -474,23 +474,17 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family,
-                workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None,
-                perm: Optional[torch.Tensor] = None) -> None:
-    """Compute out[m, n] = a[:, perm] @ dequant(b) (+ bias); perm None: a @ dequant(b).
-    plan_override (for tuning): a (tile, warps) pair for the fused kernel, or "dequant" for the
-    dequantize + cuBLAS path. With perm, the sm_90 bulk-copy tiles gather A themselves
-    (fused_gather); every other path runs our gather kernel first."""
+                workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None) -> None:
+    """Compute out[m, n] = a @ dequant(b) (+ bias). plan_override (for tuning): a (tile, warps)
+    pair for the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
     index = K.cuda_index(a.device)
-    wgmma = isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma"
-    if wgmma or (plan_override is None and use_wgmma_path(m, n, k, fam, index)):
-        if perm is not None:
-            a = gather_columns(a, perm, m, k, fam)
-        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *(plan_override[1:] if wgmma else ()),
-                     workspace=workspace)
+    if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
+        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace)
+        return
+    if plan_override is None and use_wgmma_path(m, n, k, fam, index):
+        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace)
         return
     if plan_override == "dequant" or (plan_override is None and use_dequant_path(m, n, k)):
-        if perm is not None:
-            a = gather_columns(a, perm, m, k, fam)
         wt = dequantize_weights(b, scales, zeros, fam, n, k)
         a2, o2 = a.reshape(m, k), out.view(m, n)
         if bias is not None:
@@ -504,26 +498,10 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
         tile, nwarps = plan_override
         launch = _make_launch(Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps)), m, n, k, fam, index)
     ws = workspace if workspace is not None else K.default_workspace(a.device)
-    a_src = None
-    if perm is not None:
-        if fused_gather(launch):
-            a_src, a = a, torch.empty((m, k), dtype=a.dtype, device=a.device)  # the kernel gathers into it
-        else:
-            a = gather_columns(a, perm, m, k, fam)
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
     p.bias = bias.data_ptr() if bias is not None else None
-    if a_src is not None:
-        p.a_src, p.perm, p.grid_sync = a_src.data_ptr(), perm.data_ptr(), ws.sync.data_ptr()
     launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
                      pdl=launch.pdl)
-
-
-def fused_gather(launch: Launch) -> bool:
-    """Act-order on the sm_90 bulk-copy tiles (the M <= 32 routes): the GEMM's own CTAs gather A
-    and meet at a grid barrier (jm_gemm.cuh), no gather kernel in between. The barrier needs every
-    busy CTA resident at once: the grid is at most the CTAs that fit (grid_size, from the
-    kernel's occupancy). JITMARLIN_FUSED_GATHER=0 runs the gather kernel instead (read once)."""
-    return launch.plan.tile.bulk and K.env_flag("JITMARLIN_FUSED_GATHER", default=True)
 
 
 # ---- the custom op (torch.compile and CUDA graphs see one opaque op) ----
@@ -546,7 +524,9 @@ def _gemm_cuda(a, b, scales, zeros, bias, perm=None, workspace: Workspace | None
                          f"chunks); this view starts at byte offset {a.data_ptr() % 16}: call .clone() first")
     out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
     if m > 0:
-        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace, perm=perm)
+        if perm is not None:
+            a = gather_columns(a, perm, m, k, fam)
+        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace)
     return out
 
 

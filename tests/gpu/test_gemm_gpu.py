@@ -23,13 +23,13 @@ KN_LIST = [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (8192, 286
            (256, 256), (128, 64)]
 
 
-def run_poisoned(a, packed, bias=None, override=None, workspace=None, perm=None):
+def run_poisoned(a, packed, bias=None, override=None, workspace=None):
     """Launch into a NaN-filled output through the internal entry (the public op allocates its
     own output, so it cannot be poisoned)."""
     m, n, k, fam = G.check_args(a, packed.b, packed.scales, packed.zeros, bias)
     out = torch.full((m, n), float("nan"), dtype=a.dtype, device=a.device)
     G.launch_gemm(a, packed.b, packed.scales, packed.zeros, bias, out, m, n, k, fam,
-                  workspace=workspace, plan_override=override, perm=perm)
+                  workspace=workspace, plan_override=override)
     return out
 
 
@@ -37,7 +37,6 @@ def assert_workspace_clean(device=None):
     ws = K.default_workspace(torch.device("cuda") if device is None else device)
     torch.cuda.synchronize()
     assert int(ws.counters.abs().sum()) == 0, "split-unit arrival counters not reset"
-    assert int(ws.sync[0]) == 0, "grid-barrier arrival counter of the fused act-order gather not reset"
 
 
 @pytest.mark.parametrize("group", [128, -1])
@@ -252,75 +251,6 @@ def test_act_order_public_op_small_m():
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         out = jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm)
         check_close(out, a[:, perm.long()].float() @ w, 1e-3, f"M={m}")
-
-
-def _sm90_bulk_tiles(fam):
-    if torch.cuda.get_device_capability(0) < (9, 0):
-        pytest.skip("bulk-copy tiles (and the fused act-order gather) are built for sm_90 and newer only")
-    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin - G.SMEM_RESERVE
-    return [(t, nw) for t in K.BULK_TILES for nw in (4, 2) if K.tile_fits(fam, t) and nw <= t.max_warps
-            and K.smem_bytes(fam, t, nw) <= limit]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_act_order_fused_gather_every_bulk_tile(dtype):
-    """Act-order on the sm_90 bulk-copy tiles: the GEMM's CTAs gather A through perm themselves and
-    meet at a grid barrier. Every built bulk tile, at 2 and 4 warps, on odd M and K not a power of
-    two: the result matches the reference, is bit-identical to the gather kernel + the same tile,
-    and leaves the barrier's arrival counter at zero."""
-    fam = K.Family("bf16" if dtype == torch.bfloat16 else "f16", 4, False, 128)
-    tol = 1e-3 if dtype == torch.float16 else 1e-2
-    for k, n in ((5120, 768), (11008, 512)):
-        packed, w = random_weights(k, n, 4, 128, dtype=dtype, seed=k)
-        perm = torch.randperm(k, device="cuda").to(torch.int32)
-        for tile, nw in _sm90_bulk_tiles(fam):
-            if k % tile.tile_k or (n // 64) % nw:
-                continue
-            for m in (1, 3, 8, 13, 16, 17, 32):
-                a = torch.randn(m, k, device="cuda", dtype=dtype)
-                fused = run_poisoned(a, packed, override=(tile, nw), perm=perm)
-                where = f"{tile.tag()}-w{nw} K={k} N={n} M={m}"
-                check_close(fused, a[:, perm.long()].float() @ w, tol, where)
-                ag = G.gather_columns(a, perm, m, k, fam)
-                assert torch.equal(fused, run_poisoned(ag, packed, override=(tile, nw))), where
-    assert_workspace_clean()
-
-
-def test_act_order_fused_gather_routes_and_graph():
-    """The M <= 32 routes on sm_90 take the fused gather; several fused launches of different grids
-    back to back in one CUDA graph (each a grid barrier on the shared workspace, the next launch
-    starting early under programmatic dependent launch) give the reference on every replay, with
-    the inputs changed in between and the outputs poisoned."""
-    if torch.cuda.get_device_capability(0) < (9, 0):
-        pytest.skip("the fused act-order gather runs on sm_90 bulk-copy tiles")
-    fam = K.Family("f16", 4, False, 128)
-    cases = []
-    for k, n, m in ((4096, 4096, 1), (8192, 1024, 16), (5120, 13824, 8), (14336, 4096, 32)):
-        packed, w = random_weights(k, n, 4, 128, seed=n + m)
-        perm = torch.randperm(k, device="cuda").to(torch.int32)
-        launch = G.prepare_launch(m, m, n, k, fam, 0)
-        if not G.use_wgmma_path(m, n, k, fam, 0):
-            assert G.fused_gather(launch), f"K={k} N={n} M={m}: {launch.plan.tile.tag()} should gather itself"
-        cases.append((packed, w, perm, torch.randn(m, k, device="cuda", dtype=torch.float16)))
-
-    def run():
-        return [jitmarlin.marlin_gemm(x, p.b, p.scales, perm=pm) for p, _, pm, x in cases]
-
-    run()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = run()
-    for _ in range(4):
-        for o in outs:
-            o.fill_(float("nan"))
-        for _, _, _, x in cases:
-            x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        for o, (_, w, pm, x) in zip(outs, cases):
-            check_close(o, x[:, pm.long()].float() @ w, 1e-3, f"graph replay M={x.shape[0]}")
-    assert_workspace_clean()
 
 
 def test_bad_act_order_is_refused_not_a_crash():
