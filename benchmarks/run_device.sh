@@ -172,12 +172,17 @@ for st in $STAGES; do
                --variants bf16 --variant-m 1,16 --settle $st --json "$OUT/s8a_settle$st.json" > "$OUT/s8a_settle$st.log" 2>&1
              echo "settle $st rc=$?"; grep -E "^\| [0-9]|gpu state" "$OUT/s8a_settle$st.log"
            done;;
-    s8b)   # session 8: act-order with the GEMM's CTAs gathering A themselves vs the gather kernel first
-           for f in 1 0; do
-             timeout 120 python3 benchmarks/probe_act_order.py --m 1,8,16,32 --fused $f \
-               --shapes 28672x8192,8192x28672,4096x28672,14336x4096,8192x8192,4096x4096 2>&1 | grep -v "^done" \
-               | tee -a "$OUT/s8b_actorder.log"
-           done;;
+    s8c)   # session 8: fewer CTAs than fit (fewer split units, shorter reductions) where the problem is
+           # small for the GPU: 4096^2 at M=1, 8192^2 / 14336x4096 at M=16; MoE block sizes with the new tiles
+           P="timeout 150 python3 benchmarks/probe_configs.py"
+           $P --shapes 4096x4096 --m 1,8 --configs w8_k128_s6_bk_ks2-w4,w8_k128_s6_bk_ks2-w4-g198,w8_k128_s6_bk_ks2-w4-g132,w8_k128_s6_bk_ks2-w4-g96,w8_k128_s6_bk_ks2-w4-g66,w8_k128_s6_bk_ks2-w2-g132,w8_k128_s6_bk-w2,w8_k128_s6_bk-w2-g132,w8_k128_s6_bk_dr2-w2,w8_k128_s6_bk_dr2-w4-g132 \
+             2>&1 | grep -v "^done" | tee "$OUT/s8c_small.log"
+           $P --shapes 8192x8192,14336x4096,4096x28672 --m 16 --configs w16_k128_s5_bk-w4,w16_k128_s5_bk-w4-g198,w16_k128_s5_bk-w4-g132,w16_k128_s5_bk-w2,w16_k128_s5_bk-w2-g132,m1_k128_s6-w4,m1_k128_s6-w4-g96,m1_k128_s6-w2 \
+             2>&1 | grep -v "^done" | tee "$OUT/s8c_m16.log"
+           $P --shapes 8192x28672,8192x8192 --m 1 --configs w8_k128_s6_bk_dr2-w4,w8_k128_s6_bk_dr2-w4-g198,w8_k128_s6_bk_dr2-w4-g132 \
+             2>&1 | grep -v "^done" | tee "$OUT/s8c_m1.log"
+           timeout 200 python3 benchmarks/bench_moe.py --tokens 1,16,64 --blocks 8,16,32,64 > "$OUT/s8c_moe.log" 2>&1
+           echo "moe blocks rc=$?"; grep -E "by block" "$OUT/s8c_moe.log";;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
            echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
   esac
