@@ -183,6 +183,13 @@ for st in $STAGES; do
              2>&1 | grep -v "^done" | tee "$OUT/s8c_m1.log"
            timeout 200 python3 benchmarks/bench_moe.py --tokens 1,16,64 --blocks 8,16,32,64 > "$OUT/s8c_moe.log" 2>&1
            echo "moe blocks rc=$?"; grep -E "by block" "$OUT/s8c_moe.log";;
+    s8d)   # session 8: k-split 16-row rings at M=16 (8 math warps, one ring), and the MoE chain with
+           # programmatic launch after the align and around silu_mul
+           timeout 150 python3 benchmarks/probe_configs.py --shapes 8192x8192,14336x4096,4096x28672,8192x28672,28672x8192 \
+             --m 16 --extra-tiles w16_k128_s4_bk_ks2,w16_k128_s5_bk_ks2 \
+             --configs w16_k128_s5_bk-w4,w16_k128_s4_bk_ks2-w4,w16_k128_s5_bk_ks2-w4 2>&1 | grep -v "^done" | tee "$OUT/s8d_ks.log"
+           timeout 200 python3 benchmarks/bench_moe.py --tokens 1,16,64 --json "$OUT/s8d_moe.json" > "$OUT/s8d_moe.log" 2>&1
+           echo "moe rc=$?"; grep -E "^\| (mixtral|e64)" "$OUT/s8d_moe.log";;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
            echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
   esac

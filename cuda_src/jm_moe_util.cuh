@@ -8,9 +8,14 @@
 // torch reference's stable sort.
 // jm_silu_mul: y[r, j] = silu(x[r, j]) * x[r, I + j] for the gate/up halves of the first expert
 // GEMM's output, 8 values per thread.
+// Programmatic dependent launch (sm_90): both let the kernel after them launch at once, so that
+// the expert GEMM's CTAs are resident and set up when they finish (the GEMMs read nothing of
+// ours before their own griddep_wait); silu_mul, launched as a dependent of the first GEMM,
+// waits for it before reading its output.
 #pragma once
 
 #include "jm_common.cuh"
+#include "jm_ptx.cuh"
 
 struct JmMoeParams {
   const void* ids;      // align: [numel] expert of each (token, k) slot, int32 or int64
@@ -43,6 +48,7 @@ JM_DEVICE void moe_align_body(const JmMoeParams p) {
   int* start = sm + E;     // [E] first padded position of each expert
   __shared__ int s_total;
   const int tid = threadIdx.x, nthreads = blockDim.x, lane = tid & 31;
+  griddep_launch_dependents();
   for (int e = tid; e < E; e += nthreads) count[e] = 0;
   __syncthreads();
   for (int i = tid; i < p.numel; i += nthreads) {
@@ -106,9 +112,11 @@ JM_DEVICE void moe_align_body(const JmMoeParams p) {
 
 template <typename T>
 JM_DEVICE void silu_mul_body(const JmMoeParams p) {
+  griddep_launch_dependents();
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // one 8-value chunk
   const int chunks = p.inter / 8;
   if (idx >= static_cast<int64_t>(p.rows) * chunks) return;
+  griddep_wait();  // x is the output of the kernel before us
   const int r = static_cast<int>(idx / chunks), j = static_cast<int>(idx % chunks) * 8;
   const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(r) * 2 * p.inter;
   const uint4 gv = *reinterpret_cast<const uint4*>(x + j);

@@ -101,7 +101,7 @@ def silu_mul(c1: torch.Tensor, inter: int) -> torch.Tensor:
     """SiLU(c1[:, :inter]) * c1[:, inter:], one kernel on CUDA (unless JITMARLIN_MOE_KERNELS=0)."""
     if not (c1.is_cuda and use_moe_kernels() and inter % 8 == 0 and c1.is_contiguous()):
         return F.silu(c1[:, :inter]) * c1[:, inter:]
-    from .gemm import _cc
+    from .gemm import _cc, gather_pdl, use_pdl
 
     index = K.cuda_index(c1.device)
     y = torch.empty(c1.shape[0], inter, dtype=c1.dtype, device=c1.device)
@@ -112,7 +112,10 @@ def silu_mul(c1: torch.Tensor, inter: int) -> torch.Tensor:
     fn = K.get_moe_util_kernel("jm_silu_mul_bf16" if c1.dtype == torch.bfloat16 else "jm_silu_mul_f16", index,
                                _cc(index))
     chunks = c1.shape[0] * (inter // 8)
-    fn.launch(-(-chunks // 256), 256, 0, K.current_stream_handle(c1.device), p)
+    grid = -(-chunks // 256)
+    # a programmatic dependent of the first expert GEMM when its grid is small (the rule of the
+    # act-order gather: a large grid parked beside a running GEMM costs more than it saves)
+    fn.launch(grid, 256, 0, K.current_stream_handle(c1.device), p, pdl=use_pdl(_cc(index)) and gather_pdl(grid))
     return y
 
 
