@@ -190,6 +190,8 @@ for st in $STAGES; do
              --configs w16_k128_s5_bk-w4,w16_k128_s4_bk_ks2-w4,w16_k128_s5_bk_ks2-w4 2>&1 | grep -v "^done" | tee "$OUT/s8d_ks.log"
            timeout 200 python3 benchmarks/bench_moe.py --tokens 1,16,64 --json "$OUT/s8d_moe.json" > "$OUT/s8d_moe.log" 2>&1
            echo "moe rc=$?"; grep -E "^\| (mixtral|e64)" "$OUT/s8d_moe.log";;
+    moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
+           grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
            echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
   esac

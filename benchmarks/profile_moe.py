@@ -1,0 +1,56 @@
+"""Where the time of one MoE layer's experts goes: GPU time of every kernel of fused_marlin_moe
+(torch.profiler, eager calls, averaged), next to the whole call timed as a CUDA graph. The
+difference between the graph time and the sum of the kernels is what the chain of dependent
+launches costs (gaps, pipeline fills that do not overlap).
+
+    python benchmarks/profile_moe.py [--shapes mixtral,e64] [--tokens 1,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from bench_moe import SHAPES, _packed  # noqa: E402
+from diag_decode import _kernel_times  # noqa: E402
+
+from jitmarlin.nn.moe import MarlinMoE  # noqa: E402
+from jitmarlin.ops.moe import fused_marlin_moe  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="mixtral,e64")
+    ap.add_argument("--tokens", default="1,16,64")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    for name in args.shapes.split(","):
+        e, h, i, k = SHAPES[name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        moe = MarlinMoE([_packed(h, 2 * i, gen) for _ in range(e)], [_packed(i, h, gen) for _ in range(e)],
+                        torch.randn(e, h, device="cuda", generator=gen) * 0.05, k)
+        for t in (int(v) for v in args.tokens.split(",")):
+            x = torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen)
+            weights, ids = moe.route(x)
+
+            def ours():
+                return fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales,
+                                        weights, ids)
+
+            graph_us = common.time_graph(lambda _i: ours(), 1, calls=10)
+            kernels = _kernel_times(ours, reps=args.reps)
+            total = sum(kernels.values())
+            active = int(torch.unique(ids).numel())
+            print(f"{name} T={t} ({active} experts active): graph {graph_us:.1f} us per call, kernels "
+                  f"{total:.1f} us, chain {graph_us - total:.1f} us", flush=True)
+            for kname, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                print(f"    {us:8.1f} us  {kname[:110]}")
+
+
+if __name__ == "__main__":
+    main()
