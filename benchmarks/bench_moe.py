@@ -51,6 +51,20 @@ def eager_us(fn, reps=30):
     return statistics.median(ts)
 
 
+def make_moe(name: str, gen: torch.Generator) -> MarlinMoE:
+    """A MarlinMoE of shape SHAPES[name] with random 4-bit experts and router (for the probes)."""
+    e, h, i, k = SHAPES[name]
+    return MarlinMoE([_packed(h, 2 * i, gen) for _ in range(e)], [_packed(i, h, gen) for _ in range(e)],
+                     torch.randn(e, h, device="cuda", generator=gen) * 0.05, k)
+
+
+def experts_call(moe: MarlinMoE, x: torch.Tensor):
+    """(fn, topk_ids): fn() runs the experts of `moe` on x with x's routing (router excluded)."""
+    weights, ids = moe.route(x)
+    return (lambda: fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales,
+                                     weights, ids)), ids
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,256,1024")

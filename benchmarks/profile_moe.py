@@ -16,11 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from bench_moe import SHAPES, _packed  # noqa: E402
+from bench_moe import SHAPES, experts_call, make_moe  # noqa: E402
 from diag_decode import _kernel_times  # noqa: E402
-
-from jitmarlin.nn.moe import MarlinMoE  # noqa: E402
-from jitmarlin.ops.moe import fused_marlin_moe  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -30,18 +27,11 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
     for name in args.shapes.split(","):
-        e, h, i, k = SHAPES[name]
+        h = SHAPES[name][1]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        moe = MarlinMoE([_packed(h, 2 * i, gen) for _ in range(e)], [_packed(i, h, gen) for _ in range(e)],
-                        torch.randn(e, h, device="cuda", generator=gen) * 0.05, k)
+        moe = make_moe(name, gen)
         for t in (int(v) for v in args.tokens.split(",")):
-            x = torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen)
-            weights, ids = moe.route(x)
-
-            def ours():
-                return fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales,
-                                        weights, ids)
-
+            ours, ids = experts_call(moe, torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen))
             graph_us = common.time_graph(lambda _i: ours(), 1, calls=10)
             kernels = _kernel_times(ours, reps=args.reps)
             total = sum(kernels.values())
