@@ -65,6 +65,18 @@ def experts_call(moe: MarlinMoE, x: torch.Tensor):
                                      weights, ids)), ids
 
 
+def moe_cases(names, tokens):
+    """(shape name, tokens, fn, topk_ids) for every shape and token count (the probes' cases):
+    one random layer per shape, seeded, fresh activations per token count."""
+    for name in names:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        moe = make_moe(name, gen)
+        for t in tokens:
+            fn, ids = experts_call(moe, torch.randn(t, SHAPES[name][1], device="cuda", dtype=torch.float16,
+                                                    generator=gen))
+            yield name, t, fn, ids
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,256,1024")

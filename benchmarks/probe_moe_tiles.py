@@ -11,11 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from bench_moe import SHAPES, experts_call, make_moe  # noqa: E402
+from bench_moe import moe_cases  # noqa: E402
 
 from jitmarlin.ops import gemm as G  # noqa: E402
 
@@ -27,14 +25,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.small_kn is not None:
         G._SMALL_KN = args.small_kn
-    for name in ("mixtral", "e64"):
-        h = SHAPES[name][1]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        moe = make_moe(name, gen)
-        for t in (int(v) for v in args.tokens.split(",")):
-            ours, _ = experts_call(moe, torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen))
-            us = common.time_graph(lambda _i: ours(), 1, calls=10)
-            print(f"[small_kn={G._SMALL_KN}] {name} T={t}: {us:.1f} us", flush=True)
+    for name, t, ours, _ in moe_cases(("mixtral", "e64"), [int(v) for v in args.tokens.split(",")]):
+        us = common.time_graph(lambda _i: ours(), 1, calls=10)
+        print(f"[small_kn={G._SMALL_KN}] {name} T={t}: {us:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from bench_moe import SHAPES, experts_call, make_moe  # noqa: E402
+from bench_moe import moe_cases  # noqa: E402
 from diag_decode import _kernel_times  # noqa: E402
 
 
@@ -26,20 +26,15 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="1,16,64")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
-    for name in args.shapes.split(","):
-        h = SHAPES[name][1]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        moe = make_moe(name, gen)
-        for t in (int(v) for v in args.tokens.split(",")):
-            ours, ids = experts_call(moe, torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen))
-            graph_us = common.time_graph(lambda _i: ours(), 1, calls=10)
-            kernels = _kernel_times(ours, reps=args.reps)
-            total = sum(kernels.values())
-            active = int(torch.unique(ids).numel())
-            print(f"{name} T={t} ({active} experts active): graph {graph_us:.1f} us per call, kernels "
-                  f"{total:.1f} us, chain {graph_us - total:.1f} us", flush=True)
-            for kname, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
-                print(f"    {us:8.1f} us  {kname[:110]}")
+    for name, t, ours, ids in moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]):
+        graph_us = common.time_graph(lambda _i: ours(), 1, calls=10)
+        kernels = _kernel_times(ours, reps=args.reps)
+        total = sum(kernels.values())
+        active = int(torch.unique(ids).numel())
+        print(f"{name} T={t} ({active} experts active): graph {graph_us:.1f} us per call, kernels "
+              f"{total:.1f} us, chain {graph_us - total:.1f} us", flush=True)
+        for kname, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+            print(f"    {us:8.1f} us  {kname[:110]}")
 
 
 if __name__ == "__main__":
