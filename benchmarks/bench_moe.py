@@ -51,30 +51,20 @@ def eager_us(fn, reps=30):
     return statistics.median(ts)
 
 
-def make_moe(name: str, gen: torch.Generator) -> MarlinMoE:
-    """A MarlinMoE of shape SHAPES[name] with random 4-bit experts and router (for the probes)."""
-    e, h, i, k = SHAPES[name]
-    return MarlinMoE([_packed(h, 2 * i, gen) for _ in range(e)], [_packed(i, h, gen) for _ in range(e)],
-                     torch.randn(e, h, device="cuda", generator=gen) * 0.05, k)
-
-
-def experts_call(moe: MarlinMoE, x: torch.Tensor):
-    """(fn, topk_ids): fn() runs the experts of `moe` on x with x's routing (router excluded)."""
-    weights, ids = moe.route(x)
-    return (lambda: fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales,
-                                     weights, ids)), ids
-
-
 def moe_cases(names, tokens):
-    """(shape name, tokens, fn, topk_ids) for every shape and token count (the probes' cases):
-    one random layer per shape, seeded, fresh activations per token count."""
+    """(shape name, tokens, fn, topk_ids) for every shape and token count (the probes' cases): one
+    random layer per shape, seeded, fresh activations per token count; fn() runs its experts with
+    their routing (router excluded)."""
     for name in names:
+        e, h, i, k = SHAPES[name]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        moe = make_moe(name, gen)
+        moe = MarlinMoE([_packed(h, 2 * i, gen) for _ in range(e)], [_packed(i, h, gen) for _ in range(e)],
+                        torch.randn(e, h, device="cuda", generator=gen) * 0.05, k)
         for t in tokens:
-            fn, ids = experts_call(moe, torch.randn(t, SHAPES[name][1], device="cuda", dtype=torch.float16,
-                                                    generator=gen))
-            yield name, t, fn, ids
+            x = torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen)
+            weights, ids = moe.route(x)
+            yield name, t, (lambda x=x, w=weights, ids=ids: fused_marlin_moe(
+                x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, w, ids)), ids
 
 
 def main(argv=None):
