@@ -40,15 +40,20 @@ _TINY_KN = 1 << 25  # K*N below this at M <= 8: the k-split ring beats the direc
 DIRECT_W8 = Tile(1, True, 8, 6, True, direct=2)
 
 
-def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0)) -> tuple[tuple[Tile, int], ...]:
-    small = k * n < _SMALL_KN
+def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
+                 large: bool = False) -> tuple[tuple[Tile, int], ...]:
+    """Candidate (tile, warps) pairs for M x N x K, best first. `large`: take the routes of large
+    problems whatever K*N (the sm_90 MoE kernel: one launch streams every active expert's weights;
+    H200, session 8: Mixtral 1 / 16 tokens 85 -> 77 / 277 -> 232 us, E=64 top-6 31 -> 28 /
+    125 -> 95 us, benchmarks/probe_moe_tiles.py)."""
+    small = k * n < _SMALL_KN and not large
     cls = m_class(m)
     if cc >= (9, 0) and cls == "w8":
         # sm_90: the producer-warp / bulk-copy ring (NOTES.md, "bulk-copy pipeline"); from K*N = 32M
         # on, the direct-load tile (weights straight into registers, NOTES.md session 7) where the
         # family takes it (4-bit dense: tile_fits), else the ring
         ring = (Tile(1, True, 8, 6, True, 2), 4) if small else (Tile(1, True, 8, 6, True), 4)
-        first = () if k * n < _TINY_KN else ((DIRECT_W8, 4),)
+        first = () if (k * n < _TINY_KN and not large) else ((DIRECT_W8, 4),)
         return first + (ring,) + _preferences(m, n, k)
     if cc >= (9, 0) and cls == "m1" and not small:
         # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7)
@@ -104,7 +109,7 @@ def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int, cc: tu
     per-block shared memory. Fewer warps per CTA are tried before giving up."""
     check_problem(n, k, fam.group_size)
     strips = n // 64
-    prefs = _preferences(m, n, k, cc)
+    prefs = _preferences(m, n, k, cc, large=fam.moe and cc >= (9, 0))
     if first is not None and first[0].rows == prefs[0][0].rows and first[1] <= first[0].max_warps:
         prefs = (first,) + prefs  # same m tile as the built-in choice (the MoE kernel relies on it)
     for want_warps in (None, 4, 2, 1):
