@@ -287,3 +287,20 @@ def test_gather_pdl_rule():
     assert gather_pdl(1 * 8192 // 8 // 256) and gather_pdl(16 * 8192 // 8 // 256)
     assert gather_pdl(-(-28672 // 8 // 256))
     assert not gather_pdl(8 * 28672 // 8 // 256) and not gather_pdl(16 * 28672 // 8 // 256)
+
+
+def test_sm90_moe_expert_gemms_take_the_large_routes():
+    """NOTES.md session 8: one MoE launch streams every active expert's weights, so on sm_90 the
+    expert GEMMs take the large-problem routes whatever one expert's K*N (Mixtral's 14336x4096 down
+    projection, E=64's 2048x2816 / 1408x2048 experts); dense problems of the same size keep the
+    small-problem routes, and sm_80 is unchanged."""
+    sm90, cc = SMEM["sm_90"], (9, 0)
+    u4, moe = K.Family("f16", 4, False, 128), K.Family("f16", 4, False, 128, True)
+    for k, n in ((14336, 4096), (2048, 2816), (1408, 2048), (4096, 4096)):
+        assert select_plan(8, n, k, moe, sm90, cc).tile.tag() == "w8_k128_s6_bk"
+        assert select_plan(16, n, k, moe, sm90, cc).tile.tag() == "w16_k128_s5_bk"
+        assert select_plan(32, n, k, moe, sm90, cc).tile.tag() == "m2_k128_s4_bk"
+    assert select_plan(8, 4096, 4096, u4, sm90, cc).tile.tag() == "w8_k128_s6_bk_ks2"
+    assert not select_plan(16, 4096, 14336, u4, sm90, cc).tile.bulk
+    sm80 = SMEM["sm_80"]
+    assert select_plan(8, 4096, 14336, moe, sm80, (8, 0)) == select_plan(8, 4096, 14336, u4, sm80, (8, 0))
