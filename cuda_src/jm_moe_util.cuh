@@ -8,6 +8,8 @@
 // torch reference's stable sort.
 // jm_silu_mul: y[r, j] = silu(x[r, j]) * x[r, I + j] for the gate/up halves of the first expert
 // GEMM's output, 8 values per thread.
+// jm_topk_sum: y[t, j] = sum over k of x[t * top_k + k, j] (the second expert GEMM's output, the
+// routing weights already applied), summed in fp32 in slot order, rounded once, 8 values per thread.
 // Programmatic dependent launch (sm_90): both let the kernel after them launch at once, so that
 // the expert GEMM's CTAs are resident and set up when they finish (the GEMMs read nothing of
 // ours before their own griddep_wait); silu_mul, launched as a dependent of the first GEMM,
@@ -32,6 +34,7 @@ struct JmMoeParams {
   int32_t ids_64;       // 1: ids are int64
   int32_t rows;
   int32_t inter;
+  int32_t top_k;        // topk_sum: slots per token
 };
 
 namespace jm {
@@ -135,9 +138,36 @@ JM_DEVICE void silu_mul_body(const JmMoeParams p) {
   *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(r) * p.inter + j) = out;
 }
 
+template <typename T>
+JM_DEVICE void topk_sum_body(const JmMoeParams p) {
+  griddep_launch_dependents();
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // one 8-value chunk
+  const int chunks = p.inter / 8;
+  if (idx >= static_cast<int64_t>(p.rows) * chunks) return;
+  griddep_wait();  // x is the output of the kernel before us
+  const int r = static_cast<int>(idx / chunks), j = static_cast<int>(idx % chunks) * 8;
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; i++) acc[i] = 0.f;
+  const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(r) * p.top_k * p.inter + j;
+  for (int s = 0; s < p.top_k; s++) {
+    const uint4 v = *reinterpret_cast<const uint4*>(x + static_cast<int64_t>(s) * p.inter);
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] += static_cast<float>(e[i]);
+  }
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int i = 0; i < 8; i++) o[i] = static_cast<T>(acc[i]);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(r) * p.inter + j) = out;
+}
+
 }  // namespace jm
 
 #define JM_MOE_ALIGN_KERNEL(NAME) \
   extern "C" __global__ void __launch_bounds__(1024) NAME(const JmMoeParams p) { jm::moe_align_body(p); }
 #define JM_SILU_MUL_KERNEL(NAME, T) \
   extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::silu_mul_body<T>(p); }
+#define JM_TOPK_SUM_KERNEL(NAME, T) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::topk_sum_body<T>(p); }

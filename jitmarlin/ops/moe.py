@@ -119,6 +119,28 @@ def silu_mul(c1: torch.Tensor, inter: int) -> torch.Tensor:
     return y
 
 
+def topk_sum(c3: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """c3 [T*k, H] -> [T, H], the sum over each token's k slots (fp32 accumulation in slot order,
+    one rounding), one kernel of ours on CUDA that launches as a programmatic dependent of the
+    expert GEMM before it (unless JITMARLIN_MOE_KERNELS=0: torch's sum)."""
+    h = c3.shape[1]
+    if not (c3.is_cuda and use_moe_kernels() and h % 8 == 0 and c3.is_contiguous()) or top_k == 1:
+        return c3.view(tokens, top_k, h).sum(1)
+    from .gemm import _cc, gather_pdl, use_pdl
+
+    index = K.cuda_index(c3.device)
+    y = torch.empty(tokens, h, dtype=c3.dtype, device=c3.device)
+    if tokens == 0:
+        return y
+    p = K.MoeParams()
+    p.x, p.y, p.rows, p.inter, p.top_k = c3.data_ptr(), y.data_ptr(), tokens, h, top_k
+    fn = K.get_moe_util_kernel("jm_topk_sum_bf16" if c3.dtype == torch.bfloat16 else "jm_topk_sum_f16", index,
+                               _cc(index))
+    grid = -(-(tokens * (h // 8)) // 256)
+    fn.launch(grid, 256, 0, K.current_stream_handle(c3.device), p, pdl=use_pdl(_cc(index)) and gather_pdl(grid))
+    return y
+
+
 def _align_torch(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     """The reference (CPU, and CUDA by default): torch ops only."""
     dev = topk_ids.device
@@ -374,4 +396,4 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     else:
         a2 = gather_by_position(c2, sorted_ids, expert_ids, w2_perm, 1, bs)
         c3 = moe_gemm(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, bs, True)
-    return c3.view(t, top_k, h).sum(1)  # [T, H]
+    return topk_sum(c3, t, top_k)  # [T, H]

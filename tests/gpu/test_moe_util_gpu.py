@@ -59,6 +59,24 @@ def test_silu_mul_kernel(monkeypatch, dtype, rows, inter):
     assert ((got.float() - want.float()).abs() <= tol * want.float().abs() + 1e-3).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k,h", [(1, 2, 4096), (7, 6, 2048), (64, 8, 1032), (300, 2, 64)])
+def test_topk_sum_kernel(monkeypatch, dtype, tokens, top_k, h):
+    """Our sum over each token's slots against torch's, output poisoned first: equal to the bit
+    for two slots (one exact fp32 addition, one rounding), within one rounding otherwise."""
+    monkeypatch.delenv("JITMARLIN_MOE_KERNELS", raising=False)
+    c3 = torch.randn(tokens * top_k, h, device="cuda", dtype=dtype)
+    torch.cuda.synchronize()
+    got = M.topk_sum(c3, tokens, top_k)
+    want = c3.view(tokens, top_k, h).float().sum(1).to(dtype)
+    assert got.shape == (tokens, h) and got.dtype == dtype
+    if top_k == 2:
+        assert torch.equal(got, want)
+    else:
+        eps = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
+        assert ((got.float() - want.float()).abs() <= eps * want.float().abs() + 1e-6).all()
+
+
 def test_fused_moe_same_with_and_without_the_kernels(monkeypatch):
     from .test_moe_gpu import make_moe
 
