@@ -136,8 +136,12 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   const int n_tiles = p.n / (64 * nwarps);
   const int k_tiles = p.k / S::kTileK;
   int m_tiles;
-  // MoE: the routing tables come from the previous kernel (programmatic dependent launch).
-  if constexpr (MOE) griddep_wait();
+  // MoE: the routing tables come from the previous kernel (programmatic dependent launch), unless
+  // the launch says they were complete before it started (bulk tiles only: the cp.async ring
+  // waits here either way, its first copies need the activations too).
+  if constexpr (MOE) {
+    if (!BULK || !p.tables_ready) griddep_wait();
+  }
   if constexpr (MOE) m_tiles = *p.num_padded / S::kRows;
   else m_tiles = ceil_div(p.m, S::kRows);
   const Schedule sch = make_schedule(n_tiles, m_tiles, k_tiles, p.grid);
@@ -716,7 +720,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       Cursor c = cursor_at(begin);
       // Dense: the weights of the first fills go out before waiting for the previous kernel
       // (they never depend on it); the activations follow once it has finished.
-      const int pre = MOE ? 0 : min(STAGES, n_it);
+      const int pre = (MOE && !p.tables_ready) ? 0 : min(STAGES, n_it);
       for (int i = 0; i < pre; i++) {
         const int rows = kACp ? 0 : valid_rows(c);  // activation bytes the bulk copies bring
         if (lane == 0) mbar_arrive_expect_tx(&full_bar[i], weight_bytes + rows * kRowBytes);

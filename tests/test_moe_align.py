@@ -136,3 +136,14 @@ def test_fused_moe_block_choice(monkeypatch, wgmma):
             M.fused_marlin_moe(x, w13, s13, w2, s2, torch.ones(t, top_k), ids)
         assert chosen[-1] == want, (t, chosen)
         assert asked == ([] if t == 16 else [[(2 * inter, h), (h, inter)]])
+
+
+def test_moe_gemm_ready_tables_op_mirrors_moe_gemm():
+    """The private op of fused_marlin_moe's second expert GEMM takes exactly moe_gemm's arguments
+    (and shares its fake implementation, so torch.compile traces it the same way)."""
+    import jitmarlin.ops.moe  # noqa: F401  (registers the ops)
+
+    a = torch.ops.jitmarlin.moe_gemm.default._schema
+    b = torch.ops.jitmarlin.moe_gemm_ready_tables.default._schema
+    assert [(x.name, str(x.type)) for x in a.arguments] == [(x.name, str(x.type)) for x in b.arguments]
+    assert [str(x.type) for x in a.returns] == [str(x.type) for x in b.returns]

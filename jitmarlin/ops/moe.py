@@ -217,7 +217,7 @@ _lib.define("moe_gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor s
 def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_padded: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], size_m: int, top_k: int, block_size: int,
-                   a_by_position: bool = False) -> torch.Tensor:
+                   a_by_position: bool = False, tables_ready: bool = False) -> torch.Tensor:
     """Grouped expert GEMM: out[slot] = A[row(slot)] @ dequant(b[expert of slot]) (* topk weight).
 
     a: [rows, K]; row(slot) = slot // top_k, or the slot's position in sorted_ids when
@@ -246,7 +246,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
     p.s_expert_stride = scales.shape[1] * scales.shape[2]
     p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
-    p.top_k, p.a_by_position = top_k, int(a_by_position)
+    p.top_k, p.a_by_position, p.tables_ready = top_k, int(a_by_position), int(tables_ready)
     launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
                      pdl=launch.pdl)
     return out
@@ -301,6 +301,26 @@ def _moe_gemm_cpu(a, *args):
 _lib.impl("moe_gemm", _moe_gemm_cuda, "CUDA")
 _lib.impl("moe_gemm", _moe_gemm_cpu, "CPU")
 torch.library.register_fake("jitmarlin::moe_gemm", _moe_gemm_fake, lib=_lib)
+
+# The same GEMM for fused_marlin_moe's second expert GEMM only: its routing tables were written by
+# the alignment before the first expert GEMM, which waited for it, so on sm_90 the kernel reads
+# them and streams its first weight tiles while SiLU-mul still runs (it waits for SiLU-mul before
+# reading activations). Not for direct use: with the tables from the kernel just before, that
+# early read would see them half-written.
+_lib.define("moe_gemm_ready_tables(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor sorted_ids, "
+            "Tensor expert_ids, Tensor num_padded, Tensor? topk_weights, int size_m, int top_k, int block_size, "
+            "bool a_by_position=False) -> Tensor")
+
+
+def _moe_gemm_ready_tables_cuda(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
+                                top_k, block_size, a_by_position=False):
+    return _moe_gemm_cuda(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
+                          block_size, a_by_position, tables_ready=True)
+
+
+_lib.impl("moe_gemm_ready_tables", _moe_gemm_ready_tables_cuda, "CUDA")
+_lib.impl("moe_gemm_ready_tables", _moe_gemm_cpu, "CPU")
+torch.library.register_fake("jitmarlin::moe_gemm_ready_tables", _moe_gemm_fake, lib=_lib)
 
 
 def moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m: int, top_k: int,
@@ -392,8 +412,10 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     c2 = silu_mul(c1, inter)  # [T*k, I]
     tw = topk_weights.reshape(-1).to(torch.float32)
     if w2_perm is None:
-        c3 = moe_gemm(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, bs)
+        c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
+                                                       num_padded, tw, t * top_k, 1, bs)
     else:
         a2 = gather_by_position(c2, sorted_ids, expert_ids, w2_perm, 1, bs)
-        c3 = moe_gemm(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, bs, True)
+        c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
+                                                       num_padded, tw, t * top_k, 1, bs, True)
     return topk_sum(c3, t, top_k)  # [T, H]
