@@ -1,33 +1,54 @@
-"""A/B of the MoE kernel's tile choice (session 8): the expert GEMMs take the dense routes of
-their per-expert K*N (K*N < 64M: the k-split ring), although a launch streams the weights of
-every active expert. --small-kn 0 treats every expert GEMM as large (the plain ring).
+"""A/B probes of the MoE path (graph time of fused_marlin_moe, router excluded).
 
-    python benchmarks/probe_moe_tiles.py --small-kn 0
+    --small-kn N      override gemm._SMALL_KN before any launch (session 8: 0 = every expert GEMM
+                      on the large-problem routes, now the default on sm_90)
+    --block B         force the expert block size (rows per m tile) instead of choose_block_size
+    --ready-tables 0  the second expert GEMM through the plain moe_gemm op (waits for SiLU-mul
+                      before it reads the routing tables or streams a weight tile)
+    --torch-sum       the top-k sum by torch (view + sum) instead of our jm_topk_sum kernel
+
+    python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402
 import common  # noqa: E402
-from bench_moe import moe_cases  # noqa: E402
+import torch  # noqa: E402
 
 from jitmarlin.ops import gemm as G  # noqa: E402
+from jitmarlin.ops import moe as M  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small-kn", type=int, default=None, help="override gemm._SMALL_KN (before any launch)")
     ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--shapes", default="mixtral,e64")
+    ap.add_argument("--block", type=int, default=None)
+    ap.add_argument("--ready-tables", type=int, default=1)
+    ap.add_argument("--torch-sum", action="store_true")
+
     args = ap.parse_args()
     if args.small_kn is not None:
         G._SMALL_KN = args.small_kn
-    for name, t, ours, _ in moe_cases(("mixtral", "e64"), [int(v) for v in args.tokens.split(",")]):
+    if args.block is not None:
+        bench_moe.fused_marlin_moe = functools.partial(M.fused_marlin_moe, block_size=args.block)
+    if not args.ready_tables:  # the op namespace caches attributes: this shadows the op for this process
+        torch.ops.jitmarlin.moe_gemm_ready_tables = torch.ops.jitmarlin.moe_gemm
+    if args.torch_sum:
+        M.topk_sum = lambda c3, t, k: c3.view(t, k, -1).sum(1)
+    tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "
+           f"sum={'torch' if args.torch_sum else 'ours'}")
+    for name, t, ours, _ in bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]):
         us = common.time_graph(lambda _i: ours(), 1, calls=10)
-        print(f"[small_kn={G._SMALL_KN}] {name} T={t}: {us:.1f} us", flush=True)
+        print(f"[{tag}] {name} T={t}: {us:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

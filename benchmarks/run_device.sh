@@ -190,6 +190,22 @@ for st in $STAGES; do
              --configs w16_k128_s5_bk-w4,w16_k128_s4_bk_ks2-w4,w16_k128_s5_bk_ks2-w4 2>&1 | grep -v "^done" | tee "$OUT/s8d_ks.log"
            timeout 200 python3 benchmarks/bench_moe.py --tokens 1,16,64 --json "$OUT/s8d_moe.json" > "$OUT/s8d_moe.log" 2>&1
            echo "moe rc=$?"; grep -E "^\| (mixtral|e64)" "$OUT/s8d_moe.log";;
+    s9a)   # session 9: the prep-session9 pieces one by one (second GEMM before SiLU-mul ends, our
+           # top-k sum), then MoE block sizes on the large-problem routes at 32-128 tokens
+           P="timeout 100 python3 benchmarks/probe_moe_tiles.py"
+           for a in "" "--ready-tables 0" "--torch-sum" "--ready-tables 0 --torch-sum"; do
+             $P --tokens 1,16 $a 2>&1 | grep "^\[" | tee -a "$OUT/s9a_pieces.log"
+           done
+           for b in 8 16 32; do
+             $P --tokens 32,64,128 --block $b 2>&1 | grep "^\[" | tee -a "$OUT/s9a_blocks.log"
+           done
+           $P --tokens 32,64,128 2>&1 | grep "^\[" | tee -a "$OUT/s9a_blocks.log"
+           JITMARLIN_PDL=0 timeout 100 python3 benchmarks/profile_moe.py --tokens 32,64 > "$OUT/s9a_prof.log" 2>&1
+           grep -v "^jitmarlin" "$OUT/s9a_prof.log" | grep -v Warn | head -40;;
+    s9b)   # session 9: the MoE bench of the README table (the direct-load tile for MoE blocks of 8
+           # rows was timed here too, measured no better, and removed: NOTES.md session 9)
+           timeout 300 python3 benchmarks/bench_moe.py --tokens ${MOE_TOKENS:-1,16,32,64,128,256,1024} --json "$OUT/s9b_moe.json" \
+             > "$OUT/s9b_moe.log" 2>&1; echo "moe rc=$?"; grep -E "^\| (mixtral|e64)" "$OUT/s9b_moe.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
