@@ -33,8 +33,17 @@ def main() -> None:
                     "for this run only (candidates outside the built-in lists), e.g. w16_k128_s5_bk")
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="weight bits (group 128)")
     ap.add_argument("--dtype", default="f16", choices=("f16", "bf16"), help="activation dtype")
+    ap.add_argument("--extra-wgmma", default="", help="comma-separated NT-FW-STAGES wgmma configs built into the "
+                    "dense wgmma module for this run only, e.g. 64-2-8 (then usable as wgmma-n64-f2-s8)")
+    ap.add_argument("--any-fit", action="store_true", help="build --extra-tiles into every family, also where "
+                    "tile_fits excludes them (probe only: e.g. direct-load tiles of 8-bit weights)")
     args = ap.parse_args()
+    for cfg in (c for c in args.extra_wgmma.split(",") if c):  # before the first build (part of the cache key)
+        K.WGMMA_CONFIGS = K.WGMMA_CONFIGS + (tuple(int(x) for x in cfg.split("-")),)
     extra = tuple(K.Tile.from_tag(t) for t in args.extra_tiles.split(",") if t)
+    if args.any_fit and extra:  # build the extra tiles even where tile_fits keeps them out (e.g. direct, 8-bit)
+        fits = K.tile_fits
+        K.tile_fits = lambda fam, tile: fits(fam, tile) or tile in extra
     if extra:  # before the first build: the family's module (and cache key) then holds them
         K.TILES = K.TILES + tuple(t for t in extra if not t.bulk and t not in K.TILES)
         K.BULK_TILES = K.BULK_TILES + tuple(t for t in extra if t.bulk and t not in K.BULK_TILES)

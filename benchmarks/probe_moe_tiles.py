@@ -6,6 +6,8 @@
     --ready-tables 0  the second expert GEMM through the plain moe_gemm op (waits for SiLU-mul
                       before it reads the routing tables or streams a weight tile)
     --torch-sum       the top-k sum by torch (view + sum) instead of our jm_topk_sum kernel
+    --wgmma NT-FW-S,..  wgmma MoE configs (block rows, strips per warpgroup, ring stages) built for this
+                      run and taken before the built-in ones of the same (rows, strips), e.g. 64-2-8
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
 """
@@ -22,6 +24,7 @@ import bench_moe  # noqa: E402
 import common  # noqa: E402
 import torch  # noqa: E402
 
+from jitmarlin.ops import _kernels as K  # noqa: E402
 from jitmarlin.ops import gemm as G  # noqa: E402
 from jitmarlin.ops import moe as M  # noqa: E402
 
@@ -34,6 +37,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=None)
     ap.add_argument("--ready-tables", type=int, default=1)
     ap.add_argument("--torch-sum", action="store_true")
+    ap.add_argument("--wgmma", default="")
 
     args = ap.parse_args()
     if args.small_kn is not None:
@@ -42,10 +46,13 @@ def main() -> None:
         bench_moe.fused_marlin_moe = functools.partial(M.fused_marlin_moe, block_size=args.block)
     if not args.ready_tables:  # the op namespace caches attributes: this shadows the op for this process
         torch.ops.jitmarlin.moe_gemm_ready_tables = torch.ops.jitmarlin.moe_gemm
+    extra = tuple(tuple(int(x) for x in c.split("-")) for c in args.wgmma.split(",") if c)
+    if extra:  # before the first build: part of the module's cache key; first match wins at launch
+        K.WGMMA_MOE_CONFIGS = extra + K.WGMMA_MOE_CONFIGS
     if args.torch_sum:
         M.topk_sum = lambda c3, t, k: c3.view(t, k, -1).sum(1)
     tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "
-           f"sum={'torch' if args.torch_sum else 'ours'}")
+           f"sum={'torch' if args.torch_sum else 'ours'}" + (f" wgmma={args.wgmma}" if extra else ""))
     for name, t, ours, _ in bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]):
         us = common.time_graph(lambda _i: ours(), 1, calls=10)
         print(f"[{tag}] {name} T={t}: {us:.1f} us", flush=True)

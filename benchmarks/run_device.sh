@@ -206,6 +206,36 @@ for st in $STAGES; do
            # rows was timed here too, measured no better, and removed: NOTES.md session 9)
            timeout 300 python3 benchmarks/bench_moe.py --tokens ${MOE_TOKENS:-1,16,32,64,128,256,1024} --json "$OUT/s9b_moe.json" \
              > "$OUT/s9b_moe.log" 2>&1; echo "moe rc=$?"; grep -E "^\| (mixtral|e64)" "$OUT/s9b_moe.log";;
+    s9c)   # session 9: deeper cp.async rings for the wgmma kernel (it kept 3 stages x 8 KB of weights in
+           # flight per SM at 64-token tiles): dense M = 64 / 128 / 256, then the MoE blocks of 64 / 128
+           timeout 240 python3 benchmarks/probe_configs.py --shapes ${S9C_SHAPES:-4096x28672,8192x28672,28672x8192,8192x8192} \
+             --m 64 --extra-wgmma 64-2-8,64-2-12,64-1-8 \
+             --configs wgmma-n64-f2-s4,wgmma-n64-f2-s8,wgmma-n64-f2-s12,wgmma-n64-f1-s6,wgmma-n64-f1-s8 \
+             2>&1 | grep -v "^done" | tee "$OUT/s9c_m64.log"
+           timeout 240 python3 benchmarks/probe_configs.py --shapes ${S9C_SHAPES:-4096x28672,8192x28672,28672x8192,8192x8192} \
+             --m 128,256 --extra-wgmma 128-2-8,128-1-5 \
+             --configs wgmma-n128-f2-s4,wgmma-n128-f2-s8,wgmma-n128-f1-s4,wgmma-n128-f1-s5 \
+             2>&1 | grep -v "^done" | tee "$OUT/s9c_m128.log"
+           for w in "" 64-2-8 64-2-12 64-1-8,64-2-8 128-1-5 128-1-8; do
+             timeout 150 python3 benchmarks/probe_moe_tiles.py --tokens 64,128,256,1024 ${w:+--wgmma $w} 2>&1 | grep "^\[" \
+               | tee -a "$OUT/s9c_moe.log"
+           done;;
+    s9d)   # session 9: direct-load tiles for 8-bit weights at M <= 8 (one tile ahead at k128, or k64
+           # tiles one / two ahead: 120-151 registers, no spills) vs the rings they take now
+           timeout 200 python3 benchmarks/probe_configs.py --bits 8 --any-fit \
+             --shapes 4096x4096,4096x28672,14336x4096,8192x8192,8192x28672,28672x8192 --m 1,8 \
+             --extra-tiles w8_k128_s6_bk_dr1,w8_k64_s8_bk_dr2,w8_k64_s8_bk_dr1 \
+             --configs w8_k128_s6_bk-w4,w8_k128_s6_bk_ks2-w4,w8_k128_s6_bk_dr1-w4,w8_k64_s8_bk_dr2-w4,w8_k64_s8_bk_dr1-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/s9d_u8.log";;
+    s9e)   # session 9: 4-bit direct-load one tile ahead (vs two, the route) at M <= 8, and direct-load
+           # 16-row tiles for 8-bit weights at M = 9-16 (vs the five-slot ring, the route)
+           timeout 150 python3 benchmarks/probe_configs.py --any-fit --shapes 4096x28672,8192x8192,8192x28672,28672x8192 \
+             --m 1,8 --extra-tiles w8_k128_s6_bk_dr1 --configs w8_k128_s6_bk_dr2-w4,w8_k128_s6_bk_dr1-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/s9e_u4.log"
+           timeout 150 python3 benchmarks/probe_configs.py --bits 8 --any-fit \
+             --shapes 4096x28672,14336x4096,8192x8192,8192x28672,28672x8192 --m 9,16 \
+             --extra-tiles w16_k128_s6_bk_dr1,w16_k64_s8_bk_dr1 \
+             --configs w16_k128_s5_bk-w4,w16_k128_s6_bk_dr1-w4,w16_k64_s8_bk_dr1-w4 2>&1 | grep -v "^done" | tee "$OUT/s9e_u8.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

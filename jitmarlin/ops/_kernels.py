@@ -142,11 +142,12 @@ TILES: tuple[Tile, ...] = (
 
 # sm_90 and newer also get the producer-warp / bulk-copy tiles for small M (the H200 sweeps of
 # benchmarks/NOTES.md kept the first seven out of 15 candidates; session 7 added the five-slot
-# 16-row ring, the direct-load tile and the 32-row tile, each measured on the H200).
+# 16-row ring, the direct-load tile and the 32-row tile, each measured on the H200; session 9 the
+# direct-load tile one tile ahead, for 8-bit weights).
 BULK_TILES: tuple[Tile, ...] = (
     Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 8, True), Tile(1, True, 8, 6, True, 2),
     Tile(2, True, 8, 4, True), Tile(2, True, 8, 5, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),
-    Tile(1, True, 8, 6, True, direct=2), Tile(2, False, 8, 4, True),
+    Tile(1, True, 8, 6, True, direct=2), Tile(2, False, 8, 4, True), Tile(1, True, 8, 6, True, direct=1),
 )
 
 
@@ -360,8 +361,9 @@ def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
 
 def tile_fits(fam: Family, tile: Tile) -> bool:
     """Constraints between family and tile: the kernel's static_asserts, and the direct-load tiles
-    only for 4-bit dense families (8-bit weights need twice the prefetch registers: they spill)."""
-    if tile.direct and (fam.moe or fam.bits != 4):
+    for dense families only: 4-bit weights two or more tiles ahead, 8-bit weights one tile ahead
+    (their words are twice as many registers: two tiles ahead spills)."""
+    if tile.direct and (fam.moe or (tile.direct == 1) != (fam.bits == 8)):
         return False
     gb = fam.group_blocks
     return gb < 0 or tile.k_blocks % gb == 0 or gb % tile.k_blocks == 0

@@ -38,6 +38,7 @@ class Plan:
 _SMALL_KN = 1 << 26  # K*N below this: few tiles per SM, deeper pipelines and fewer CTAs win
 _TINY_KN = 1 << 25  # K*N below this at M <= 8: the k-split ring beats the direct-load tile
 DIRECT_W8 = Tile(1, True, 8, 6, True, direct=2)
+DIRECT_W8_U8 = Tile(1, True, 8, 6, True, direct=1)  # 8-bit weights: one tile ahead (tile_fits)
 
 
 def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
@@ -50,10 +51,10 @@ def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
     cls = m_class(m)
     if cc >= (9, 0) and cls == "w8":
         # sm_90: the producer-warp / bulk-copy ring (NOTES.md, "bulk-copy pipeline"); from K*N = 32M
-        # on, the direct-load tile (weights straight into registers, NOTES.md session 7) where the
-        # family takes it (4-bit dense: tile_fits), else the ring
+        # on, the direct-load tile (weights straight into registers, NOTES.md session 7; 8-bit
+        # weights one tile ahead, session 9) where the family takes it (dense: tile_fits), else the ring
         ring = (Tile(1, True, 8, 6, True, 2), 4) if small else (Tile(1, True, 8, 6, True), 4)
-        first = () if (k * n < _TINY_KN and not large) else ((DIRECT_W8, 4),)
+        first = () if (k * n < _TINY_KN and not large) else ((DIRECT_W8, 4), (DIRECT_W8_U8, 4))
         return first + (ring,) + _preferences(m, n, k)
     if cc >= (9, 0) and cls == "m1" and not small:
         # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7)
