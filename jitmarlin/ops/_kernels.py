@@ -361,9 +361,9 @@ def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
 
 def tile_fits(fam: Family, tile: Tile) -> bool:
     """Constraints between family and tile: the kernel's static_asserts, and the direct-load tiles
-    for dense families only: 4-bit weights two or more tiles ahead, 8-bit weights one tile ahead
-    (their words are twice as many registers: two tiles ahead spills)."""
-    if tile.direct and (fam.moe or (tile.direct == 1) != (fam.bits == 8)):
+    for dense families only, 8-bit weights one tile ahead (their words are twice as many registers:
+    two tiles ahead spills)."""
+    if tile.direct and (fam.moe or (fam.bits == 8 and tile.direct > 1)):
         return False
     gb = fam.group_blocks
     return gb < 0 or tile.k_blocks % gb == 0 or gb % tile.k_blocks == 0

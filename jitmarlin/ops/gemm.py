@@ -38,7 +38,7 @@ class Plan:
 _SMALL_KN = 1 << 26  # K*N below this: few tiles per SM, deeper pipelines and fewer CTAs win
 _TINY_KN = 1 << 25  # K*N below this at M <= 8: the k-split ring beats the direct-load tile
 DIRECT_W8 = Tile(1, True, 8, 6, True, direct=2)
-DIRECT_W8_U8 = Tile(1, True, 8, 6, True, direct=1)  # 8-bit weights: one tile ahead (tile_fits)
+DIRECT_W8_1 = Tile(1, True, 8, 6, True, direct=1)  # one tile ahead (8-bit weights: the only depth, tile_fits)
 
 
 def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
@@ -51,10 +51,16 @@ def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
     cls = m_class(m)
     if cc >= (9, 0) and cls == "w8":
         # sm_90: the producer-warp / bulk-copy ring (NOTES.md, "bulk-copy pipeline"); from K*N = 32M
-        # on, the direct-load tile (weights straight into registers, NOTES.md session 7; 8-bit
-        # weights one tile ahead, session 9) where the family takes it (dense: tile_fits), else the ring
+        # on, the direct-load tile (weights straight into registers, NOTES.md session 7) where the
+        # family takes it (dense: tile_fits), else the ring. Session 9: one tile ahead beats two
+        # above K*N = 64M (8192x28672 M=1 35.0 vs 37.5 us) and is the only depth 8-bit weights take
         ring = (Tile(1, True, 8, 6, True, 2), 4) if small else (Tile(1, True, 8, 6, True), 4)
-        first = () if (k * n < _TINY_KN and not large) else ((DIRECT_W8, 4), (DIRECT_W8_U8, 4))
+        if k * n < _TINY_KN and not large:
+            first = ()
+        elif k * n > _SMALL_KN:
+            first = ((DIRECT_W8_1, 4), (DIRECT_W8, 4))
+        else:
+            first = ((DIRECT_W8, 4), (DIRECT_W8_1, 4))
         return first + (ring,) + _preferences(m, n, k)
     if cc >= (9, 0) and cls == "m1" and not small:
         # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7)
@@ -504,6 +510,9 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
         launch = prepare_launch(m, m, n, k, fam, index)
     else:  # used by the tuning sweep; a third element caps the grid (experiments: probe_configs -gN)
         tile, nwarps = plan_override[:2]
+        if not K.tile_fits(fam, tile):
+            raise ValueError(f"tile {tile.tag()} is not built for {fam} (tile_fits: the direct-load tiles are "
+                             "dense only, one tile ahead for 8-bit weights; the k tile must suit the group size)")
         launch = _make_launch(Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps)), m, n, k, fam, index)
         if len(plan_override) > 2 and 0 < plan_override[2] < launch.grid:
             launch = dataclasses.replace(launch, grid=plan_override[2],

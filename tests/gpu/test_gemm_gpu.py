@@ -81,6 +81,8 @@ def test_every_tile_config(override):
     fam = K.Family("f16", 4, False, 128)
     if tile.bulk and torch.cuda.get_device_capability(0) < (9, 0):
         pytest.skip("bulk-copy tiles are built for sm_90 and newer only")
+    if not K.tile_fits(fam, tile):  # e.g. the 8-bit direct-load tile (test_formats_gpu runs it)
+        pytest.skip(f"{tile.tag()} is not built for {fam} (tile_fits)")
     if K.smem_bytes(fam, tile, nw) > torch.cuda.get_device_properties(0).shared_memory_per_block_optin - G.SMEM_RESERVE:
         pytest.skip("does not fit shared memory")
     for m in sorted({1, tile.rows - 1, tile.rows, tile.rows + 3, 3 * tile.rows + 1}):
@@ -90,6 +92,15 @@ def test_every_tile_config(override):
         out = run_poisoned(a, packed, override=override)
         check_close(out, a.float() @ w, 1e-3, f"{tile} nwarps={nw} M={m}")
     assert_workspace_clean()
+
+
+def test_override_with_a_tile_the_family_does_not_build():
+    """A tile the family's module does not hold (8-bit weights two tiles ahead) is a clear
+    ValueError naming the tile and the rule, not a missing kernel image."""
+    packed, _ = random_weights(1024, 512, 8, 128)
+    a = torch.randn(1, 1024, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="w8_k128_s6_bk_dr2 is not built for"):
+        run_poisoned(a, packed, override=(K.Tile.from_tag("w8_k128_s6_bk_dr2"), 4))
 
 
 def test_deterministic():
