@@ -75,9 +75,9 @@ class Tile:
     stages: int  # pipeline depth (shared-memory ring slots)
     bulk: bool = False  # sm_90: producer warp + bulk copies + mbarrier ring (else cp.async ring)
     ksplit: int = 1  # warps sharing one 64-column strip, each on 1/ksplit of every k tile (bulk only)
-    # bulk, dense, 4-bit: math warps load their weight words straight into registers, this many
-    # tiles ahead; the producer brings only A and the scales (w8_k128_s6_bk_dr2 is built in; other
-    # depths for experiments: benchmarks/probe_configs.py --extra-tiles w8_k64_s8_bk_dr4)
+    # bulk, dense: math warps load their weight words straight into registers, this many tiles
+    # ahead; the producer brings only A and the scales (w8_k128_s6_bk_dr1 / _dr2 are built in, 8-bit
+    # families take dr1 only; other depths for experiments: probe_configs.py --extra-tiles)
     direct: int = 0
 
     @property
@@ -143,7 +143,7 @@ TILES: tuple[Tile, ...] = (
 # sm_90 and newer also get the producer-warp / bulk-copy tiles for small M (the H200 sweeps of
 # benchmarks/NOTES.md kept the first seven out of 15 candidates; session 7 added the five-slot
 # 16-row ring, the direct-load tile and the 32-row tile, each measured on the H200; session 9 the
-# direct-load tile one tile ahead, for 8-bit weights).
+# direct-load tile one tile ahead: 8-bit weights, and 4-bit above K*N = 64M).
 BULK_TILES: tuple[Tile, ...] = (
     Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 8, True), Tile(1, True, 8, 6, True, 2),
     Tile(2, True, 8, 4, True), Tile(2, True, 8, 5, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),
