@@ -347,7 +347,8 @@ def gather_pdl(grid: int) -> bool:
     H200 a gather of 112 / 224 CTAs (K=28672, M=8 / 16) parked beside the previous GEMM made the
     gather -> GEMM pair 1.3 / 9.7 us slower than a plain launch, while one of 4-64 CTAs gains up
     to 2 us from the overlap (benchmarks/NOTES.md session 7). The GEMM after it keeps PDL. The MoE
-    path's SiLU-mul between the two expert GEMMs follows the same rule (moe.silu_mul)."""
+    path's SiLU-mul between the two expert GEMMs and its top-k sum after the second follow the
+    same rule (moe.silu_mul, moe.topk_sum)."""
     return grid < GATHER_PDL_MAX_CTAS
 
 
