@@ -236,6 +236,28 @@ for st in $STAGES; do
              --shapes 4096x28672,14336x4096,8192x8192,8192x28672,28672x8192 --m 9,16 \
              --extra-tiles w16_k128_s6_bk_dr1,w16_k64_s8_bk_dr1 \
              --configs w16_k128_s5_bk-w4,w16_k128_s6_bk_dr1-w4,w16_k64_s8_bk_dr1-w4 2>&1 | grep -v "^done" | tee "$OUT/s9e_u8.log";;
+    s10a)  # session 10 (prepared in session 9, branch prep-session10): three CTAs per SM.
+           # (1) MoE blocks of 8 on the direct-load tile (one / two ahead, three CTAs per SM at 128
+           # registers) vs the ring, alternating; (2) 16-row tiles with 3 CTAs/SM (4-bit: 3 ring
+           # slots of k128 or 6 of k64, 125-128 registers) at dense M = 9 / 16 and MoE blocks of 16;
+           # (3) 8-bit M=16 rings that fit two CTAs per SM (the five-slot ring fits one)
+           P="timeout 120 python3 benchmarks/probe_moe_tiles.py"
+           for r in 1 2; do
+             for t in "" w8_k128_s6_bk_dr1_o3 w8_k128_s6_bk_dr1 w8_k128_s6_bk_dr2; do
+               $P --tokens 1,16 ${t:+--tile $t} 2>&1 | grep "^\[" | tee -a "$OUT/s10a_moe8.log"
+             done
+           done
+           for t in "" w16_k128_s3_bk_o3 w16_k64_s6_bk_o3; do
+             $P --tokens 32 ${t:+--tile $t} 2>&1 | grep "^\[" | tee -a "$OUT/s10a_moe16.log"
+           done
+           timeout 200 python3 benchmarks/probe_configs.py --shapes 4096x4096,4096x28672,14336x4096,8192x8192,8192x28672,28672x8192 \
+             --m 9,16 --extra-tiles w16_k128_s3_bk_o3,w16_k64_s6_bk_o3 \
+             --configs w16_k128_s5_bk-w4,w16_k128_s3_bk_o3-w4,w16_k64_s6_bk_o3-w4,m1_k128_s6-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/s10a_m16.log"
+           timeout 200 python3 benchmarks/probe_configs.py --bits 8 --shapes 4096x28672,14336x4096,8192x8192,8192x28672,28672x8192 \
+             --m 16 --extra-tiles w16_k64_s6_bk,w16_k64_s4_bk_o3,w16_k128_s3_bk \
+             --configs w16_k128_s5_bk-w4,w16_k64_s6_bk-w4,w16_k64_s4_bk_o3-w4,w16_k128_s3_bk-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/s10a_u8m16.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

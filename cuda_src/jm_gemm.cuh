@@ -114,7 +114,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   // DIRECT > 0 (experiment, session 6): the math warps load their own weight words straight from
   // global memory into registers, DIRECT tiles ahead (Marlin's layout gives each lane its
   // fragments in one 16-byte word per 16 k), and the producer warp brings only A and the scales.
-  static_assert(DIRECT == 0 || (BULK && KSPLIT == 1 && !MOE), "direct weight loads: bulk tiles, dense, no k split");
+  static_assert(DIRECT == 0 || (BULK && KSPLIT == 1), "direct weight loads: bulk tiles, no k split");
   using S = GemmShape<BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, BULK, (DIRECT > 0)>;
   // KSPLIT warps share each 64-column strip, each taking K_BLOCKS / KSPLIT of every k tile, and
   // meet in shared memory when a unit ends: more warps per SM without a deeper ring.
@@ -759,13 +759,18 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     Cursor lcur = cursor_at(begin);                           // DIRECT: the next tile whose weights to load
     auto load_w = [&](uint4 (&dst)[kWords], const Cursor& c) {
       const int strip = c.n_tile * nwarps + warp;
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.b) + strip * strip_words +
+      int expert = 0;  // MoE: the routing tables are complete here (waited for at the start, or ready)
+      if constexpr (MOE) expert = __ldg(p.expert_ids + c.m_tile);
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
+                                                        strip * strip_words +
                                                         static_cast<int64_t>(c.kt) * K_BLOCKS * S::kWordsPerK16) +
                          lane;
 #pragma unroll
       for (int j = 0; j < kWords; j++) dst[j] = ldg_stream(src + 32 * j);
     };
     if constexpr (DIRECT > 0) {  // the weights never depend on the previous kernel: out before the wait
+                                 // (MoE: their experts do; the tables were waited for at the start
+                                 // unless the launch said they were ready)
 #pragma unroll
       for (int d = 0; d < DIRECT; d++)
         if (d < n_it) {

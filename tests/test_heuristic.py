@@ -239,6 +239,10 @@ def test_tile_tags_round_trip():
         assert K.Tile.from_tag(tile.tag()) == tile
     assert K.Tile.from_tag("w16_k128_s5_bk") == K.Tile(2, True, 8, 5, True)
     assert K.Tile.from_tag("w8_k64_s8_bk_dr4") == K.Tile(1, True, 4, 8, True, 1, 4)
+    occ = K.Tile.from_tag("w16_k128_s3_bk_o3")  # experiments: three CTAs per SM at 4 math warps
+    assert occ == K.Tile(2, True, 8, 3, True, occ=3) and occ.tag() == "w16_k128_s3_bk_o3"
+    assert (occ.min_blocks, occ.max_warps, occ.max_threads) == (3, 4, 160)
+    assert K.Tile.from_tag("w8_k128_s6_bk_dr1_o3") == K.Tile(1, True, 8, 6, True, direct=1, occ=3)
     for bad in ("w16_k128", "q1_k128_s4", "w12_k128_s4", "m1_k100_s4", "w8_k128_s6_bk_ks"):
         with pytest.raises(ValueError, match="tile tag"):
             K.Tile.from_tag(bad)

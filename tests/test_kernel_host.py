@@ -72,7 +72,8 @@ def test_smem_formula_matches_kernel(nvcc, tmp_path):
     cases = []
     for bits, zp, g in itertools.product((4, 8), (False, True), (-1, 32, 64, 128, 256)):
         fam = K.Family("f16", bits, zp, g)
-        for tile in K.TILES + K.BULK_TILES + (K.Tile.from_tag("w8_k64_s8_bk_dr4"),):  # + a direct-load tile
+        for tile in K.TILES + K.BULK_TILES + (K.Tile.from_tag("w8_k64_s8_bk_dr4"),  # + a direct-load tile
+                                               K.Tile.from_tag("w16_k128_s3_bk_o3")):  # + three CTAs per SM
             if K.tile_fits(fam, tile):
                 cases.append((fam, tile))
     body = ""

@@ -79,6 +79,9 @@ class Tile:
     # ahead; the producer brings only A and the scales (w8_k128_s6_bk_dr1 / _dr2 are built in, 8-bit
     # families take dr1 only; other depths for experiments: probe_configs.py --extra-tiles)
     direct: int = 0
+    # experiments (tag _oN): N CTAs per SM at 4 math warps — the launch bounds cap the registers
+    # for it (bulk tiles; probe_configs.py --extra-tiles w16_k128_s3_bk_o3)
+    occ: int = 0
 
     @property
     def rows(self) -> int:
@@ -90,8 +93,8 @@ class Tile:
 
     @property
     def max_warps(self) -> int:  # strips (64 columns each) a CTA may have
-        if self.direct:
-            return 4  # registers: the prefetched weights need up to ~200 per thread
+        if self.direct or self.occ:
+            return 4  # registers: the prefetched weights need up to ~200 per thread; occ: its budget
         return (16 if (self.bulk and self.swap and self.m_blocks == 1) else 8) // self.ksplit
 
     @property
@@ -103,6 +106,8 @@ class Tile:
 
     @property
     def min_blocks(self) -> int:  # __launch_bounds__ minimum CTAs/SM
+        if self.occ:
+            return self.occ
         if self.bulk:
             return 2 if self.direct else 1
         return 2 if self.m_blocks == 1 else 1
@@ -114,20 +119,21 @@ class Tile:
     def tag(self) -> str:
         m = f"w{8 * self.m_blocks}" if self.swap else f"m{self.m_blocks}"
         return (f"{m}_k{self.tile_k}_s{self.stages}" + ("_bk" if self.bulk else "")
-                + (f"_ks{self.ksplit}" if self.ksplit > 1 else "") + (f"_dr{self.direct}" if self.direct else ""))
+                + (f"_ks{self.ksplit}" if self.ksplit > 1 else "") + (f"_dr{self.direct}" if self.direct else "")
+                + (f"_o{self.occ}" if self.occ else ""))
 
     @classmethod
     def from_tag(cls, tag: str) -> "Tile":
         """The inverse of tag(): "w16_k128_s5_bk" -> Tile(2, True, 8, 5, True) (for experiments
         with tiles outside the built-in lists, e.g. benchmarks/probe_configs.py --extra-tiles)."""
-        m = re.fullmatch(r"(w|m)(\d+)_k(\d+)_s(\d+)(_bk)?(?:_ks(\d+))?(?:_dr(\d+))?", tag)
+        m = re.fullmatch(r"(w|m)(\d+)_k(\d+)_s(\d+)(_bk)?(?:_ks(\d+))?(?:_dr(\d+))?(?:_o(\d+))?", tag)
         if m is None:
             raise ValueError(f"not a tile tag: {tag!r} (expected e.g. w8_k128_s6_bk, m1_k128_s4, w16_k128_s4_bk_ks2)")
         swap, rows, tile_k = m.group(1) == "w", int(m.group(2)), int(m.group(3))
         if (swap and rows % 8) or tile_k % 16:
             raise ValueError(f"tile tag {tag!r}: w<rows> needs a multiple of 8 rows, k a multiple of 16")
         return cls(rows // 8 if swap else rows, swap, tile_k // 16, int(m.group(4)), m.group(5) is not None,
-                   int(m.group(6) or 1), int(m.group(7) or 0))
+                   int(m.group(6) or 1), int(m.group(7) or 0), int(m.group(8) or 0))
 
 
 # Compiled in every family. Chosen from the tuning sweep in benchmarks/ (see NOTES.md).
