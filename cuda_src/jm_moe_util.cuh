@@ -113,14 +113,24 @@ JM_DEVICE void moe_align_body(const JmMoeParams p) {
   }
 }
 
+// The elementwise MoE kernels: one thread per 8-value chunk (row r, columns j..j+7) of a
+// rows x p.inter output. Lets the next kernel launch at once; false past the end, else waits for
+// the kernel before (its output is our input).
+JM_DEVICE bool chunk_of_thread(const JmMoeParams& p, int& r, int& j) {
+  griddep_launch_dependents();
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int chunks = p.inter / 8;
+  if (idx >= static_cast<int64_t>(p.rows) * chunks) return false;
+  griddep_wait();
+  r = static_cast<int>(idx / chunks);
+  j = static_cast<int>(idx % chunks) * 8;
+  return true;
+}
+
 template <typename T>
 JM_DEVICE void silu_mul_body(const JmMoeParams p) {
-  griddep_launch_dependents();
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // one 8-value chunk
-  const int chunks = p.inter / 8;
-  if (idx >= static_cast<int64_t>(p.rows) * chunks) return;
-  griddep_wait();  // x is the output of the kernel before us
-  const int r = static_cast<int>(idx / chunks), j = static_cast<int>(idx % chunks) * 8;
+  int r, j;
+  if (!chunk_of_thread(p, r, j)) return;
   const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(r) * 2 * p.inter;
   const uint4 gv = *reinterpret_cast<const uint4*>(x + j);
   const uint4 uv = *reinterpret_cast<const uint4*>(x + p.inter + j);
@@ -140,12 +150,8 @@ JM_DEVICE void silu_mul_body(const JmMoeParams p) {
 
 template <typename T>
 JM_DEVICE void topk_sum_body(const JmMoeParams p) {
-  griddep_launch_dependents();
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // one 8-value chunk
-  const int chunks = p.inter / 8;
-  if (idx >= static_cast<int64_t>(p.rows) * chunks) return;
-  griddep_wait();  // x is the output of the kernel before us
-  const int r = static_cast<int>(idx / chunks), j = static_cast<int>(idx % chunks) * 8;
+  int r, j;
+  if (!chunk_of_thread(p, r, j)) return;
   float acc[8];
 #pragma unroll
   for (int i = 0; i < 8; i++) acc[i] = 0.f;
