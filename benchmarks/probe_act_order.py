@@ -40,8 +40,8 @@ def main() -> None:
     if args.w16_stages:
         base = G._preferences
 
-        def prefs(m, n, k, cc=(8, 0)):
-            out = base(m, n, k, cc)
+        def prefs(m, n, k, cc=(8, 0), **kw):
+            out = base(m, n, k, cc, **kw)
             if out and out[0][0].rows == 16 and out[0][0].bulk:
                 return ((K.Tile(2, True, 8, args.w16_stages, True), 4),) + out
             return out

@@ -9,6 +9,8 @@
     --tile TAG        an mma.sync tile built into the MoE families for this run and taken first by
                       the expert blocks of its row count (sm_90 large-problem routes), e.g.
                       w8_k128_s6_bk_dr1_o3 (direct loads, three CTAs per SM) or w16_k128_s3_bk_o3
+    --no-occ          the routes before session 10: no three-CTAs-per-SM tile first for MoE blocks
+                      of 8 / 16 rows (gemm.MOE_DIRECT_O3, gemm.MOE_W16_O3)
     --wgmma NT-FW-S,..  wgmma MoE configs (block rows, strips per warpgroup, ring stages) built for this
                       run and taken before the built-in ones of the same (rows, strips), e.g. 64-2-8
 
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--torch-sum", action="store_true")
     ap.add_argument("--wgmma", default="")
     ap.add_argument("--tile", default="")
+    ap.add_argument("--no-occ", action="store_true")
 
     args = ap.parse_args()
     if args.small_kn is not None:
@@ -52,12 +55,15 @@ def main() -> None:
         torch.ops.jitmarlin.moe_gemm_ready_tables = torch.ops.jitmarlin.moe_gemm
     if args.tile:  # before the first build: the MoE family's module (and cache key) then holds it
         tile = K.Tile.from_tag(args.tile)
-        K.BULK_TILES = K.BULK_TILES + (tile,)
+        K.BULK_TILES = K.BULK_TILES + tuple(t for t in (tile,) if t not in K.BULK_TILES)
         fits, prefs = K.tile_fits, G._preferences
         K.tile_fits = lambda fam, t: fits(fam, t) or t == tile
-        G._preferences = lambda m, n, k, cc=(8, 0), large=False: (
+        G._preferences = lambda m, n, k, cc=(8, 0), large=False, experts=0: (
             (((tile, 4),) if large and prefs(m, n, k, cc, large=large)[0][0].rows == tile.rows else ())
-            + prefs(m, n, k, cc, large=large))
+            + prefs(m, n, k, cc, large=large, experts=experts))
+    if args.no_occ:  # the routes before session 10: no three-CTAs-per-SM tiles first for MoE blocks
+        prefs0 = G._preferences
+        G._preferences = lambda m, n, k, cc=(8, 0), large=False, experts=0: prefs0(m, n, k, cc, large=large)
     extra = tuple(tuple(int(x) for x in c.split("-")) for c in args.wgmma.split(",") if c)
     if extra:  # before the first build: part of the module's cache key; first match wins at launch
         K.WGMMA_MOE_CONFIGS = extra + K.WGMMA_MOE_CONFIGS
@@ -65,7 +71,7 @@ def main() -> None:
         M.topk_sum = lambda c3, t, k: c3.view(t, k, -1).sum(1)
     tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "
            f"sum={'torch' if args.torch_sum else 'ours'}" + (f" wgmma={args.wgmma}" if extra else "")
-           + (f" tile={args.tile}" if args.tile else ""))
+           + (f" tile={args.tile}" if args.tile else "") + (" no-occ" if args.no_occ else ""))
     for name, t, ours, _ in bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]):
         us = common.time_graph(lambda _i: ours(), 1, calls=10)
         print(f"[{tag}] {name} T={t}: {us:.1f} us", flush=True)

@@ -258,6 +258,21 @@ for st in $STAGES; do
              --m 16 --extra-tiles w16_k64_s6_bk,w16_k64_s4_bk_o3,w16_k128_s3_bk \
              --configs w16_k128_s5_bk-w4,w16_k64_s6_bk-w4,w16_k64_s4_bk_o3-w4,w16_k128_s3_bk-w4 \
              2>&1 | grep -v "^done" | tee "$OUT/s10a_u8m16.log";;
+    s10b)  # session 10: the three-CTAs-per-SM MoE routes (now built in) against the routes before
+           # (--no-occ), alternating; then larger expert blocks on such tiles where the rule takes
+           # the wgmma kernel's blocks of 64 (Mixtral 48 / 64 tokens, E=64 256 tokens)
+           P="timeout 150 python3 benchmarks/probe_moe_tiles.py"
+           for r in 1 2; do
+             for o in "" --no-occ; do $P --tokens 1,3,16,32,64,128 $o 2>&1 | grep "^\[" | tee -a "$OUT/s10b_occ.log"; done
+           done
+           $P --tokens 32 --tile w16_k128_s4_bk_o3 2>&1 | grep "^\[" | tee -a "$OUT/s10b_big.log"
+           $P --tokens 48,64 --shapes mixtral 2>&1 | grep "^\[" | tee -a "$OUT/s10b_big.log"
+           $P --tokens 48,64 --shapes mixtral --block 16 2>&1 | grep "^\[" | tee -a "$OUT/s10b_big.log"
+           for t in "" m2_k64_s4_bk_o3 m2_k128_s3_bk_o2; do
+             $P --tokens 48,64 --shapes mixtral --block 32 ${t:+--tile $t} 2>&1 | grep "^\[" | tee -a "$OUT/s10b_big.log"
+             $P --tokens 256 --shapes e64 --block 32 ${t:+--tile $t} 2>&1 | grep "^\[" | tee -a "$OUT/s10b_big.log"
+           done
+           $P --tokens 256 --shapes e64 2>&1 | grep "^\[" | tee -a "$OUT/s10b_big.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -51,18 +51,27 @@ def test_small_batch_uses_the_transposed_mma():
 
 def test_sm90_small_m_routes():
     """The H200 measurements of NOTES.md sessions 7 and 9: M <= 8 takes the direct-load tile from
-    K*N = 32M on (4-bit two tiles ahead up to K*N = 64M and one above it, 8-bit one; MoE families keep
-    the ring), the k-split ring below; M = 9-16
-    on large problems takes the five-slot 16-row ring, M = 17-32 the 32-row bulk ring."""
+    K*N = 32M on (4-bit two tiles ahead up to K*N = 64M and one above it, 8-bit one), the k-split
+    ring below; M = 9-16 on large problems takes the five-slot 16-row ring, M = 17-32 the 32-row bulk
+    ring. 4-bit MoE blocks of 8 / 16 (session 10): the three-CTAs-per-SM tiles, blocks of 8 only when
+    the active experts' weights (min(E, slots) * K * N) pass K*N = 64M."""
     sm90, cc = SMEM["sm_90"], (9, 0)
     u4, u8, moe = K.Family("f16", 4, False, 128), K.Family("f16", 8, False, 128), K.Family("f16", 4, False, 128, True)
+    moe8 = K.Family("f16", 8, False, 128, True)
     for m in (1, 5, 8):
         for k, n in ((8192, 8192), (8192, 28672), (14336, 4096)):
             # 4-bit: one tile ahead above K*N = 64M, two up to it (session 9)
             assert select_plan(m, n, k, u4, sm90, cc).tile.tag() == ("w8_k128_s6_bk_dr1" if k * n > 1 << 26
                                                                     else "w8_k128_s6_bk_dr2")
             assert select_plan(m, n, k, u8, sm90, cc).tile.tag() == "w8_k128_s6_bk_dr1"  # session 9
-            assert not select_plan(m, n, k, moe, sm90, cc).tile.direct
+            assert select_plan(m, n, k, moe, sm90, cc).tile.tag() == ("w8_k128_s6_bk_dr1_o3" if k * n > 1 << 26
+                                                                     else "w8_k128_s6_bk")
+            assert select_plan(m, n, k, moe, sm90, cc, experts=8).tile.tag() == "w8_k128_s6_bk_dr1_o3"
+            assert not select_plan(m, n, k, moe, SMEM["sm_80"], (8, 0), experts=8).tile.direct
+            assert not select_plan(m, n, k, moe8, sm90, cc, experts=8).tile.direct  # 8-bit spills at 3 CTAs/SM
+        # E=64 top-6, one token: six experts of 2048 x 2816 (34.6M) stay on the ring; 16 tokens: 64
+        assert select_plan(m, 2816, 2048, moe, sm90, cc, experts=6).tile.tag() == "w8_k128_s6_bk"
+        assert select_plan(m, 2816, 2048, moe, sm90, cc, experts=64).tile.tag() == "w8_k128_s6_bk_dr1_o3"
         assert select_plan(m, 4096, 4096, u4, sm90, cc).tile.tag() == "w8_k128_s6_bk_ks2"
         assert not select_plan(m, 28672, 8192, u4, SMEM["sm_80"], (8, 0)).tile.direct
     for m in (9, 16):
@@ -75,13 +84,18 @@ def test_sm90_small_m_routes():
     assert "w8_k128_s6_bk_dr2" in {t.tag() for t in K.tiles_for(cc)}
     names = {name for name, _ in K.build_spec(u4, cc).sources}
     assert K.kernel_name(u4, K.Tile.from_tag("w8_k128_s6_bk_dr2")) in names
-    assert not any("_dr" in name for name, _ in K.build_spec(moe, cc).sources)  # not built where it cannot run
+    moe_direct = {name for name, _ in K.build_spec(moe, cc).sources if "_dr" in name or "_o3" in name}
+    assert moe_direct == {K.kernel_name(moe, K.Tile.from_tag(t)) for t in ("w8_k128_s6_bk_dr1_o3", "w16_k128_s3_bk_o3")}
+    assert not any("_dr" in name or "_o3" in name for name, _ in K.build_spec(moe8, cc).sources)
+    assert not any("_o3" in name for name, _ in K.build_spec(u4, cc).sources)  # dense: measured slower
     u8_direct = {name for name, _ in K.build_spec(u8, cc).sources if "_dr" in name}
     assert u8_direct == {K.kernel_name(u8, K.Tile.from_tag("w8_k128_s6_bk_dr1"))}  # one tile ahead only
     assert K.kernel_name(u4, K.Tile.from_tag("w8_k128_s6_bk_dr1")) in {n for n, _ in K.build_spec(u4, cc).sources}
     assert select_plan(1, 4096, 4096, u8, sm90, cc).tile.tag() == "w8_k128_s6_bk_ks2"  # small: the ring
-    for m, tag in ((16, "w16_k128_s5_bk"), (32, "m2_k128_s4_bk")):  # MoE blocks on large experts too
+    for m, tag in ((16, "w16_k128_s3_bk_o3"), (32, "m2_k128_s4_bk")):  # MoE blocks on large experts too
         assert select_plan(m, 28672, 8192, moe, sm90, cc).tile.tag() == tag
+        assert select_plan(m, 2816, 2048, moe, sm90, cc, experts=2).tile.tag() == tag
+    assert select_plan(16, 28672, 8192, moe8, sm90, cc).tile.tag() == "w16_k128_s5_bk"
 
 
 def test_dequant_path_only_for_large_m():
@@ -303,14 +317,16 @@ def test_sm90_moe_expert_gemms_take_the_large_routes():
     """NOTES.md session 8: one MoE launch streams every active expert's weights, so on sm_90 the
     expert GEMMs take the large-problem routes whatever one expert's K*N (Mixtral's 14336x4096 down
     projection, E=64's 2048x2816 / 1408x2048 experts); dense problems of the same size keep the
-    small-problem routes, and sm_80 is unchanged."""
+    small-problem routes, and sm_80 is unchanged. (Blocks of 8 / 16 of 4-bit experts: the
+    three-CTAs-per-SM tiles of session 10, test_sm90_small_m_routes; 8-bit experts shown here.)"""
     sm90, cc = SMEM["sm_90"], (9, 0)
-    u4, moe = K.Family("f16", 4, False, 128), K.Family("f16", 4, False, 128, True)
+    u4, moe = K.Family("f16", 4, False, 128), K.Family("f16", 8, False, 128, True)
     for k, n in ((14336, 4096), (2048, 2816), (1408, 2048), (4096, 4096)):
-        assert select_plan(8, n, k, moe, sm90, cc).tile.tag() == "w8_k128_s6_bk"
+        assert select_plan(8, n, k, moe, sm90, cc, experts=8).tile.tag() == "w8_k128_s6_bk"
         assert select_plan(16, n, k, moe, sm90, cc).tile.tag() == "w16_k128_s5_bk"
         assert select_plan(32, n, k, moe, sm90, cc).tile.tag() == "m2_k128_s4_bk"
     assert select_plan(8, 4096, 4096, u4, sm90, cc).tile.tag() == "w8_k128_s6_bk_ks2"
     assert not select_plan(16, 4096, 14336, u4, sm90, cc).tile.bulk
     sm80 = SMEM["sm_80"]
-    assert select_plan(8, 4096, 14336, moe, sm80, (8, 0)) == select_plan(8, 4096, 14336, u4, sm80, (8, 0))
+    u8 = K.Family("f16", 8, False, 128)
+    assert select_plan(8, 4096, 14336, moe, sm80, (8, 0)) == select_plan(8, 4096, 14336, u8, sm80, (8, 0))

@@ -75,12 +75,13 @@ class Tile:
     stages: int  # pipeline depth (shared-memory ring slots)
     bulk: bool = False  # sm_90: producer warp + bulk copies + mbarrier ring (else cp.async ring)
     ksplit: int = 1  # warps sharing one 64-column strip, each on 1/ksplit of every k tile (bulk only)
-    # bulk, dense: math warps load their weight words straight into registers, this many tiles
-    # ahead; the producer brings only A and the scales (w8_k128_s6_bk_dr1 / _dr2 are built in, 8-bit
-    # families take dr1 only; other depths for experiments: probe_configs.py --extra-tiles)
+    # bulk: math warps load their weight words straight into registers, this many tiles ahead; the
+    # producer brings only A and the scales (dense: w8_k128_s6_bk_dr1 / _dr2 are built in, 8-bit
+    # families take dr1 only; 4-bit MoE: w8_k128_s6_bk_dr1_o3; other depths for experiments:
+    # probe_configs.py --extra-tiles)
     direct: int = 0
-    # experiments (tag _oN): N CTAs per SM at 4 math warps — the launch bounds cap the registers
-    # for it (bulk tiles; probe_configs.py --extra-tiles w16_k128_s3_bk_o3)
+    # tag _oN: N CTAs per SM at 4 math warps — the launch bounds cap the registers for it (bulk
+    # tiles; built in for 4-bit MoE: w8_k128_s6_bk_dr1_o3, w16_k128_s3_bk_o3)
     occ: int = 0
 
     @property
@@ -154,6 +155,9 @@ BULK_TILES: tuple[Tile, ...] = (
     Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 8, True), Tile(1, True, 8, 6, True, 2),
     Tile(2, True, 8, 4, True), Tile(2, True, 8, 5, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),
     Tile(1, True, 8, 6, True, direct=2), Tile(2, False, 8, 4, True), Tile(1, True, 8, 6, True, direct=1),
+    # 4-bit MoE only (tile_fits): three CTAs per SM (H200, session 10: Mixtral 1 / 16 tokens -5 / -9%,
+    # 32 tokens -17%; benchmarks/NOTES.md "three CTAs per SM")
+    Tile(1, True, 8, 6, True, direct=1, occ=3), Tile(2, True, 8, 3, True, occ=3),
 )
 
 
@@ -366,10 +370,14 @@ def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
 
 
 def tile_fits(fam: Family, tile: Tile) -> bool:
-    """Constraints between family and tile: the kernel's static_asserts, and the direct-load tiles
-    for dense families only, 8-bit weights one tile ahead (their words are twice as many registers:
-    two tiles ahead spills)."""
-    if tile.direct and (fam.moe or (fam.bits == 8 and tile.direct > 1)):
+    """Constraints between family and tile: the kernel's static_asserts; direct-load tiles in dense
+    families, 8-bit weights one tile ahead only (their words are twice as many registers: two tiles
+    ahead spills); the three-CTAs-per-SM tiles (occ) in 4-bit MoE families only (8-bit spills under
+    their 128-register cap; dense problems measured slower on them, NOTES.md session 10), where the
+    direct-load tile is built in that form only."""
+    if tile.occ and not (fam.moe and fam.bits == 4):
+        return False
+    if tile.direct and ((fam.moe and not tile.occ) or (fam.bits == 8 and tile.direct > 1)):
         return False
     gb = fam.group_blocks
     return gb < 0 or tile.k_blocks % gb == 0 or gb % tile.k_blocks == 0

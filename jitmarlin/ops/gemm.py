@@ -39,16 +39,27 @@ _SMALL_KN = 1 << 26  # K*N below this: few tiles per SM, deeper pipelines and fe
 _TINY_KN = 1 << 25  # K*N below this at M <= 8: the k-split ring beats the direct-load tile
 DIRECT_W8 = Tile(1, True, 8, 6, True, direct=2)
 DIRECT_W8_1 = Tile(1, True, 8, 6, True, direct=1)  # one tile ahead (8-bit weights: the only depth, tile_fits)
+# 4-bit MoE, three CTAs per SM (tile_fits): blocks of 8 when the launch streams more than _SMALL_KN
+# weights, blocks of 16 always. H200, session 10 (probe_moe_tiles.py --tile): Mixtral 1 / 16 tokens
+# 70.6 -> 67.3 / 229.5 -> 208.5 us, 32 tokens 343.8 -> 283.9; E=64 top-6 16 tokens 90.5 -> 82.0, but
+# 1 token (six experts of 2048 x 2816) 25.2 -> 28.6
+MOE_DIRECT_O3 = Tile(1, True, 8, 6, True, direct=1, occ=3)
+MOE_W16_O3 = Tile(2, True, 8, 3, True, occ=3)
 
 
 def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
-                 large: bool = False) -> tuple[tuple[Tile, int], ...]:
+                 large: bool = False, experts: int = 0) -> tuple[tuple[Tile, int], ...]:
     """Candidate (tile, warps) pairs for M x N x K, best first. `large`: take the routes of large
     problems whatever K*N (the sm_90 MoE kernel: one launch streams every active expert's weights;
     H200, session 8: Mixtral 1 / 16 tokens 85 -> 77 / 277 -> 232 us, E=64 top-6 31 -> 28 /
-    125 -> 95 us, benchmarks/probe_moe_tiles.py)."""
+    125 -> 95 us, benchmarks/probe_moe_tiles.py). `experts`: MoE, at most this many experts'
+    weights are streamed (min(E, slots)); 0 for dense problems."""
     small = k * n < _SMALL_KN and not large
     cls = m_class(m)
+    if cc >= (9, 0) and experts and cls == "w8" and experts * k * n > _SMALL_KN:
+        return ((MOE_DIRECT_O3, 4),) + _preferences(m, n, k, cc, large)
+    if cc >= (9, 0) and experts and cls == "m1":
+        return ((MOE_W16_O3, 4),) + _preferences(m, n, k, cc, large)
     if cc >= (9, 0) and cls == "w8":
         # sm_90: the producer-warp / bulk-copy ring (NOTES.md, "bulk-copy pipeline"); from K*N = 32M
         # on, the direct-load tile (weights straight into registers, NOTES.md session 7) where the
@@ -109,14 +120,15 @@ def check_problem(n: int, k: int, group_size: int) -> None:
 
 
 def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int, cc: tuple[int, int] = (8, 0),
-                first: tuple[Tile, int] | None = None) -> Plan:
-    """Tile config and CTA width for an M x N x K problem. Candidates are tried in order of
+                first: tuple[Tile, int] | None = None, experts: int = 1) -> Plan:
+    """Tile config and CTA width for an M x N x K problem (MoE families: M = the block size, and
+    at most `experts` experts active). Candidates are tried in order of
     preference (`first`, a measured choice from `jitmarlin tune`, before the built-in order); a
     candidate must divide K (k tile) and N (64 * warps), agree with the group size and fit the
     per-block shared memory. Fewer warps per CTA are tried before giving up."""
     check_problem(n, k, fam.group_size)
     strips = n // 64
-    prefs = _preferences(m, n, k, cc, large=fam.moe and cc >= (9, 0))
+    prefs = _preferences(m, n, k, cc, large=fam.moe and cc >= (9, 0), experts=max(1, experts) if fam.moe else 0)
     if first is not None and first[0].rows == prefs[0][0].rows and first[1] <= first[0].max_warps:
         prefs = (first,) + prefs  # same m tile as the built-in choice (the MoE kernel relies on it)
     for want_warps in (None, 4, 2, 1):
@@ -273,15 +285,17 @@ def device_info(index: int) -> "tuning.DeviceInfo":
 
 
 @functools.lru_cache(maxsize=4096)
-def prepare_launch(m: int, rows: int, n: int, k: int, fam: Family, index: int, tuned: bool = True) -> Launch:
+def prepare_launch(m: int, rows: int, n: int, k: int, fam: Family, index: int, tuned: bool = True,
+                   experts: int = 1) -> Launch:
     """The launch for `rows` rows of A in m tiles chosen for M = m (dense: m == rows; MoE: m = the
-    block size, rows = the padded slot count, an upper bound the kernel refines on the device).
+    block size, rows = the padded slot count, an upper bound the kernel refines on the device,
+    experts = how many experts can be active: min(E, slots)).
     With `tuned`, a tuning table of this GPU (`jitmarlin tune`) puts its measured choice first. The
     table is measured on dense problems of M rows; the MoE kernel runs many blocks of M rows over
     several experts, where those choices can be 2-3x slower (H200, 1024 tokens), so it passes False."""
     info = device_info(index)
     first = tuning.tuned_choice(info, m, n, k) if tuned else None
-    plan = select_plan(m, n, k, fam, info.smem_per_block, info.cc, first=first)
+    plan = select_plan(m, n, k, fam, info.smem_per_block, info.cc, first=first, experts=experts)
     return _make_launch(plan, rows, n, k, fam, index)
 
 

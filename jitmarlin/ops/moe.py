@@ -238,7 +238,8 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
         _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k,
                           fam, top_k, block_size, a_by_position, index)
         return out
-    launch = prepare_launch(block_size, sorted_ids.numel(), n, k, fam, index, tuned=False)
+    launch = prepare_launch(block_size, sorted_ids.numel(), n, k, fam, index, tuned=False,
+                            experts=min(b.shape[0], size_m))
     assert launch.plan.tile.rows == block_size, (launch.plan, block_size)
     p = launch_params(launch, K.default_workspace(a.device), a, b, scales, zeros, out, size_m, n, k)
     p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()

@@ -149,8 +149,9 @@ LARGE = (2, 8192, 4096, 2)  # w13 of one expert: K*N = 8192 * 8192 = 64M, the la
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_moe_large_experts(dtype):
-    """Experts with K*N >= 64M: the sm_90 ring tiles of the large-problem routes (16-row five-slot,
-    32-row bulk copy) run the w13 GEMM of the MoE kernel, blocks of 8 / 16 / 32 rows."""
+    """Experts with K*N >= 64M: on sm_90 the w13 GEMM of the MoE kernel runs blocks of 8 on the
+    direct-load tile with three CTAs per SM (two experts of 64M), blocks of 16 on the three-slot
+    16-row ring with three CTAs per SM, blocks of 32 on the 32-row bulk-copy ring."""
     from jitmarlin.ops import gemm as G
     from jitmarlin.ops.moe import choose_block_size
 
@@ -161,9 +162,9 @@ def test_moe_large_experts(dtype):
     info = G.device_info(0)
     for t, rows in ((4, 8), (12, 16), (24, 32)):
         assert choose_block_size(t, top_k, e) == rows
-        if info.cc >= (9, 0) and rows > 8:  # the test reaches the tiles it is meant for
-            tile = G.select_plan(rows, 2 * i, h, fam, info.smem_per_block, info.cc).tile
-            assert tile.bulk and tile.rows == rows, tile
+        if info.cc >= (9, 0):  # the test reaches the tiles it is meant for
+            tile = G.select_plan(rows, 2 * i, h, fam, info.smem_per_block, info.cc, experts=min(e, t * top_k)).tile
+            assert tile.tag() == {8: "w8_k128_s6_bk_dr1_o3", 16: "w16_k128_s3_bk_o3", 32: "m2_k128_s4_bk"}[rows], tile
         x = torch.randn(t, h, device="cuda", dtype=dtype)
         weights, ids = moe.route(x)
         check_close(moe(x), reference(x, w13, w2, weights, ids, dtype), tol, f"T={t}")
