@@ -251,11 +251,11 @@ for st in $STAGES; do
              $P --tokens 32 ${t:+--tile $t} 2>&1 | grep "^\[" | tee -a "$OUT/s10a_moe16.log"
            done
            timeout 200 python3 benchmarks/probe_configs.py --shapes 4096x4096,4096x28672,14336x4096,8192x8192,8192x28672,28672x8192 \
-             --m 9,16 --extra-tiles w16_k128_s3_bk_o3,w16_k64_s6_bk_o3 \
+             --m 9,16 --any-fit --extra-tiles w16_k128_s3_bk_o3,w16_k64_s6_bk_o3 \
              --configs w16_k128_s5_bk-w4,w16_k128_s3_bk_o3-w4,w16_k64_s6_bk_o3-w4,m1_k128_s6-w4 \
              2>&1 | grep -v "^done" | tee "$OUT/s10a_m16.log"
            timeout 200 python3 benchmarks/probe_configs.py --bits 8 --shapes 4096x28672,14336x4096,8192x8192,8192x28672,28672x8192 \
-             --m 16 --extra-tiles w16_k64_s6_bk,w16_k64_s4_bk_o3,w16_k128_s3_bk \
+             --m 16 --any-fit --extra-tiles w16_k64_s6_bk,w16_k64_s4_bk_o3,w16_k128_s3_bk \
              --configs w16_k128_s5_bk-w4,w16_k64_s6_bk-w4,w16_k64_s4_bk_o3-w4,w16_k128_s3_bk-w4 \
              2>&1 | grep -v "^done" | tee "$OUT/s10a_u8m16.log";;
     s10b)  # session 10: the three-CTAs-per-SM MoE routes (now built in) against the routes before
@@ -273,6 +273,21 @@ for st in $STAGES; do
              $P --tokens 256 --shapes e64 --block 32 ${t:+--tile $t} 2>&1 | grep "^\[" | tee -a "$OUT/s10b_big.log"
            done
            $P --tokens 256 --shapes e64 2>&1 | grep "^\[" | tee -a "$OUT/s10b_big.log";;
+    s10c)  # session 10: the MoE table on the new routes; ring tiles with three CTAs per SM (3 slots
+           # of k128 / 6 of k64: the 6-slot ring fits one CTA) for MoE blocks of 8 below the
+           # direct-load rule (E=64, 1 token) and dense 4096^2 M=1; the 4-bit 16-row direct-load
+           # tile at M = 9 / 16 on the mid-size shapes (session 7: 5% faster there)
+           timeout 200 python3 benchmarks/bench_moe.py --tokens 1,16,32,64,128,256,1024 --json "$OUT/moe.json" \
+             > "$OUT/moe.log" 2>&1; echo "moe rc=$?"; tail -24 "$OUT/moe.log"
+           P="timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 1,3"
+           for t in "" w8_k128_s3_bk_o3 w8_k64_s6_bk_o3; do $P ${t:+--tile $t} 2>&1 | grep "^\[" | tee -a "$OUT/s10c_moe.log"; done
+           timeout 150 python3 benchmarks/probe_configs.py --shapes 4096x4096,4096x11008,11008x4096 --m 1,8 --any-fit \
+             --extra-tiles w8_k128_s3_bk_o3,w8_k64_s6_bk_o3 \
+             --configs w8_k128_s6_bk_ks2-w4,w8_k128_s3_bk_o3-w4,w8_k64_s6_bk_o3-w4,w8_k128_s3_bk_o3-w2 \
+             2>&1 | grep -v "^done" | tee "$OUT/s10c_m1.log"
+           timeout 150 python3 benchmarks/probe_configs.py --shapes 8192x8192,14336x4096,4096x28672,4096x11008 --m 9,16 \
+             --extra-tiles w16_k128_s6_bk_dr1 --configs w16_k128_s5_bk-w4,m1_k128_s6-w4,w16_k128_s6_bk_dr1-w4 \
+             2>&1 | grep -v "^done" | tee "$OUT/s10c_m16.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

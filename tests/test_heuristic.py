@@ -53,7 +53,7 @@ def test_sm90_small_m_routes():
     """The H200 measurements of NOTES.md sessions 7 and 9: M <= 8 takes the direct-load tile from
     K*N = 32M on (4-bit two tiles ahead up to K*N = 64M and one above it, 8-bit one), the k-split
     ring below; M = 9-16 on large problems takes the five-slot 16-row ring, M = 17-32 the 32-row bulk
-    ring. 4-bit MoE blocks of 8 / 16 (session 10): the three-CTAs-per-SM tiles, blocks of 8 only when
+    ring, from K*N = 32M to 72M on 4-bit the 16-row direct-load tile (session 10). 4-bit MoE blocks of 8 / 16 (session 10): the three-CTAs-per-SM tiles, blocks of 8 only when
     the active experts' weights (min(E, slots) * K * N) pass K*N = 64M."""
     sm90, cc = SMEM["sm_90"], (9, 0)
     u4, u8, moe = K.Family("f16", 4, False, 128), K.Family("f16", 8, False, 128), K.Family("f16", 4, False, 128, True)
@@ -77,6 +77,14 @@ def test_sm90_small_m_routes():
     for m in (9, 16):
         assert select_plan(m, 28672, 8192, u4, sm90, cc).tile.tag() == "w16_k128_s5_bk"
         assert select_plan(m, 28672, 8192, u8, sm90, cc).tile.tag() == "w16_k128_s5_bk"
+        # session 10: the 16-row direct-load tile on 4-bit problems of K*N in [32M, 72M]
+        for k, n in ((8192, 8192), (14336, 4096), (4096, 11008), (11008, 4096)):
+            assert select_plan(m, n, k, u4, sm90, cc).tile.tag() == "w16_k128_s6_bk_dr1"
+            assert not select_plan(m, n, k, u8, sm90, cc).tile.direct  # 8-bit: spills
+            assert not select_plan(m, n, k, u4, SMEM["sm_80"], (8, 0)).tile.direct
+        assert select_plan(m, 28672, 4096, u4, sm90, cc).tile.tag() == "w16_k128_s5_bk"  # 117M: the ring
+        assert select_plan(m, 4096, 4096, u4, sm90, cc).tile.tag() == "m1_k128_s6"  # 16M: the cp.async tile
+        assert select_plan(m, 14336, 4096, moe, sm90, cc).tile.tag() == "w16_k128_s3_bk_o3"
     for m in (17, 32):  # the 32-row bulk ring on large problems, the cp.async ring on small ones
         assert select_plan(m, 28672, 8192, u4, sm90, cc).tile.tag() == "m2_k128_s4_bk"
         assert not select_plan(m, 4096, 4096, u4, sm90, cc).tile.bulk
@@ -326,7 +334,8 @@ def test_sm90_moe_expert_gemms_take_the_large_routes():
         assert select_plan(16, n, k, moe, sm90, cc).tile.tag() == "w16_k128_s5_bk"
         assert select_plan(32, n, k, moe, sm90, cc).tile.tag() == "m2_k128_s4_bk"
     assert select_plan(8, 4096, 4096, u4, sm90, cc).tile.tag() == "w8_k128_s6_bk_ks2"
-    assert not select_plan(16, 4096, 14336, u4, sm90, cc).tile.bulk
+    assert select_plan(16, 4096, 14336, u4, sm90, cc).tile.tag() == "w16_k128_s6_bk_dr1"  # session 10
+    assert not select_plan(16, 4096, 4096, u4, sm90, cc).tile.bulk
     sm80 = SMEM["sm_80"]
     u8 = K.Family("f16", 8, False, 128)
     assert select_plan(8, 4096, 14336, moe, sm80, (8, 0)) == select_plan(8, 4096, 14336, u8, sm80, (8, 0))

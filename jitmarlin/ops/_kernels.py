@@ -76,9 +76,9 @@ class Tile:
     bulk: bool = False  # sm_90: producer warp + bulk copies + mbarrier ring (else cp.async ring)
     ksplit: int = 1  # warps sharing one 64-column strip, each on 1/ksplit of every k tile (bulk only)
     # bulk: math warps load their weight words straight into registers, this many tiles ahead; the
-    # producer brings only A and the scales (dense: w8_k128_s6_bk_dr1 / _dr2 are built in, 8-bit
-    # families take dr1 only; 4-bit MoE: w8_k128_s6_bk_dr1_o3; other depths for experiments:
-    # probe_configs.py --extra-tiles)
+    # producer brings only A and the scales. Built in: dense w8_k128_s6_bk_dr1 / _dr2 and
+    # w16_k128_s6_bk_dr1 (8-bit families: w8 dr1 only), 4-bit MoE w8_k128_s6_bk_dr1_o3; other
+    # depths for experiments: probe_configs.py --extra-tiles
     direct: int = 0
     # tag _oN: N CTAs per SM at 4 math warps — the launch bounds cap the registers for it (bulk
     # tiles; built in for 4-bit MoE: w8_k128_s6_bk_dr1_o3, w16_k128_s3_bk_o3)
@@ -155,6 +155,7 @@ BULK_TILES: tuple[Tile, ...] = (
     Tile(1, True, 8, 4, True), Tile(1, True, 8, 6, True), Tile(1, True, 4, 8, True), Tile(1, True, 8, 6, True, 2),
     Tile(2, True, 8, 4, True), Tile(2, True, 8, 5, True), Tile(2, True, 8, 6, True), Tile(1, False, 8, 4, True),
     Tile(1, True, 8, 6, True, direct=2), Tile(2, False, 8, 4, True), Tile(1, True, 8, 6, True, direct=1),
+    Tile(2, True, 8, 6, True, direct=1),  # 4-bit dense M = 9-16 on mid-size problems (gemm.DIRECT_W16)
     # 4-bit MoE only (tile_fits): three CTAs per SM (H200, session 10: Mixtral 1 / 16 tokens -5 / -9%,
     # 32 tokens -17%; benchmarks/NOTES.md "three CTAs per SM")
     Tile(1, True, 8, 6, True, direct=1, occ=3), Tile(2, True, 8, 3, True, occ=3),
@@ -371,13 +372,13 @@ def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
 
 def tile_fits(fam: Family, tile: Tile) -> bool:
     """Constraints between family and tile: the kernel's static_asserts; direct-load tiles in dense
-    families, 8-bit weights one tile ahead only (their words are twice as many registers: two tiles
-    ahead spills); the three-CTAs-per-SM tiles (occ) in 4-bit MoE families only (8-bit spills under
+    families, 8-bit weights one tile ahead and 8 rows only (their words are twice as many registers:
+    two tiles ahead or 16 rows spill); the three-CTAs-per-SM tiles (occ) in 4-bit MoE families only (8-bit spills under
     their 128-register cap; dense problems measured slower on them, NOTES.md session 10), where the
     direct-load tile is built in that form only."""
     if tile.occ and not (fam.moe and fam.bits == 4):
         return False
-    if tile.direct and ((fam.moe and not tile.occ) or (fam.bits == 8 and tile.direct > 1)):
+    if tile.direct and ((fam.moe and not tile.occ) or (fam.bits == 8 and (tile.direct > 1 or tile.rows > 8))):
         return False
     gb = fam.group_blocks
     return gb < 0 or tile.k_blocks % gb == 0 or gb % tile.k_blocks == 0

@@ -43,6 +43,12 @@ DIRECT_W8_1 = Tile(1, True, 8, 6, True, direct=1)  # one tile ahead (8-bit weigh
 # weights, blocks of 16 always. H200, session 10 (probe_moe_tiles.py --tile): Mixtral 1 / 16 tokens
 # 70.6 -> 67.3 / 229.5 -> 208.5 us, 32 tokens 343.8 -> 283.9; E=64 top-6 16 tokens 90.5 -> 82.0, but
 # 1 token (six experts of 2048 x 2816) 25.2 -> 28.6
+# M = 9-16, 4-bit dense, K*N in [32M, 72M]: the 16-row direct-load tile one tile ahead. H200, session
+# 10 (probe_configs.py, M = 9 / 16, us): 8192^2 18.9 / 19.2 vs 20.6 / 20.4 (five-slot ring),
+# 14336x4096 20.1 / 20.3 vs 20.9 / 21.3 (m1_k128_s6), 4096x11008 15.3 / 15.5 vs 18.5 / 18.8; slower
+# on 4096x28672 (26.7 / 26.9 vs 26.1 / 25.6); 8-bit weights spill in it (tile_fits)
+DIRECT_W16 = Tile(2, True, 8, 6, True, direct=1)
+_W16_DIRECT_MAX = 72 << 20
 MOE_DIRECT_O3 = Tile(1, True, 8, 6, True, direct=1, occ=3)
 MOE_W16_O3 = Tile(2, True, 8, 3, True, occ=3)
 
@@ -73,9 +79,13 @@ def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
         else:
             first = ((DIRECT_W8, 4), (DIRECT_W8_1, 4))
         return first + (ring,) + _preferences(m, n, k)
-    if cc >= (9, 0) and cls == "m1" and not small:
+    if cc >= (9, 0) and cls == "m1":
+        # mid-size problems: the 16-row direct-load tile (4-bit dense, tile_fits)
+        first = ((DIRECT_W16, 4),) if not large and _TINY_KN <= k * n <= _W16_DIRECT_MAX else ()
+        if small:
+            return first + _preferences(m, n, k)
         # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7)
-        return ((Tile(2, True, 8, 5, True), 4), (Tile(2, True, 8, 4, True), 4)) + _preferences(m, n, k)
+        return first + ((Tile(2, True, 8, 5, True), 4), (Tile(2, True, 8, 4, True), 4)) + _preferences(m, n, k)
     if cc >= (9, 0) and cls == "m2" and not small:
         # the 32-row bulk-copy ring (M = 17-32 on large problems; smaller ones go to the wgmma kernel)
         return ((Tile(2, False, 8, 4, True), 4),) + _preferences(m, n, k)
