@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
-                    "or w8_k128_s6_bk-w4-g132 (at most 132 CTAs)")
+                    "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
     ap.add_argument("--extra-tiles", default="", help="comma-separated tile tags built into the families "
                     "for this run only (candidates outside the built-in lists), e.g. w16_k128_s5_bk")
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="weight bits (group 128)")
@@ -57,7 +57,7 @@ def main() -> None:
             if cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]
                 parts = cfg.split("-")
                 override = ("wgmma",) + tuple(int(x[1:]) for x in parts[1:])
-            else:  # TAG-wN, or TAG-wN-gG: at most G CTAs (default: all that fit)
+            else:  # TAG-wN, or TAG-wN-gG: G CTAs (default: all that fit at once)
                 tag, w = cfg.rsplit("-w", 1)
                 w, _, g = w.partition("-g")
                 override = (tiles[tag], int(w)) + ((int(g),) if g else ())

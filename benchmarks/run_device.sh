@@ -288,6 +288,20 @@ for st in $STAGES; do
            timeout 150 python3 benchmarks/probe_configs.py --shapes 8192x8192,14336x4096,4096x28672,4096x11008 --m 9,16 \
              --extra-tiles w16_k128_s6_bk_dr1 --configs w16_k128_s5_bk-w4,m1_k128_s6-w4,w16_k128_s6_bk_dr1-w4 \
              2>&1 | grep -v "^done" | tee "$OUT/s10c_m16.log";;
+    s10d)  # session 10: a second wave of CTAs (grid 2x / 3x what fits at once: the block scheduler
+           # then balances the tail that the static split leaves, NOTES.md session 8) at M = 1 / 16;
+           # 8-bit M = 9-16 on the mid-size shapes: the ring vs the cp.async tile
+           timeout 150 python3 benchmarks/probe_configs.py --shapes 8192x28672,28672x8192,4096x28672 --m 1 \
+             --configs w8_k128_s6_bk_dr1-w4,w8_k128_s6_bk_dr1-w4-g792,w8_k128_s6_bk_dr1-w4-g1188 \
+             2>&1 | grep -v "^done" | tee "$OUT/s10d_wave.log"
+           timeout 100 python3 benchmarks/probe_configs.py --shapes 8192x8192 --m 1 \
+             --configs w8_k128_s6_bk_dr2-w4,w8_k128_s6_bk_dr2-w4-g528,w8_k128_s6_bk_dr2-w4-g792 \
+             2>&1 | grep -v "^done" | tee -a "$OUT/s10d_wave.log"
+           timeout 100 python3 benchmarks/probe_configs.py --shapes 8192x28672,8192x8192 --m 16 \
+             --configs w16_k128_s5_bk-w4,w16_k128_s5_bk-w4-g528,w16_k128_s5_bk-w4-g792 \
+             2>&1 | grep -v "^done" | tee -a "$OUT/s10d_wave.log"
+           timeout 100 python3 benchmarks/probe_configs.py --bits 8 --shapes 14336x4096,4096x11008,11008x4096 --m 9,16 \
+             --configs w16_k128_s5_bk-w4,m1_k128_s6-w4 2>&1 | grep -v "^done" | tee "$OUT/s10d_u8.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

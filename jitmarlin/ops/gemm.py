@@ -82,9 +82,11 @@ def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
     if cc >= (9, 0) and cls == "m1":
         # mid-size problems: the 16-row direct-load tile (4-bit dense, tile_fits)
         first = ((DIRECT_W16, 4),) if not large and _TINY_KN <= k * n <= _W16_DIRECT_MAX else ()
-        if small:
-            return first + _preferences(m, n, k)
-        # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7)
+        if small and not first:
+            return _preferences(m, n, k)
+        # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7); also after the
+        # direct-load tile on mid-size problems (8-bit weights, which it does not serve: H200 session
+        # 10, 14336x4096 M=16 23.7 us vs 27.6 on m1_k128_s6)
         return first + ((Tile(2, True, 8, 5, True), 4), (Tile(2, True, 8, 4, True), 4)) + _preferences(m, n, k)
     if cc >= (9, 0) and cls == "m2" and not small:
         # the 32-row bulk-copy ring (M = 17-32 on large problems; smaller ones go to the wgmma kernel)
@@ -533,15 +535,18 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
         return
     if plan_override is None:
         launch = prepare_launch(m, m, n, k, fam, index)
-    else:  # used by the tuning sweep; a third element caps the grid (experiments: probe_configs -gN)
+    else:  # used by the tuning sweep; a third element sets the grid (experiments: probe_configs -gN),
+        # fewer CTAs than fit or more (a second wave), at most one per tile
         tile, nwarps = plan_override[:2]
         if not K.tile_fits(fam, tile):
             raise ValueError(f"tile {tile.tag()} is not built for {fam} (tile_fits: the direct-load tiles are "
-                             "dense only, one tile ahead for 8-bit weights; the k tile must suit the group size)")
-        launch = _make_launch(Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps)), m, n, k, fam, index)
-        if len(plan_override) > 2 and 0 < plan_override[2] < launch.grid:
-            launch = dataclasses.replace(launch, grid=plan_override[2],
-                                         ws_floats=K.workspace_floats(plan_override[2], nwarps, tile))
+                             "dense 8-row / 4-bit 16-row ones and 4-bit MoE three-CTA ones, 8-bit weights one "
+                             "tile ahead and 8 rows only; the k tile must suit the group size)")
+        plan = Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps))
+        launch = _make_launch(plan, m, n, k, fam, index)
+        if len(plan_override) > 2 and plan_override[2] > 0:
+            grid = min(plan_override[2], grid_size(plan, m, n, k, sms=1 << 30, ctas_per_sm=1))
+            launch = dataclasses.replace(launch, grid=grid, ws_floats=K.workspace_floats(grid, nwarps, tile))
     ws = workspace if workspace is not None else K.default_workspace(a.device)
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
     p.bias = bias.data_ptr() if bias is not None else None
