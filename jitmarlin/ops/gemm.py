@@ -39,16 +39,16 @@ _SMALL_KN = 1 << 26  # K*N below this: few tiles per SM, deeper pipelines and fe
 _TINY_KN = 1 << 25  # K*N below this at M <= 8: the k-split ring beats the direct-load tile
 DIRECT_W8 = Tile(1, True, 8, 6, True, direct=2)
 DIRECT_W8_1 = Tile(1, True, 8, 6, True, direct=1)  # one tile ahead (8-bit weights: the only depth, tile_fits)
-# 4-bit MoE, three CTAs per SM (tile_fits): blocks of 8 when the launch streams more than _SMALL_KN
-# weights, blocks of 16 always. H200, session 10 (probe_moe_tiles.py --tile): Mixtral 1 / 16 tokens
-# 70.6 -> 67.3 / 229.5 -> 208.5 us, 32 tokens 343.8 -> 283.9; E=64 top-6 16 tokens 90.5 -> 82.0, but
-# 1 token (six experts of 2048 x 2816) 25.2 -> 28.6
 # M = 9-16, 4-bit dense, K*N in [32M, 72M]: the 16-row direct-load tile one tile ahead. H200, session
 # 10 (probe_configs.py, M = 9 / 16, us): 8192^2 18.9 / 19.2 vs 20.6 / 20.4 (five-slot ring),
 # 14336x4096 20.1 / 20.3 vs 20.9 / 21.3 (m1_k128_s6), 4096x11008 15.3 / 15.5 vs 18.5 / 18.8; slower
 # on 4096x28672 (26.7 / 26.9 vs 26.1 / 25.6); 8-bit weights spill in it (tile_fits)
 DIRECT_W16 = Tile(2, True, 8, 6, True, direct=1)
 _W16_DIRECT_MAX = 72 << 20
+# 4-bit MoE, three CTAs per SM (tile_fits): blocks of 8 when the launch streams more than _SMALL_KN
+# weights, blocks of 16 always. H200, session 10 (probe_moe_tiles.py --tile): Mixtral 1 / 16 tokens
+# 70.6 -> 67.3 / 229.5 -> 208.5 us, 32 tokens 343.8 -> 283.9; E=64 top-6 16 tokens 90.5 -> 82.0, but
+# 1 token (six experts of 2048 x 2816) 25.2 -> 28.6
 MOE_DIRECT_O3 = Tile(1, True, 8, 6, True, direct=1, occ=3)
 MOE_W16_O3 = Tile(2, True, 8, 3, True, occ=3)
 
