@@ -373,9 +373,9 @@ def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
 def tile_fits(fam: Family, tile: Tile) -> bool:
     """Constraints between family and tile: the kernel's static_asserts; direct-load tiles in dense
     families, 8-bit weights one tile ahead and 8 rows only (their words are twice as many registers:
-    two tiles ahead or 16 rows spill); the three-CTAs-per-SM tiles (occ) in 4-bit MoE families only (8-bit spills under
-    their 128-register cap; dense problems measured slower on them, NOTES.md session 10), where the
-    direct-load tile is built in that form only."""
+    two tiles ahead or 16 rows spill); the three-CTAs-per-SM tiles (occ) in 4-bit MoE families only
+    (8-bit spills under their 128-register cap; dense problems measured slower on them, NOTES.md
+    session 10), where the direct-load tile is built in that form only."""
     if tile.occ and not (fam.moe and fam.bits == 4):
         return False
     if tile.direct and ((fam.moe and not tile.occ) or (fam.bits == 8 and (tile.direct > 1 or tile.rows > 8))):
