@@ -302,6 +302,11 @@ for st in $STAGES; do
              2>&1 | grep -v "^done" | tee -a "$OUT/s10d_wave.log"
            timeout 100 python3 benchmarks/probe_configs.py --bits 8 --shapes 14336x4096,4096x11008,11008x4096 --m 9,16 \
              --configs w16_k128_s5_bk-w4,m1_k128_s6-w4 2>&1 | grep -v "^done" | tee "$OUT/s10d_u8.log";;
+    timeline) # prepared in session 10 (branch prep-session11): where a call's fixed cost goes in a
+           # chain of GEMMs (per-CTA GPU timestamps, kernels built with -DJM_TIMELINE)
+           timeout 240 python3 benchmarks/probe_timeline.py \
+             --shapes ${TL_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096} --m ${TL_M:-1,8,16} \
+             2>&1 | grep -v "^jitmarlin:" | tee "$OUT/timeline.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -128,6 +128,24 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   __shared__ int s_last;
 
   const int tid = threadIdx.x, lane = tid & 31, warp_id = tid >> 5;
+#ifdef JM_TIMELINE
+  // Diagnostics (benchmarks/probe_timeline.py; bulk tiles): globaltimer ns per CTA at
+  // p.timeline[8 * blockIdx.x + i]: 0 entry, 1 the producer past griddep_wait, 2 math warp 0's
+  // first tile landed, 3 its last tile computed, 4 its end (after the last unit's fixup and
+  // output); 5 the SM, 6 the CTA's tiles, 7 ns math warp 0 spent in unit fixups and outputs.
+#define JM_TL(i, v)                                                          \
+  do {                                                                       \
+    if (p.timeline != nullptr) p.timeline[8 * blockIdx.x + (i)] = (v);      \
+  } while (0)
+  if (tid == 0) {
+    JM_TL(0, globaltimer());
+    JM_TL(5, smid());
+  }
+#else
+#define JM_TL(i, v) \
+  do {              \
+  } while (0)
+#endif
   const int g = lane >> 2, t = lane & 3;
   const int nwarps = p.nwarps;  // strips (of 64 columns) per CTA
   const int nmath = nwarps * KSPLIT;  // warps that compute
@@ -149,6 +167,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   const int end = min(sch.total, begin + sch.iters);
   if (begin >= end) return;
   const int n_it = end - begin;
+  if (tid == 0) JM_TL(6, n_it);
 
   const int stage_bytes = S::stage_bytes(nwarps);
   const int b_off = S::kAStageBytes + warp * S::kBWarpBytes;
@@ -729,6 +748,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         advance(c);
       }
       griddep_wait();
+      if (lane == 0) JM_TL(1, globaltimer());
       c = cursor_at(begin);
       for (int i = 0; i < pre; i++) {
         issue_acts(c, i);
@@ -784,8 +804,12 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     uint32_t phase = 0;
     // tile i of the run: wait for its slot, compute, free the slot, `after_release`, then the
     // unit's fixup and output when the unit ends here
+#ifdef JM_TIMELINE
+    uint64_t tl_fix = 0;
+#endif
     auto step = [&](int i, const uint4* wreg, auto&& after_release) {
       mbar_wait(&full_bar[slot], phase);
+      if (tid == 0 && i == 0) JM_TL(2, globaltimer());
 #ifndef JM_STREAM_ONLY  // diagnostic switch: stream the weights, compute nothing (wrong results)
       compute_tile(slot, wreg);
 #else
@@ -799,7 +823,14 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty_bar[slot]);
       after_release();
+#ifdef JM_TIMELINE
+      const uint64_t tl0 = globaltimer();
+      if (tid == 0 && i == n_it - 1) JM_TL(3, tl0);
+#endif
       if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
+#ifdef JM_TIMELINE
+      tl_fix += globaltimer() - tl0;
+#endif
       advance(ccur);
       if (++slot == STAGES) {
         slot = 0;
@@ -823,6 +854,12 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     } else {
       for (int i = 0; i < n_it; i++) step(i, nullptr, [] {});
     }
+#ifdef JM_TIMELINE
+    if (tid == 0) {
+      JM_TL(4, globaltimer());
+      JM_TL(7, tl_fix);
+    }
+#endif
     return;
   } else {
 #if JM_HAS_BULK

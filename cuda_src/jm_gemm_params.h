@@ -35,4 +35,6 @@ struct JmGemmParams {
   int32_t tables_ready;      // MoE, sm_90 bulk tiles: 1 = the routing tables were complete before the
                              // previous kernel started (the down projection after SiLU-mul): read
                              // them, and stream the first weight tiles, before waiting for it
+  unsigned long long* timeline;  // diagnostics, kernels built with -DJM_TIMELINE: 8 values per CTA
+                                 // (jm_gemm.cuh, "timeline"), or null
 };

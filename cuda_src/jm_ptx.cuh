@@ -216,6 +216,19 @@ JM_DEVICE void griddep_launch_dependents() {
 #endif
 }
 
+// Diagnostics (-DJM_TIMELINE, benchmarks/probe_timeline.py): the GPU-wide nanosecond timer and
+// the SM a CTA runs on.
+JM_DEVICE uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+JM_DEVICE uint32_t smid() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(r));
+  return r;
+}
+
 // Barrier over the first `threads` threads of the CTA (named barrier 1; 0 is __syncthreads).
 JM_DEVICE void named_sync(int threads) { asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory"); }
 

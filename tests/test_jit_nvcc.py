@@ -110,3 +110,21 @@ def test_stream_probe_builds(cuda_toolchain, tmp_path):
                         str(root / "benchmarks" / "stream_probe.cu"), "-o", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert out.stat().st_size > 0
+
+
+def test_timeline_build_of_a_bulk_tile_compiles(cuda_toolchain, monkeypatch):
+    """The diagnostics build (-DJM_TIMELINE, benchmarks/probe_timeline.py) of the routed M=1 tile
+    compiles for sm_90 without spills, as its own cached module (the flags are part of the key)."""
+    tiles = (K.Tile.from_tag("w8_k128_s6_bk_dr1"),)
+    plain = K.build_spec(FAMILY, (9, 0), tiles)
+    monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", "-DJM_TIMELINE")
+    K.build_spec.cache_clear()
+    try:
+        spec = K.build_spec(FAMILY, (9, 0), tiles)
+        assert spec.flags == ("-DJM_TIMELINE",) and spec.key == plain.key and spec != plain
+        mod = get_module(spec)
+        name = K.kernel_name(FAMILY, tiles[0])
+        info = mod.meta["ptxas"][name]
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, info
+    finally:
+        K.build_spec.cache_clear()
