@@ -157,11 +157,14 @@ def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int, cc: tu
                      "of shared memory per block")
 
 
+def tile_count(plan: Plan, m: int, n: int, k: int) -> int:
+    """(n tile, m tile, k tile) triples of an M x N x K problem: the most CTAs that get work."""
+    return (n // (64 * plan.nwarps)) * -(-m // plan.tile.rows) * (k // plan.tile.tile_k)
+
+
 def grid_size(plan: Plan, m: int, n: int, k: int, sms: int, ctas_per_sm: int) -> int:
     """CTAs to launch: all that fit at once, but never more than there are tiles."""
-    m_tiles = -(-m // plan.tile.rows)
-    total = (n // (64 * plan.nwarps)) * m_tiles * (k // plan.tile.tile_k)
-    return max(1, min(sms * max(1, ctas_per_sm), total))
+    return max(1, min(sms * max(1, ctas_per_sm), tile_count(plan, m, n, k)))
 
 
 # ---- argument checks (shared by the real op and its fake) ----
@@ -545,7 +548,7 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
         plan = Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps))
         launch = _make_launch(plan, m, n, k, fam, index)
         if len(plan_override) > 2 and plan_override[2] > 0:
-            grid = min(plan_override[2], grid_size(plan, m, n, k, sms=1 << 30, ctas_per_sm=1))
+            grid = min(plan_override[2], tile_count(plan, m, n, k))
             launch = dataclasses.replace(launch, grid=grid, ws_floats=K.workspace_floats(grid, nwarps, tile))
     ws = workspace if workspace is not None else K.default_workspace(a.device)
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)

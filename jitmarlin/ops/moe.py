@@ -97,26 +97,30 @@ def _align_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     return sorted_ids, expert_ids, num_padded
 
 
+def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int = 0) -> torch.Tensor:
+    """y [rows, cols] = one of our elementwise MoE kernels (jm_<name>_f16 / _bf16) on x: one thread
+    per 8-value chunk (jm_moe_util.cuh, chunk_of_thread). A programmatic dependent of the expert
+    GEMM before it when its grid is small (the rule of the act-order gather: a large grid parked
+    beside a running GEMM costs more than it saves)."""
+    from .gemm import _cc, gather_pdl, use_pdl
+
+    y = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    index = K.cuda_index(x.device)
+    p = K.MoeParams()
+    p.x, p.y, p.rows, p.inter, p.top_k = x.data_ptr(), y.data_ptr(), rows, cols, top_k
+    fn = K.get_moe_util_kernel(f"jm_{name}_{'bf16' if x.dtype == torch.bfloat16 else 'f16'}", index, _cc(index))
+    grid = -(-(rows * (cols // 8)) // 256)
+    fn.launch(grid, 256, 0, K.current_stream_handle(x.device), p, pdl=use_pdl(_cc(index)) and gather_pdl(grid))
+    return y
+
+
 def silu_mul(c1: torch.Tensor, inter: int) -> torch.Tensor:
     """SiLU(c1[:, :inter]) * c1[:, inter:], one kernel on CUDA (unless JITMARLIN_MOE_KERNELS=0)."""
     if not (c1.is_cuda and use_moe_kernels() and inter % 8 == 0 and c1.is_contiguous()):
         return F.silu(c1[:, :inter]) * c1[:, inter:]
-    from .gemm import _cc, gather_pdl, use_pdl
-
-    index = K.cuda_index(c1.device)
-    y = torch.empty(c1.shape[0], inter, dtype=c1.dtype, device=c1.device)
-    if c1.shape[0] == 0:
-        return y
-    p = K.MoeParams()
-    p.x, p.y, p.rows, p.inter = c1.data_ptr(), y.data_ptr(), c1.shape[0], inter
-    fn = K.get_moe_util_kernel("jm_silu_mul_bf16" if c1.dtype == torch.bfloat16 else "jm_silu_mul_f16", index,
-                               _cc(index))
-    chunks = c1.shape[0] * (inter // 8)
-    grid = -(-chunks // 256)
-    # a programmatic dependent of the first expert GEMM when its grid is small (the rule of the
-    # act-order gather: a large grid parked beside a running GEMM costs more than it saves)
-    fn.launch(grid, 256, 0, K.current_stream_handle(c1.device), p, pdl=use_pdl(_cc(index)) and gather_pdl(grid))
-    return y
+    return _launch_chunked("silu_mul", c1, c1.shape[0], inter)
 
 
 def topk_sum(c3: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
@@ -126,19 +130,7 @@ def topk_sum(c3: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     h = c3.shape[1]
     if not (c3.is_cuda and use_moe_kernels() and h % 8 == 0 and c3.is_contiguous()) or top_k == 1:
         return c3.view(tokens, top_k, h).sum(1)
-    from .gemm import _cc, gather_pdl, use_pdl
-
-    index = K.cuda_index(c3.device)
-    y = torch.empty(tokens, h, dtype=c3.dtype, device=c3.device)
-    if tokens == 0:
-        return y
-    p = K.MoeParams()
-    p.x, p.y, p.rows, p.inter, p.top_k = c3.data_ptr(), y.data_ptr(), tokens, h, top_k
-    fn = K.get_moe_util_kernel("jm_topk_sum_bf16" if c3.dtype == torch.bfloat16 else "jm_topk_sum_f16", index,
-                               _cc(index))
-    grid = -(-(tokens * (h // 8)) // 256)
-    fn.launch(grid, 256, 0, K.current_stream_handle(c3.device), p, pdl=use_pdl(_cc(index)) and gather_pdl(grid))
-    return y
+    return _launch_chunked("topk_sum", c3, tokens, h, top_k)
 
 
 def _align_torch(topk_ids: torch.Tensor, block_size: int, num_experts: int):
