@@ -254,7 +254,7 @@ def sweep(shapes, ms, env, bw, json_path):
             allowed = {G.m_class(m)} | ({"m1"} if m <= 8 else set())  # at M <= 8 also time the m16 tile
             cc = torch.cuda.get_device_capability(0)
             for tile, nw in itertools.product(K.tiles_for(cc), (2, 4, 8, 16)):
-                if G.m_class(tile.rows) not in allowed or nw > tile.max_warps:
+                if G.m_class(tile.rows) not in allowed or nw > tile.max_warps or tile.cluster:
                     continue
                 if k % tile.tile_k or (n // 64) % nw or K.smem_bytes(fam, tile, nw) > smem_limit:
                     continue

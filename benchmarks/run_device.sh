@@ -307,6 +307,23 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/probe_timeline.py \
              --shapes ${TL_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096} --m ${TL_M:-1,8,16} \
              2>&1 | grep -v "^jitmarlin:" | tee "$OUT/timeline.log";;
+    flagab) # the GEMM table (6 shapes, M = 1 / 16, no peers) built with each of FLAGAB_FLAGS (words;
+           # "" = the default build first): kernel experiments behind macros, A/B in one run
+           S6=4096x4096,4096x28672,14336x4096,8192x8192,8192x28672,28672x8192
+           for f in "" ${FLAGAB_FLAGS:--DJM_NO_FIXUP}; do
+             tag=$(echo "$f" | tr -c 'A-Za-z0-9_\n' _)
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/bench_gemm.py --variants none --peers none \
+               --shapes ${FLAGAB_SHAPES:-$S6} --m ${FLAGAB_M:-1,16} --json "$OUT/flagab$tag.json" > "$OUT/flagab$tag.log" 2>&1
+             echo "== flagab [$f] rc=$?"; grep -E "^\| [0-9]" "$OUT/flagab$tag.log"
+           done;;
+    cluster) # session 11: cluster launches (units split along K inside 8-CTA clusters, DSMEM sums) vs
+           # the striped launch (JITMARLIN_CLUSTER=0), same run
+           S6=4096x4096,4096x28672,14336x4096,8192x8192,8192x28672,28672x8192
+           for env in "JITMARLIN_CLUSTER=1" "JITMARLIN_CLUSTER=0"; do
+             env $env timeout 150 python3 benchmarks/bench_gemm.py --variants none --peers none \
+               --shapes ${CL_SHAPES:-$S6} --m ${CL_M:-1,16} --json "$OUT/cluster_$env.json" > "$OUT/cluster_$env.log" 2>&1
+             echo "== cluster [$env] rc=$?"; grep -E "^\| [0-9]" "$OUT/cluster_$env.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

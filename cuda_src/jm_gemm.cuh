@@ -109,8 +109,24 @@ JM_DEVICE float half_to_float(uint32_t r, int hi) {
 }
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int M_BLOCKS, bool SWAP, int K_BLOCKS,
-          int STAGES, bool MOE, bool BULK, int KSPLIT, int DIRECT = 0>
+          int STAGES, bool MOE, bool BULK, int KSPLIT, int DIRECT = 0, int CLUSTER = 0>
 JM_DEVICE void gemm_body(const JmGemmParams p) {
+  // CLUSTER > 1 (dense bulk tiles, sm_90): launched in clusters of CLUSTER CTAs, each output unit
+  // split evenly along K across one cluster's CTAs and summed through distributed shared memory.
+  constexpr bool kCluster = CLUSTER > 1;
+  // Split units ending mid-run publish their partials without waiting and the producer warp
+  // arrives for them later; the unit's first CTA sums without storing its own partial when it
+  // finds the others arrived (finish_unit, kPublish / kDeferred). H200 session 11, same-run A/B
+  // against the plain protocol (-DJM_FIXUP_V0): the 8-row one-tile-ahead direct tile gains
+  // (8192x28672 / 28672x8192 M=1 35.2 -> 34.4, 36.6 -> 35.4 us), every other route measured
+  // 0.5-1.5 us slower with it compiled in (8192^2 M=16 19.0 -> 20.1), so only that tile has it.
+#if defined(JM_FIXUP_V0) || defined(JM_NO_FIXUP)
+  constexpr bool kEarlyPublish = false;
+#else
+  constexpr bool kEarlyPublish = BULK && !MOE && !kCluster && DIRECT == 1 && SWAP && M_BLOCKS == 1;
+#endif
+  static_assert(!kCluster || (BULK && !MOE && (CLUSTER == 2 || CLUSTER == 4 || CLUSTER == 8)),
+                "cluster tiles: dense bulk tiles, clusters of 2, 4 or 8");
   // DIRECT > 0 (experiment, session 6): the math warps load their own weight words straight from
   // global memory into registers, DIRECT tiles ahead (Marlin's layout gives each lane its
   // fragments in one 16-byte word per 16 k), and the producer warp brings only A and the scales.
@@ -126,6 +142,12 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   static_assert(STAGES >= 2, "at least two stages");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_last;
+  // bulk tiles: the split unit a CTA ends mid-run (kPublish below): its partials are stored
+  // (pub_bar, every math lane), the producer's arrival on the counter is done (done_bar), and
+  // whether that arrival was the unit's last (s_defer)
+  __shared__ __align__(8) uint64_t pub_bar;
+  __shared__ __align__(8) uint64_t done_bar;
+  __shared__ int s_defer;
 
   const int tid = threadIdx.x, lane = tid & 31, warp_id = tid >> 5;
 #ifdef JM_TIMELINE
@@ -454,27 +476,36 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   };
 
   // ---- a unit is complete in this CTA: fixup if split, then write C ----
-  auto finish_unit = [&](const Cursor& cur) {
-    if constexpr (KSPLIT > 1) {
-      // the k parts of each strip meet in shared memory, in a fixed order
-      float* red = reinterpret_cast<float*>(smem + STAGES * stage_bytes);
-      if (kpart > 0) {
-        float* dst = red + ((kpart - 1) * nwarps + warp) * (S::kAcc * 32) + lane;
+  // Modes: kFinish, the usual case; kPublish (bulk tiles only), a split unit that ends mid-run in
+  // a CTA that does not hold the unit's first tile: store the partial sums and go straight on, the
+  // producer warp arrives on the unit's counter for the CTA once its own work is issued (the math
+  // warps never wait for that round trip mid-run); kDeferred, at the end of the run when that
+  // arrival turned out to be the unit's last: sum the unit from the workspace and write it.
+  constexpr int kFinish = 0, kPublish = 1, kDeferred = 2;
+  auto finish_unit = [&](const Cursor& cur, const int mode) {
+    if (mode != kDeferred) {
+      if constexpr (KSPLIT > 1) {
+        // the k parts of each strip meet in shared memory, in a fixed order
+        float* red = reinterpret_cast<float*>(smem + STAGES * stage_bytes);
+        if (kpart > 0) {
+          float* dst = red + ((kpart - 1) * nwarps + warp) * (S::kAcc * 32) + lane;
 #pragma unroll
-        for (int i = 0; i < S::kAcc; i++) dst[i * 32] = acc[i];
-      }
-      math_sync();
-      if (kpart == 0) {
-#pragma unroll
-        for (int kp = 1; kp < KSPLIT; kp++) {
-          const float* src = red + ((kp - 1) * nwarps + warp) * (S::kAcc * 32) + lane;
-#pragma unroll
-          for (int i = 0; i < S::kAcc; i++) acc[i] += src[i * 32];
+          for (int i = 0; i < S::kAcc; i++) dst[i * 32] = acc[i];
         }
+        math_sync();
+        if (kpart == 0) {
+#pragma unroll
+          for (int kp = 1; kp < KSPLIT; kp++) {
+            const float* src = red + ((kp - 1) * nwarps + warp) * (S::kAcc * 32) + lane;
+#pragma unroll
+            for (int i = 0; i < S::kAcc; i++) acc[i] += src[i * 32];
+          }
+        }
+        math_sync();  // the exchange space is free again
       }
-      math_sync();  // the exchange space is free again
     }
     const bool owner = kpart == 0;  // the warp that writes its strip's results
+    int cslice = -1, clg = 0;       // cluster launch: this CTA writes accumulators i with i >> clg == cslice
     const int n_tile = cur.n_tile, m_tile = cur.m_tile;
     const int u = n_tile * m_tiles + m_tile;
     const int n0 = (n_tile * nwarps + warp) * 64;
@@ -482,15 +513,24 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     if constexpr (MOE) expert = __ldg(p.expert_ids + m_tile);
 
     if constexpr (!S::kGrouped) {  // per-channel scale, on fp32 before any sum across CTAs
-      const T* sp = static_cast<const T*>(p.s) + expert * p.s_expert_stride + n0;
+      if (mode != kDeferred) {
+        const T* sp = static_cast<const T*>(p.s) + expert * p.s_expert_stride + n0;
 #pragma unroll
-      for (int i = 0; i < S::kAcc; i++) acc[i] *= to_float<T>(sp[acc_col<SWAP>(i, g, t)]);
+        for (int i = 0; i < S::kAcc; i++) acc[i] *= to_float<T>(sp[acc_col<SWAP>(i, g, t)]);
+      }
     }
 
+#ifdef JM_NO_FIXUP  // timing bound only (wrong results): split units skip the fixup protocol
+    const int ctas = 1;
+#else
     const int ctas = unit_ctas(sch, u);
+#endif
     if (ctas > 1) {
-      // Split unit: every CTA stores its partial sums in a region of its own, the last to
-      // arrive adds them all up in CTA order. Fixed order: bit-identical results run to run.
+      // Split unit: every CTA's partial sums go to a workspace region of its own and are added
+      // up in CTA order (bit-identical results run to run) by the CTA that arrives last on the
+      // unit's counter, or (fast path) by the CTA holding the unit's first tile when it finds
+      // every other one already arrived: its own partial is the first summand, kept in
+      // registers, and it neither stores it nor arrives.
       const int first = unit_slot(sch, u);
       const int64_t region_floats = static_cast<int64_t>(nwarps) * 32 * S::kAcc;
       // a CTA has at most two split units, its first (region 0) and its last (region 1)
@@ -506,47 +546,128 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         const int r = SWAP ? 8 * (q >> 2) + 2 * t : (q >> 3) * 16 + g;
         return m_tile * S::kRows + r < p.m;
       };
-      if (owner) {
-        float* mine = region(blockIdx.x);
+      auto publish = [&]() {
+        if (owner) {
+          float* mine = region(blockIdx.x);
 #pragma unroll
-        for (int q = 0; q < S::kAcc / 4; q++)
-          if (live(q))
-            __stcg(reinterpret_cast<float4*>(mine + q * 128),
-                   make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
-      }
-      __threadfence();
-      math_sync();
-      if (tid == 0) s_last = atomicAdd(p.counters + first, 1) == ctas - 1;
-      math_sync();
-      if (!s_last || !owner) {
+          for (int q = 0; q < S::kAcc / 4; q++)
+            if (live(q))
+              __stcg(reinterpret_cast<float4*>(mine + q * 128),
+                     make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+        }
+      };
+      // acc += the partials of CTAs [from, first + ctas), in order; chunks of up to 32
+      // accumulators keep all loads of one CTA's chunk in flight together
+      auto add_regions = [&](int from) {
+        constexpr int kChunk = S::kAcc < 32 ? S::kAcc : 32;
 #pragma unroll
-        for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
-        return;
-      }
-      __threadfence();
-      if (tid == 0) p.counters[first] = 0;  // every other CTA of this unit has arrived
-      // Sum in chunks of up to 32 accumulators: all loads of one CTA's chunk are in flight together.
-      constexpr int kChunk = S::kAcc < 32 ? S::kAcc : 32;
+        for (int c0 = 0; c0 < S::kAcc; c0 += kChunk) {
+          for (int cta = from; cta < first + ctas; cta++) {
+            const float* src = region(cta);
+            float4 v[kChunk / 4];
 #pragma unroll
-      for (int c0 = 0; c0 < S::kAcc; c0 += kChunk) {
+            for (int q = 0; q < kChunk / 4; q++)
+              v[q] = live(c0 / 4 + q) ? __ldcg(reinterpret_cast<const float4*>(src + (c0 / 4 + q) * 128))
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int i = 0; i < kChunk; i++) acc[c0 + i] = 0.f;
-        for (int cta = first; cta < first + ctas; cta++) {
-          const float* src = region(cta);
-          float4 v[kChunk / 4];
-#pragma unroll
-          for (int q = 0; q < kChunk / 4; q++)
-            v[q] = live(c0 / 4 + q) ? __ldcg(reinterpret_cast<const float4*>(src + (c0 / 4 + q) * 128))
-                                    : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-          for (int q = 0; q < kChunk / 4; q++) {
-            acc[c0 + 4 * q] += v[q].x;
-            acc[c0 + 4 * q + 1] += v[q].y;
-            acc[c0 + 4 * q + 2] += v[q].z;
-            acc[c0 + 4 * q + 3] += v[q].w;
+            for (int q = 0; q < kChunk / 4; q++) {
+              acc[c0 + 4 * q] += v[q].x;
+              acc[c0 + 4 * q + 1] += v[q].y;
+              acc[c0 + 4 * q + 2] += v[q].z;
+              acc[c0 + 4 * q + 3] += v[q].w;
+            }
           }
         }
+      };
+      auto zero_acc = [&]() {
+#pragma unroll
+        for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
+      };
+
+      if constexpr (kCluster) {
+        // Cluster launch (bulk tiles, dense): the unit's CTAs are the cluster's, one k range each.
+        // Reduce-scatter through distributed shared memory: CTA j of the cluster owns accumulators
+        // [j * slice, (j + 1) * slice) of every thread, receives them from the others into its
+        // receive space, adds all in rank order (deterministic) and writes those outputs. Two
+        // cluster barrier phases instead of global-memory round trips.
+        const int rank = static_cast<int>(cluster_ctarank());
+        constexpr int slice = S::kAcc / CLUSTER;
+        constexpr int lg = slice == 2 ? 1 : slice == 4 ? 2 : slice == 8 ? 3 : slice == 16 ? 4 : slice == 32 ? 5 : 6;
+        static_assert(slice >= 2 && (1 << lg) == slice, "accumulator slices of a power of two");
+        float* cbuf = reinterpret_cast<float*>(smem + STAGES * stage_bytes + S::reduce_bytes(nwarps, KSPLIT));
+        // element i of a thread's slice, sent by CTA src to its owner (src != owner)
+        auto cidx = [&](int src, int owner_rank, int i) {
+          const int pos = src < owner_rank ? src : src - 1;
+          return ((pos * nwarps + warp) * slice + (i & (slice - 1))) * 32 + lane;
+        };
+        auto row_live = [&](int i) { return m_tile * S::kRows + acc_row<SWAP>(i, g, t) < p.m; };
+        cluster_wait();  // phase 0 (arrived at entry): every CTA of the cluster runs
+        if (owner) {
+#pragma unroll
+          for (int i = 0; i < S::kAcc; i++) {
+            const int j = i >> lg;
+            if (j != rank && row_live(i)) st_cluster_f32(smem_addr(cbuf + cidx(rank, j, i)), j, acc[i]);
+          }
+        }
+        cluster_arrive_release();
+        cluster_wait();  // phase 1: every slice has landed at its owner
+        if (owner) {
+#pragma unroll
+          for (int i = 0; i < S::kAcc; i++) {
+            if ((i >> lg) == rank && row_live(i)) {
+              float sum = 0.f;
+#pragma unroll
+              for (int r = 0; r < CLUSTER; r++) sum += r == rank ? acc[i] : cbuf[cidx(r, rank, i)];
+              acc[i] = sum;
+            }
+          }
+        }
+        cslice = rank;
+        clg = lg;
+      } else {
+      if (mode == kPublish) {
+        publish();
+        // every math lane arrives after its own stores: the producer's wait then orders all of
+        // them before its release of the counter (mbarrier arrive/wait: release/acquire, CTA)
+        if constexpr (BULK) mbar_arrive(&pub_bar);
+        zero_acc();
+        return;
       }
+      if (mode == kDeferred) {
+        __threadfence();  // the producer's arrival saw every other CTA's release
+        zero_acc();
+        add_regions(first);
+      } else {
+        bool fast = false;
+        // worth a look only when the unit's one other CTA ends it mid-run (its arrival then comes
+        // long before this CTA's end); CTAs that all end their runs in the unit arrive together
+        const bool fast_possible =
+            kEarlyPublish && ctas == 2 && (u + 1) * k_tiles < min(sch.total, (first + 2) * sch.iters);
+        if (fast_possible && static_cast<int>(blockIdx.x) == first) {
+          if (tid == 0) s_last = ld_acquire_gpu(p.counters + first) == ctas - 1;
+          math_sync();
+          fast = s_last;
+        }
+        if (fast) {
+          if (tid == 0) p.counters[first] = 0;  // every other CTA of this unit has arrived
+          add_regions(first + 1);
+        } else {
+          publish();
+          __threadfence();
+          math_sync();
+          if (tid == 0) s_last = atomicAdd(p.counters + first, 1) == ctas - 1;
+          math_sync();
+          if (!s_last || !owner) {
+            zero_acc();
+            return;
+          }
+          __threadfence();
+          if (tid == 0) p.counters[first] = 0;  // every other CTA of this unit has arrived
+          zero_acc();
+          add_regions(first);
+        }
+      }
+      }  // not a cluster launch
     }
 
     if (!owner) {
@@ -554,12 +675,14 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       for (int i = 0; i < S::kAcc; i++) acc[i] = 0.f;
       return;
     }
+
     T* cbase = static_cast<T*>(p.c);
     const T* bias = static_cast<const T*>(p.bias);
     // one output row per accumulator pair (normal) or element (SWAP)
     constexpr int kStep = SWAP ? 1 : 2;
 #pragma unroll
     for (int i = 0; i < S::kAcc; i += kStep) {
+      if (cslice >= 0 && (i >> clg) != cslice) continue;
       const int r = acc_row<SWAP>(i, g, t);
       const int col = n0 + acc_col<SWAP>(i, g, t);
       int out_row;
@@ -621,6 +744,8 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         mbar_init(&full_bar[s], kACp ? 33 : 1);
         mbar_init(&empty_bar[s], nmath);
       }
+      mbar_init(&pub_bar, 32 * nmath);
+      mbar_init(&done_bar, 1);
       mbar_fence_init();
     }
     // Activation rows a bulk copy never fills (rows past M) enter the MMA as zeros (the cp.async
@@ -634,6 +759,13 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     fence_proxy_async_smem();
     __syncthreads();
     griddep_launch_dependents();
+    if constexpr (kCluster) cluster_arrive_relaxed();  // phase 0 of the cluster reduction: this CTA runs
+    // The CTA's first unit, when it is split, ends before the run does and does not start in this
+    // run: its partials are published mid-run (kPublish) and the producer arrives for them.
+    const int u_first = begin / k_tiles;
+    const bool mid_split = kEarlyPublish && (u_first + 1) * k_tiles < end && unit_ctas(sch, u_first) > 1 &&
+                           unit_slot(sch, u_first) != static_cast<int>(blockIdx.x);
+    const int mid_end = mid_split ? (u_first + 1) * k_tiles - 1 - begin : -1;  // its last tile in the run
 
     if (warp_id == nmath) {  // the producer
       constexpr uint32_t kRowBytes = S::kTileK * 2;
@@ -770,6 +902,21 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         }
       }
       if constexpr (kACp) cp_async_wait_all();  // leave no cp.async of this thread in flight at exit
+      if (kEarlyPublish && mid_split) {  // arrive for the mid-run unit once the math warps have stored its partials
+        mbar_wait(&pub_bar, 0);
+        if (lane == 0) {
+          const int slot_cta = unit_slot(sch, u_first);
+#ifdef JM_TEST_LATE_ARRIVAL  // tests: arrive 30 us late, so that the unit's first CTA has arrived
+          for (const uint64_t t0 = globaltimer(); globaltimer() - t0 < 30000;) {  // and this one finishes it
+          }
+#endif
+          __threadfence();  // the partials (acquired through pub_bar) before the arrival
+          const bool last = atomicAdd(p.counters + slot_cta, 1) == unit_ctas(sch, u_first) - 1;
+          if (last) p.counters[slot_cta] = 0;  // every other CTA of the unit has arrived
+          s_defer = last;
+          mbar_arrive(&done_bar);
+        }
+      }
       return;
     }
 
@@ -827,7 +974,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       const uint64_t tl0 = globaltimer();
       if (tid == 0 && i == n_it - 1) JM_TL(3, tl0);
 #endif
-      if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
+      if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur, kEarlyPublish && i == mid_end ? kPublish : kFinish);
 #ifdef JM_TIMELINE
       tl_fix += globaltimer() - tl0;
 #endif
@@ -853,6 +1000,10 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       }
     } else {
       for (int i = 0; i < n_it; i++) step(i, nullptr, [] {});
+    }
+    if (kEarlyPublish && mid_split) {  // the producer's arrival for the mid-run unit was its last: finish it here
+      mbar_wait(&done_bar, 0);
+      if (s_defer) finish_unit(cursor_at(begin), kDeferred);
     }
 #ifdef JM_TIMELINE
     if (tid == 0) {
@@ -891,7 +1042,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       fslot = fslot == STAGES - 1 ? 0 : fslot + 1;
       compute_tile(cslot, nullptr);
       cslot = cslot == STAGES - 1 ? 0 : cslot + 1;
-      if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur);
+      if (ccur.kt == k_tiles - 1 || i == n_it - 1) finish_unit(ccur, kFinish);
       advance(ccur);
     }
   }
@@ -901,9 +1052,10 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 
 // One extern "C" kernel per template instantiation, so the launcher finds it by a plain name.
 #define JM_GEMM_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK,      \
-                       KSPLIT, MAX_THREADS, MIN_BLOCKS, DIRECT)                                                  \
+                       KSPLIT, MAX_THREADS, MIN_BLOCKS, DIRECT, CLUSTER)                                         \
   extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) NAME(const JmGemmParams p) {             \
-    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK, KSPLIT, DIRECT>(p); \
+    jm::gemm_body<T, BITS, HAS_ZP, GROUP_BLOCKS, M_BLOCKS, SWAP, K_BLOCKS, STAGES, MOE, BULK, KSPLIT, DIRECT,    \
+                  CLUSTER>(p);                                                                                   \
   }
 
 namespace jm {

@@ -216,6 +216,50 @@ JM_DEVICE void griddep_launch_dependents() {
 #endif
 }
 
+// Load with acquire semantics at GPU scope (PTX memory model): memory reads after it see what the
+// writer released before the value was stored.
+JM_DEVICE int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// ---- thread-block clusters (sm_90; PTX ISA: "barrier.cluster", "mapa", distributed shared memory) ----
+JM_DEVICE uint32_t cluster_ctarank() {
+  uint32_t r = 0;
+#if JM_HAS_BULK
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+// Arrive on the cluster barrier without ordering memory (every non-exited thread of the cluster
+// arrives once per phase; a thread may exit after arriving).
+JM_DEVICE void cluster_arrive_relaxed() {
+#if JM_HAS_BULK
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+// Arrive, releasing this thread's earlier writes (shared::cluster included) to the waiters.
+JM_DEVICE void cluster_arrive_release() {
+#if JM_HAS_BULK
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+// Wait for the current phase to complete, acquiring what the arriving threads released.
+JM_DEVICE void cluster_wait() {
+#if JM_HAS_BULK
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// Store v at this CTA's shared address `addr` as seen in cluster CTA `rank` (its shared memory).
+JM_DEVICE void st_cluster_f32(uint32_t addr, uint32_t rank, float v) {
+#if JM_HAS_BULK
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
+#endif
+}
+
 // Diagnostics (-DJM_TIMELINE, benchmarks/probe_timeline.py): the GPU-wide nanosecond timer and
 // the SM a CTA runs on.
 JM_DEVICE uint64_t globaltimer() {

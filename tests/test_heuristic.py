@@ -339,3 +339,37 @@ def test_sm90_moe_expert_gemms_take_the_large_routes():
     sm80 = SMEM["sm_80"]
     u8 = K.Family("f16", 8, False, 128)
     assert select_plan(8, 4096, 14336, moe, sm80, (8, 0)) == select_plan(8, 4096, 14336, u8, sm80, (8, 0))
+
+
+def test_cluster_choice():
+    """Where a cluster launch replaces the striped one (gemm.choose_cluster, a pure function given
+    how many clusters the device runs at once): 4-bit, M <= 8, the k-split ring in clusters of 8
+    at the plan's warps or half, when units x 8 fill >= 90% of the striped grid, K tiles split
+    evenly and all clusters fit at once; never for 16-row tiles, 8-bit or MoE families."""
+    from jitmarlin.ops import gemm as G
+
+    fam = K.Family("f16", 4, False, 128)
+    h200 = lambda plan: {4: 15, 2: 45}[plan.nwarps]  # noqa: E731 - clusters at once, measured
+
+    def plan_for(m, n, k, f=fam):
+        return select_plan(m, n, k, f, SMEM["sm_90"], (9, 0))
+
+    # 4096^2 M=1: the striped k-split ring runs 132 CTAs; in clusters 16 units of 4 warps need 16
+    # clusters (15 fit), 32 units of 2 warps need 32 (45 fit)
+    got = G.choose_cluster(plan_for(1, 4096, 4096), 1, 4096, 4096, fam, 132, h200)
+    assert got is not None and got.tile == G.CLUSTER_TILE and got.nwarps == 2
+    assert got.smem == K.smem_bytes(fam, got.tile, 2) == K.smem_bytes(fam, K.Tile(1, True, 8, 6, True, 2), 2) + 7 * 2 * 32 * 2 * 4
+    assert G.cluster_grid(got, 1, 4096, 4096) == 256
+    half = G.choose_cluster(plan_for(8, 4096, 14336), 8, 4096, 14336, fam, 264, h200)
+    assert half is not None and half.nwarps == 2 and G.cluster_grid(half, 8, 4096, 14336) == 256
+    # too many clusters (8192^2), too few CTAs, K tiles not a multiple of 8 (11008 / 128 = 86)
+    assert G.choose_cluster(plan_for(1, 8192, 8192), 1, 8192, 8192, fam, 264, h200) is None
+    assert G.choose_cluster(plan_for(1, 4096, 4096), 1, 4096, 4096, fam, 396, lambda p: 64) is None
+    assert G.choose_cluster(plan_for(1, 4096, 11008), 1, 4096, 11008, fam, 264, h200) is None
+    assert G.choose_cluster(plan_for(1, 28672, 8192), 1, 28672, 8192, fam, 396, h200) is None
+    # 16-row tiles, 8-bit weights, MoE families: none
+    assert G.choose_cluster(plan_for(16, 4096, 4096), 16, 4096, 4096, fam, 132, h200) is None
+    fam8 = K.Family("f16", 8, False, 128)
+    assert G.choose_cluster(plan_for(1, 4096, 4096, fam8), 1, 4096, 4096, fam8, 132, h200) is None
+    assert not K.tile_fits(K.Family("f16", 4, False, 128, moe=True), G.CLUSTER_TILE)
+    assert G.cluster_twin(K.Tile(1, False, 8, 6)) is None

@@ -169,7 +169,7 @@ def test_prepare_launch_takes_the_table_only_when_asked(cache_dir, monkeypatch):
 
     T.save_table(T.tune(INFO, timer, [(4096, 4096)], [1, 64]), INFO)
     monkeypatch.setattr(G, "device_info", lambda index: INFO)
-    monkeypatch.setattr(G, "_make_launch", lambda plan, rows, n, k, fam, index: plan)
+    monkeypatch.setattr(G, "_make_launch", lambda plan, rows, n, k, fam, index, allow_cluster=False: plan)
     G.prepare_launch.cache_clear()
     try:
         for m in (1, 64):

@@ -24,6 +24,7 @@ _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes padding, a 64-byte value union
@@ -76,6 +77,9 @@ def _cuda():
                 if hasattr(lib, "cuLaunchKernelEx"):  # CUDA >= 11.8 drivers
                     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), vp, pp, pp]
                     lib.cuLaunchKernelEx.restype = ctypes.c_int
+                if hasattr(lib, "cuOccupancyMaxActiveClusters"):
+                    lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(i), vp, ctypes.POINTER(_LaunchConfig)]
+                    lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
                 _check(lib, lib.cuInit(0), "cuInit")
                 if hasattr(lib, "cuLaunchKernelEx"):
                     global _PDL_ATTR
@@ -85,6 +89,22 @@ def _cuda():
                     _PDL_ATTR = ctypes.pointer(attr)  # read-only after this, shared by every launch
                 _lib = lib
     return _lib
+
+
+def _launch_attrs(pdl: bool, cluster: int):
+    """(pointer to an array of CUlaunchAttribute, count) for cuLaunchKernelEx."""
+    attrs = (_LaunchAttribute * 2)()
+    count = 0
+    if pdl:
+        attrs[count].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[count].value[0] = 1
+        count += 1
+    if cluster > 1:  # CUlaunchAttributeValue.clusterDim = {x, y, z}: three uint32 (little-endian)
+        attrs[count].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attrs[count].value[0] = cluster | (1 << 32)
+        attrs[count].value[1] = 1
+        count += 1
+    return ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), count, attrs
 
 
 def _check(lib, res: int, what: str) -> None:
@@ -183,11 +203,31 @@ class Function:
             n = self._occ[key] = v.value
         return n
 
+    def max_active_clusters(self, threads: int, smem: int, cluster: int) -> int:
+        """Clusters of `cluster` CTAs of this kernel that can run on the device at once (0 when the
+        driver cannot tell: no cluster launch then)."""
+        key = (threads, smem, -cluster)
+        n = self._occ.get(key)
+        if n is None:
+            lib = _cuda()
+            n = 0
+            if hasattr(lib, "cuOccupancyMaxActiveClusters"):
+                ptr, count, keep = _launch_attrs(False, cluster)
+                cfg = _LaunchConfig(cluster, 1, 1, threads, 1, 1, smem, None, ptr, count)
+                v = ctypes.c_int()
+                with self.dev:
+                    res = lib.cuOccupancyMaxActiveClusters(ctypes.byref(v), self.handle, ctypes.byref(cfg))
+                n = v.value if res == 0 else 0
+                del keep
+            self._occ[key] = n
+        return n
+
     def launch(self, grid: int, threads: int, smem: int, stream: int, params: ctypes.Structure,
-               pdl: bool = False) -> None:
+               pdl: bool = False, cluster: int = 0) -> None:
         """Launch on `stream`. pdl: allow programmatic dependent launch (sm_90): the kernel may
         start while the previous one in the stream finishes; it must call griddepcontrol.wait
-        before reading anything that kernel wrote (ours do)."""
+        before reading anything that kernel wrote (ours do). cluster > 1: in thread-block clusters
+        of that many CTAs (sm_90; grid a multiple of it)."""
         lib = _cuda()
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         # the device's primary context is current already unless another device's is (cuda:1
@@ -198,7 +238,12 @@ class Function:
         if pushed:
             _check(lib, lib.cuCtxPushCurrent_v2(self.dev.ctx), "cuCtxPushCurrent")
         try:
-            if pdl and _PDL_ATTR is not None:
+            if cluster > 1:
+                ptr, count, keep = _launch_attrs(pdl and _PDL_ATTR is not None, cluster)
+                cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, stream, ptr, count)
+                res = lib.cuLaunchKernelEx(ctypes.byref(cfg), self.handle, args, None)
+                del keep
+            elif pdl and _PDL_ATTR is not None:
                 cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, stream, _PDL_ATTR, 1)
                 res = lib.cuLaunchKernelEx(ctypes.byref(cfg), self.handle, args, None)
             else:

@@ -83,6 +83,10 @@ class Tile:
     # tag _oN: N CTAs per SM at 4 math warps — the launch bounds cap the registers for it (bulk
     # tiles; built in for 4-bit MoE: w8_k128_s6_bk_dr1_o3, w16_k128_s3_bk_o3)
     occ: int = 0
+    # tag _clN (dense bulk tiles, sm_90): launched in clusters of N CTAs (2, 4 or 8), each output
+    # unit split evenly along K across one cluster and summed through distributed shared memory
+    # instead of the striped global-memory fixup (gemm.cluster_launch decides when)
+    cluster: int = 0
 
     @property
     def rows(self) -> int:
@@ -121,20 +125,20 @@ class Tile:
         m = f"w{8 * self.m_blocks}" if self.swap else f"m{self.m_blocks}"
         return (f"{m}_k{self.tile_k}_s{self.stages}" + ("_bk" if self.bulk else "")
                 + (f"_ks{self.ksplit}" if self.ksplit > 1 else "") + (f"_dr{self.direct}" if self.direct else "")
-                + (f"_o{self.occ}" if self.occ else ""))
+                + (f"_o{self.occ}" if self.occ else "") + (f"_cl{self.cluster}" if self.cluster else ""))
 
     @classmethod
     def from_tag(cls, tag: str) -> "Tile":
         """The inverse of tag(): "w16_k128_s5_bk" -> Tile(2, True, 8, 5, True) (for experiments
         with tiles outside the built-in lists, e.g. benchmarks/probe_configs.py --extra-tiles)."""
-        m = re.fullmatch(r"(w|m)(\d+)_k(\d+)_s(\d+)(_bk)?(?:_ks(\d+))?(?:_dr(\d+))?(?:_o(\d+))?", tag)
+        m = re.fullmatch(r"(w|m)(\d+)_k(\d+)_s(\d+)(_bk)?(?:_ks(\d+))?(?:_dr(\d+))?(?:_o(\d+))?(?:_cl(\d+))?", tag)
         if m is None:
             raise ValueError(f"not a tile tag: {tag!r} (expected e.g. w8_k128_s6_bk, m1_k128_s4, w16_k128_s4_bk_ks2)")
         swap, rows, tile_k = m.group(1) == "w", int(m.group(2)), int(m.group(3))
         if (swap and rows % 8) or tile_k % 16:
             raise ValueError(f"tile tag {tag!r}: w<rows> needs a multiple of 8 rows, k a multiple of 16")
         return cls(rows // 8 if swap else rows, swap, tile_k // 16, int(m.group(4)), m.group(5) is not None,
-                   int(m.group(6) or 1), int(m.group(7) or 0), int(m.group(8) or 0))
+                   int(m.group(6) or 1), int(m.group(7) or 0), int(m.group(8) or 0), int(m.group(9) or 0))
 
 
 # Compiled in every family. Chosen from the tuning sweep in benchmarks/ (see NOTES.md).
@@ -159,6 +163,10 @@ BULK_TILES: tuple[Tile, ...] = (
     # 4-bit MoE only (tile_fits): three CTAs per SM (H200, session 10: Mixtral 1 / 16 tokens -5 / -9%,
     # 32 tokens -17%; benchmarks/NOTES.md "three CTAs per SM")
     Tile(1, True, 8, 6, True, direct=1, occ=3), Tile(2, True, 8, 3, True, occ=3),
+    # dense 4-bit M <= 8: the k-split ring in clusters of 8 CTAs, each output unit split along K
+    # across one cluster (gemm.choose_cluster; H200 session 11: 4096^2 8.6 -> 7.2 us, 14336x4096
+    # 15.8 -> 14.8; the direct-load tiles and the 16-row tile in cluster form measured no gain)
+    Tile(1, True, 8, 6, True, 2, cluster=8),
 )
 
 
@@ -179,7 +187,7 @@ def kernel_source(fam: Family, tile: Tile) -> str:
         f"{'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {tile.m_blocks}, "
         f"{'true' if tile.swap else 'false'}, {tile.k_blocks}, {tile.stages}, "
         f"{'true' if fam.moe else 'false'}, {'true' if tile.bulk else 'false'}, {tile.ksplit}, {tile.max_threads}, "
-        f"{tile.min_blocks}, {tile.direct})\n")
+        f"{tile.min_blocks}, {tile.direct}, {tile.cluster})\n")
 
 
 def dequant_kernel_name(fam: Family) -> str:
@@ -367,7 +375,15 @@ def reduce_bytes(tile: Tile, nwarps: int) -> int:
 
 
 def smem_bytes(fam: Family, tile: Tile, nwarps: int) -> int:
-    return tile.stages * stage_bytes(fam, tile, nwarps) + reduce_bytes(tile, nwarps)
+    return tile.stages * stage_bytes(fam, tile, nwarps) + reduce_bytes(tile, nwarps) + cluster_bytes(tile, nwarps)
+
+
+def cluster_bytes(tile: Tile, nwarps: int) -> int:
+    """Receive space of a cluster tile (jm_gemm.cuh, "Cluster launch"): each CTA owns 1/cluster of
+    every thread's accumulators and receives that slice from the cluster's other CTAs."""
+    if tile.cluster <= 1:
+        return 0
+    return (tile.cluster - 1) * nwarps * 32 * (tile.acc // tile.cluster) * 4
 
 
 def tile_fits(fam: Family, tile: Tile) -> bool:
@@ -377,6 +393,8 @@ def tile_fits(fam: Family, tile: Tile) -> bool:
     (8-bit spills under their 128-register cap; dense problems measured slower on them, NOTES.md
     session 10), where the direct-load tile is built in that form only."""
     if tile.occ and not (fam.moe and fam.bits == 4):
+        return False
+    if tile.cluster and (fam.moe or not tile.bulk or tile.cluster not in (2, 4, 8) or tile.acc // tile.cluster < 2):
         return False
     if tile.direct and ((fam.moe and not tile.occ) or (fam.bits == 8 and (tile.direct > 1 or tile.rows > 8))):
         return False

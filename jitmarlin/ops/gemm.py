@@ -274,15 +274,97 @@ class Launch:
         return self.plan.tile.threads(self.plan.nwarps)
 
 
-def _make_launch(plan: Plan, rows: int, n: int, k: int, fam: Family, index: int) -> Launch:
+def _make_launch(plan: Plan, rows: int, n: int, k: int, fam: Family, index: int,
+                 allow_cluster: bool = False) -> Launch:
+    """The launch of `plan`; with allow_cluster (the planner's own choices, not overrides) the
+    plan's cluster twin replaces it where choose_cluster takes it."""
     fn = K.get_kernel(fam, plan.tile, index, _cc(index))
     threads = plan.tile.threads(plan.nwarps)
     occ = fn.occupancy(threads, plan.smem)
     if occ < 1:
         raise RuntimeError(f"kernel {fn.name} cannot run one CTA of {threads} threads with {plan.smem} B "
                            f"shared memory on cuda:{index} ({fn.num_regs} registers per thread)")
+    if plan.tile.cluster:  # an explicit cluster tile: one cluster per unit, all at once
+        grid = cluster_grid(plan, rows, n, k)
+        c = plan.tile.cluster
+        if grid == 0 or grid > c * fn.max_active_clusters(threads, plan.smem, c):
+            raise ValueError(f"{plan.tile.tag()} with {plan.nwarps} warps cannot run M={rows}, N={n}, K={k} on "
+                             f"cuda:{index}: K/{plan.tile.tile_k} must be a multiple of {c} and every unit's "
+                             f"cluster must fit on the device at once")
+        return Launch(fn, plan, grid, 0, pdl=use_pdl(_cc(index)))
     grid = grid_size(plan, rows, n, k, driver.device(index).sm_count, occ)
+    if allow_cluster and cluster_launches_allowed(_cc(index)):
+        smem_limit = device_info(index).smem_per_block
+
+        def max_clusters(p: Plan) -> int:
+            if p.smem > smem_limit or not K.tile_fits(fam, p.tile):
+                return 0
+            f = K.get_kernel(fam, p.tile, index, _cc(index))
+            return f.max_active_clusters(p.tile.threads(p.nwarps), p.smem, p.tile.cluster)
+
+        twin = choose_cluster(plan, rows, n, k, fam, grid, max_clusters)
+        if twin is not None:
+            return _make_launch(twin, rows, n, k, fam, index)
     return Launch(fn, plan, grid, K.workspace_floats(grid, plan.nwarps, plan.tile), pdl=use_pdl(_cc(index)))
+
+
+# ---- cluster launches: each output unit split along K across the CTAs of one cluster ----
+# The striped split sums a unit's partial sums through global memory: a store, a fence, an atomic
+# and the last CTA's loads, several microseconds at the end of every launch where all CTAs finish
+# together (H200 session 11, timing with the fixup left out: 8192^2 M=1 14.7 -> 11.5 us, 14336x4096
+# 15.3 -> 10.4, 4096^2 8.7 -> 6.1). Where the units times a cluster size fill the GPU about as well
+# as the striped grid, a cluster tile reduces through distributed shared memory instead.
+CLUSTER_MIN_FILL = 0.9  # cluster grid / striped grid
+
+
+def cluster_launches_allowed(cc: tuple[int, int]) -> bool:
+    """sm_90 and newer, unless JITMARLIN_CLUSTER=0 (read once, K.env_flag)."""
+    return cc >= (9, 0) and K.env_flag("JITMARLIN_CLUSTER", default=True)
+
+
+def cluster_grid(plan: Plan, rows: int, n: int, k: int) -> int:
+    """CTAs of a cluster launch of `plan` (a cluster tile): units x cluster size, or 0 when the k
+    tiles do not split evenly across a cluster."""
+    c = plan.tile.cluster
+    k_tiles = k // plan.tile.tile_k
+    if c <= 1 or k_tiles % c:
+        return 0
+    return (n // (64 * plan.nwarps)) * -(-rows // plan.tile.rows) * c
+
+
+CLUSTER_TILE = Tile(1, True, 8, 6, True, 2, cluster=8)  # the k-split ring, clusters of 8
+
+
+def cluster_twin(tile: Tile) -> Tile | None:
+    """The cluster tile that may replace an 8-row bulk tile (M <= 8), or None."""
+    if not (tile.bulk and tile.swap and tile.m_blocks == 1) or tile.cluster or CLUSTER_TILE not in K.BULK_TILES:
+        return None
+    return CLUSTER_TILE
+
+
+def choose_cluster(plan: Plan, rows: int, n: int, k: int, fam: Family, striped_grid: int,
+                   max_clusters) -> Plan | None:
+    """The cluster plan replacing `plan` (4-bit, M <= 8: CLUSTER_TILE at the plan's warps per CTA or
+    half), or None: its k tiles split evenly over a cluster, all its clusters fit at once
+    (max_clusters(plan) -> clusters of it the device runs together, 0 if it cannot run) and it
+    launches at least CLUSTER_MIN_FILL of the striped grid. Pure given max_clusters (CPU-tested).
+    H200, session 11 (probe_configs.py, M=1, us): 4096^2 8.6 (striped k-split ring) -> 7.2 at 2
+    warps; 14336x4096 15.8 (direct-load tile) -> 14.8 at 2 warps; the cases it turns down were slower
+    or did not fit (8192^2: 32 clusters needed, 15 / 30 run at once)."""
+    twin = cluster_twin(plan.tile)
+    if twin is None or fam.bits != 4 or not K.tile_fits(fam, twin):
+        return None
+    strips = n // 64
+    for nw in (plan.nwarps, plan.nwarps // 2):
+        if nw < 1 or strips % nw:
+            continue
+        cand = Plan(twin, nw, K.smem_bytes(fam, twin, nw))
+        grid = cluster_grid(cand, rows, n, k)
+        if grid == 0 or grid < CLUSTER_MIN_FILL * striped_grid:
+            continue
+        if grid <= twin.cluster * max_clusters(cand):
+            return cand
+    return None
 
 
 def use_pdl(cc: tuple[int, int]) -> bool:
@@ -311,7 +393,8 @@ def prepare_launch(m: int, rows: int, n: int, k: int, fam: Family, index: int, t
     info = device_info(index)
     first = tuning.tuned_choice(info, m, n, k) if tuned else None
     plan = select_plan(m, n, k, fam, info.smem_per_block, info.cc, first=first, experts=experts)
-    return _make_launch(plan, rows, n, k, fam, index)
+    # a choice measured by `jitmarlin tune` is launched as measured (no cluster form in its place)
+    return _make_launch(plan, rows, n, k, fam, index, allow_cluster=not fam.moe and first is None)
 
 
 def launch_params(launch: Launch, ws: Workspace, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
@@ -541,20 +624,23 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     else:  # used by the tuning sweep; a third element sets the grid (experiments: probe_configs -gN),
         # fewer CTAs than fit or more (a second wave), at most one per tile
         tile, nwarps = plan_override[:2]
+        if tile not in K.tiles_for(_cc(index)):
+            raise ValueError(f"tile {tile.tag()} is not built for sm_{_cc(index)[0]}{_cc(index)[1]} (not in "
+                             "jitmarlin.ops._kernels.TILES / BULK_TILES; probe_configs.py --extra-tiles adds tiles)")
         if not K.tile_fits(fam, tile):
             raise ValueError(f"tile {tile.tag()} is not built for {fam} (tile_fits: the direct-load tiles are "
                              "dense 8-row / 4-bit 16-row ones and 4-bit MoE three-CTA ones, 8-bit weights one "
                              "tile ahead and 8 rows only; the k tile must suit the group size)")
         plan = Plan(tile, nwarps, K.smem_bytes(fam, tile, nwarps))
         launch = _make_launch(plan, m, n, k, fam, index)
-        if len(plan_override) > 2 and plan_override[2] > 0:
+        if len(plan_override) > 2 and plan_override[2] > 0 and not tile.cluster:
             grid = min(plan_override[2], tile_count(plan, m, n, k))
             launch = dataclasses.replace(launch, grid=grid, ws_floats=K.workspace_floats(grid, nwarps, tile))
     ws = workspace if workspace is not None else K.default_workspace(a.device)
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
     p.bias = bias.data_ptr() if bias is not None else None
     launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
-                     pdl=launch.pdl)
+                     pdl=launch.pdl, cluster=launch.plan.tile.cluster)
 
 
 # ---- the custom op (torch.compile and CUDA graphs see one opaque op) ----

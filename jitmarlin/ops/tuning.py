@@ -86,6 +86,8 @@ def candidates(m: int, n: int, k: int, info: DeviceInfo, fam: K.Family) -> list[
     for tile in K.tiles_for(info.cc):
         if tile.rows != rows or k % tile.tile_k or not K.tile_fits(fam, tile):
             continue
+        if tile.cluster:  # cluster forms replace a plan's tile at launch time (gemm.choose_cluster)
+            continue
         for w in WARPS:
             if w > tile.max_warps or (n // 64) % w:
                 continue

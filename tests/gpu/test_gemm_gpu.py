@@ -76,6 +76,8 @@ def _all_overrides():
 def test_every_tile_config(override):
     """Every compiled tile config and CTA width, not only the heuristic's choice."""
     tile, nw = override
+    if tile.cluster:
+        pytest.skip("cluster tiles run one cluster per output unit: test_cluster_launches")
     k, n = 1024, 1024 * 3  # N/64 = 48 strips: divisible by 1, 2, 4, 8, 16
     packed, w = random_weights(k, n, 4, 128)
     fam = K.Family("f16", 4, False, 128)
@@ -111,6 +113,45 @@ def test_deterministic():
         first = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
         for _ in range(5):
             assert torch.equal(jitmarlin.marlin_gemm(a, packed.b, packed.scales), first), f"M={m}"
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["usual", "late_arrival"])
+def test_split_unit_fixup_paths(monkeypatch, late):
+    """Every way a split unit gets summed on bulk tiles. The 8-row one-tile-ahead direct tile
+    (jm_gemm.cuh kEarlyPublish): the unit's first CTA finding all others arrived (fast path) or
+    arriving itself, a CTA whose unit ends mid-run having its producer warp arrive for it -- with
+    -DJM_TEST_LATE_ARRIVAL that arrival comes 30 us late, after the first CTA's, so the mid-run
+    CTA sums the unit at the end of its run (the deferred path); the other tiles: the plain
+    protocol (store, fence, arrive, the last sums). Output vs the reference, poisoned output,
+    counters back to zero, deterministic."""
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("bulk-copy tiles are built for sm_90 and newer only")
+    if late:
+        monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", "-DJM_TEST_LATE_ARRIVAL")
+    fam = K.Family("f16", 4, False, 128)
+    # shapes whose striping leaves CTAs ending a split unit mid-run at 1, 2 or 3 CTAs per SM
+    for (k, n), tag, nw in [((4096, 8704), "w8_k128_s6_bk_dr1", 4), ((7168, 5120), "w8_k128_s6_bk_ks2", 4),
+                            ((4096, 9216), "w16_k128_s5_bk", 4), ((2048, 8704), "w16_k128_s6_bk_dr1", 2)]:
+        packed, w = random_weights(k, n, 4, 128)
+        tile = K.Tile.from_tag(tag)
+        assert K.tile_fits(fam, tile), tag
+        for m in (1, 5, 16):
+            if m > tile.rows:
+                continue
+            plan = G.Plan(tile, nw, K.smem_bytes(fam, tile, nw))
+            grid = G._make_launch(plan, m, n, k, fam, 0).grid
+            k_tiles = k // tile.tile_k
+            total = G.tile_count(plan, m, n, k)
+            iters = -(-total // grid)
+            # CTAs whose first unit is split, not started by them, and ends before their run does
+            mid = [c for c in range(grid) if c * iters % k_tiles and (c * iters // k_tiles + 1) * k_tiles
+                   < min(total, (c + 1) * iters)]
+            assert mid, f"{tag} {k}x{n} M={m}: no CTA ends a split unit mid-run (grid {grid}, {iters} tiles each)"
+            a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            out = run_poisoned(a, packed, override=(tile, nw))
+            check_close(out, a.float() @ w, 1e-3, f"{tag} {k}x{n} M={m} late={late}")
+            assert torch.equal(run_poisoned(a, packed, override=(tile, nw)), out), f"{tag} M={m}: not deterministic"
+        assert_workspace_clean()
 
 
 def test_bias_and_leading_dims():
@@ -279,3 +320,68 @@ def test_bad_act_order_is_refused_not_a_crash():
     with pytest.raises(ValueError, match="permutation"):
         jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=dup)
     torch.cuda.synchronize()  # no illegal-address error pending
+
+
+CLUSTER_CASES = [(4096, 4096, (1, 3, 8)), (14336, 4096, (1, 5, 8))]
+
+
+@pytest.mark.parametrize("k,n,ms", CLUSTER_CASES, ids=[f"{k}x{n}" for k, n, _ in CLUSTER_CASES])
+def test_cluster_launches(k, n, ms):
+    """Mid-size problems at M <= 8 take the cluster tile (each unit split along K across 8 CTAs of
+    a cluster, summed through distributed shared memory; gemm.choose_cluster): the planner picks
+    it on the H200, the output matches the reference (poisoned before), a repeat is bit-identical,
+    and a CUDA graph replay equals the eager call."""
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("cluster tiles are built for sm_90 and newer only")
+    fam = K.Family("f16", 4, False, 128)
+    packed, w = random_weights(k, n, 4, 128)
+    for m in ms:
+        launch = G.prepare_launch(m, m, n, k, fam, 0)
+        assert launch.plan.tile.cluster == 8, f"{k}x{n} M={m}: {launch.plan} is not a cluster launch"
+        assert launch.grid % 8 == 0
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        out = run_poisoned(a, packed)
+        check_close(out, a.float() @ w, 1e-3, f"cluster {k}x{n} M={m}")
+        assert torch.equal(run_poisoned(a, packed), out), f"{k}x{n} M={m}: not deterministic"
+        static_out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            G.launch_gemm(a, packed.b, packed.scales, None, None, static_out, m, n, k, fam)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, out), f"{k}x{n} M={m}: graph replay differs"
+    assert_workspace_clean()
+
+
+def test_cluster_switch_and_explicit_tiles(monkeypatch):
+    """JITMARLIN_CLUSTER=0 keeps the striped launch; a cluster tile named as an override runs
+    (every cluster form, bias and per-channel scales included) or, where its clusters cannot all
+    run at once or K does not split evenly, is a clear ValueError."""
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("cluster tiles are built for sm_90 and newer only")
+    k, n = 4096, 4096
+    fam = K.Family("f16", 4, False, 128)
+    monkeypatch.setenv("JITMARLIN_CLUSTER", "0")
+    K.env_flag.cache_clear()
+    G.prepare_launch.cache_clear()
+    try:
+        assert G.prepare_launch(1, 1, n, k, fam, 0).plan.tile.cluster == 0
+    finally:
+        monkeypatch.delenv("JITMARLIN_CLUSTER")
+        K.env_flag.cache_clear()
+        G.prepare_launch.cache_clear()
+    for group in (128, -1):
+        packed, w = random_weights(4096, 2048, 4, group)
+        bias = torch.randn(2048, device="cuda", dtype=torch.float16)
+        for tile in [t for t in K.BULK_TILES if t.cluster]:
+            for m in (1, tile.rows):
+                a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+                out = run_poisoned(a, packed, bias=bias, override=(tile, 2))
+                check_close(out, a.float() @ w + bias.float(), 1e-3, f"{tile.tag()} g={group} M={m}")
+    packed, _ = random_weights(1152, 2048, 4, 128)  # 9 k tiles: not a multiple of 8
+    a = torch.randn(1, 1152, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="must be a multiple of 8"):
+        run_poisoned(a, packed, override=(G.CLUSTER_TILE, 2))
+    with pytest.raises(ValueError, match="is not built"):  # a cluster form the build does not hold
+        run_poisoned(a, packed, override=(K.Tile.from_tag("w8_k128_s6_bk_dr2_cl8"), 2))
+    assert_workspace_clean()
