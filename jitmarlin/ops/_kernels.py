@@ -394,7 +394,8 @@ def tile_fits(fam: Family, tile: Tile) -> bool:
     session 10), where the direct-load tile is built in that form only."""
     if tile.occ and not (fam.moe and fam.bits == 4):
         return False
-    if tile.cluster and (fam.moe or not tile.bulk or tile.cluster not in (2, 4, 8) or tile.acc // tile.cluster < 2):
+    if tile.cluster and (fam.moe or fam.bits != 4 or not tile.bulk or tile.cluster not in (2, 4, 8)
+                         or tile.acc // tile.cluster < 2):  # routed for 4-bit dense only (gemm.choose_cluster)
         return False
     if tile.direct and ((fam.moe and not tile.occ) or (fam.bits == 8 and (tile.direct > 1 or tile.rows > 8))):
         return False
