@@ -625,48 +625,48 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
         cslice = rank;
         clg = lg;
       } else {
-      if (mode == kPublish) {
-        publish();
-        // every math lane arrives after its own stores: the producer's wait then orders all of
-        // them before its release of the counter (mbarrier arrive/wait: release/acquire, CTA)
-        if constexpr (BULK) mbar_arrive(&pub_bar);
-        zero_acc();
-        return;
-      }
-      if (mode == kDeferred) {
-        __threadfence();  // the producer's arrival saw every other CTA's release
-        zero_acc();
-        add_regions(first);
-      } else {
-        bool fast = false;
-        // worth a look only when the unit's one other CTA ends it mid-run (its arrival then comes
-        // long before this CTA's end); CTAs that all end their runs in the unit arrive together
-        const bool fast_possible =
-            kEarlyPublish && ctas == 2 && (u + 1) * k_tiles < min(sch.total, (first + 2) * sch.iters);
-        if (fast_possible && static_cast<int>(blockIdx.x) == first) {
-          if (tid == 0) s_last = ld_acquire_gpu(p.counters + first) == ctas - 1;
-          math_sync();
-          fast = s_last;
-        }
-        if (fast) {
-          if (tid == 0) p.counters[first] = 0;  // every other CTA of this unit has arrived
-          add_regions(first + 1);
-        } else {
+        if (mode == kPublish) {
           publish();
-          __threadfence();
-          math_sync();
-          if (tid == 0) s_last = atomicAdd(p.counters + first, 1) == ctas - 1;
-          math_sync();
-          if (!s_last || !owner) {
-            zero_acc();
-            return;
-          }
-          __threadfence();
-          if (tid == 0) p.counters[first] = 0;  // every other CTA of this unit has arrived
+          // every math lane arrives after its own stores: the producer's wait then orders all of
+          // them before its release of the counter (mbarrier arrive/wait: release/acquire, CTA)
+          if constexpr (BULK) mbar_arrive(&pub_bar);
+          zero_acc();
+          return;
+        }
+        if (mode == kDeferred) {
+          __threadfence();  // the producer's arrival saw every other CTA's release
           zero_acc();
           add_regions(first);
+        } else {
+          bool fast = false;
+          // worth a look only when the unit's one other CTA ends it mid-run (its arrival then comes
+          // long before this CTA's end); CTAs that all end their runs in the unit arrive together
+          const bool fast_possible =
+              kEarlyPublish && ctas == 2 && (u + 1) * k_tiles < min(sch.total, (first + 2) * sch.iters);
+          if (fast_possible && static_cast<int>(blockIdx.x) == first) {
+            if (tid == 0) s_last = ld_acquire_gpu(p.counters + first) == ctas - 1;
+            math_sync();
+            fast = s_last;
+          }
+          if (fast) {
+            if (tid == 0) p.counters[first] = 0;  // every other CTA of this unit has arrived
+            add_regions(first + 1);
+          } else {
+            publish();
+            __threadfence();
+            math_sync();
+            if (tid == 0) s_last = atomicAdd(p.counters + first, 1) == ctas - 1;
+            math_sync();
+            if (!s_last || !owner) {
+              zero_acc();
+              return;
+            }
+            __threadfence();
+            if (tid == 0) p.counters[first] = 0;  // every other CTA of this unit has arrived
+            zero_acc();
+            add_regions(first);
+          }
         }
-      }
       }  // not a cluster launch
     }
 
