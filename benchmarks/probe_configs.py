@@ -5,6 +5,8 @@ with kernel build switches ($JITMARLIN_NVCC_FLAGS). Prints one line per (shape, 
         --shapes 8192x28672 --m 1 --configs w8_k128_s6_bk-w4,w8_k128_s6_bk-w8
     python benchmarks/probe_configs.py --m 16 --extra-tiles w16_k128_s5_bk \
         --configs w16_k128_s4_bk-w4,w16_k128_s5_bk-w4
+    python benchmarks/probe_configs.py --shapes 8192x8192 --m 1 --max-per-sm 2 \
+        --extra-tiles w8_k128_s6_bk_dr2_cl4 --configs w8_k128_s6_bk_dr2_cl4-w2
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="f16", choices=("f16", "bf16"), help="activation dtype")
     ap.add_argument("--extra-wgmma", default="", help="comma-separated NT-FW-STAGES wgmma configs built into the "
                     "dense wgmma module for this run only, e.g. 64-2-8 (then usable as wgmma-n64-f2-s8)")
+    ap.add_argument("--max-per-sm", type=int, default=0, help="pad every config's dynamic shared memory so that "
+                    "at most this many CTAs fit on one SM (their grid and cluster placement follow): e.g. 2 "
+                    "spreads 256 CTAs of a cluster tile over 128 SMs instead of packing them onto fewer")
     ap.add_argument("--any-fit", action="store_true", help="build --extra-tiles into every family, also where "
                     "tile_fits excludes them (probe only: e.g. direct-load tiles of 8-bit weights)")
     args = ap.parse_args()
@@ -47,6 +52,10 @@ def main() -> None:
     if extra:  # before the first build: the family's module (and cache key) then holds them
         K.TILES = K.TILES + tuple(t for t in extra if not t.bulk and t not in K.TILES)
         K.BULK_TILES = K.BULK_TILES + tuple(t for t in extra if t.bulk and t not in K.BULK_TILES)
+    if args.max_per_sm > 0:  # the kernels use only what they need; the rest keeps other CTAs off the SM
+        smem_bytes = K.smem_bytes
+        pad = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor // (args.max_per_sm + 1) + 1024
+        K.smem_bytes = lambda fam, tile, nwarps: max(smem_bytes(fam, tile, nwarps), pad)
     tiles = {t.tag(): t for t in K.tiles_for(torch.cuda.get_device_capability(0))}
     bw = common.copy_bandwidth()
     flags = os.environ.get("JITMARLIN_NVCC_FLAGS", "")

@@ -324,6 +324,19 @@ for st in $STAGES; do
                --shapes ${CL_SHAPES:-$S6} --m ${CL_M:-1,16} --json "$OUT/cluster_$env.json" > "$OUT/cluster_$env.log" 2>&1
              echo "== cluster [$env] rc=$?"; grep -E "^\| [0-9]" "$OUT/cluster_$env.log"
            done;;
+    s12a)  # prepared in session 11 (not yet run): cluster forms that fill the GPU on 8192^2 / 4096x11008
+           # (clusters of 4 at 2 warps, the k-split ring at three stages = three CTAs per SM) and the
+           # same with CTAs kept at most 2 per SM (--max-per-sm 2: cluster CTAs spread over the SMs)
+           S=4096x4096,8192x8192,14336x4096,4096x11008
+           E=w8_k128_s6_bk_dr2_cl4,w8_k128_s6_bk_dr2_cl8,w16_k128_s6_bk_dr1_cl4,w16_k128_s6_bk_dr1_cl8,w8_k128_s3_bk_ks2_cl8
+           for pad in 0 2; do
+             timeout 200 python3 benchmarks/probe_configs.py --shapes $S --m 1 --max-per-sm $pad --extra-tiles $E \
+               --configs w8_k128_s6_bk_dr2-w4,w8_k128_s6_bk_ks2_cl8-w2,w8_k128_s6_bk_dr2_cl8-w2,w8_k128_s6_bk_dr2_cl4-w2,w8_k128_s3_bk_ks2_cl8-w4 \
+               2>&1 | grep -v "^done\|^jitmarlin:" | sed "s/^/[pad $pad] /" | tee -a "$OUT/s12a.log"
+             timeout 150 python3 benchmarks/probe_configs.py --shapes $S --m 16 --max-per-sm $pad --extra-tiles $E \
+               --configs w16_k128_s6_bk_dr1-w4,w16_k128_s6_bk_dr1_cl8-w2,w16_k128_s6_bk_dr1_cl4-w2 \
+               2>&1 | grep -v "^done\|^jitmarlin:" | sed "s/^/[pad $pad] /" | tee -a "$OUT/s12a.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
