@@ -85,7 +85,7 @@ class Tile:
     occ: int = 0
     # tag _clN (dense bulk tiles, sm_90): launched in clusters of N CTAs (2, 4 or 8), each output
     # unit split evenly along K across one cluster and summed through distributed shared memory
-    # instead of the striped global-memory fixup (gemm.cluster_launch decides when)
+    # instead of the striped global-memory fixup (gemm.choose_cluster decides when)
     cluster: int = 0
 
     @property
@@ -151,6 +151,12 @@ TILES: tuple[Tile, ...] = (
 )
 
 
+# dense 4-bit M <= 8: the k-split ring in clusters of 8 CTAs, each output unit split along K across
+# one cluster (gemm.choose_cluster; H200 session 11: 4096^2 8.6 -> 7.2 us, 14336x4096 15.8 -> 14.8;
+# the direct-load tiles and the 16-row tile in cluster form measured no gain)
+CLUSTER_TILE = Tile(1, True, 8, 6, True, 2, cluster=8)
+
+
 # sm_90 and newer also get the producer-warp / bulk-copy tiles for small M (the H200 sweeps of
 # benchmarks/NOTES.md kept the first seven out of 15 candidates; session 7 added the five-slot
 # 16-row ring, the direct-load tile and the 32-row tile, each measured on the H200; session 9 the
@@ -163,10 +169,7 @@ BULK_TILES: tuple[Tile, ...] = (
     # 4-bit MoE only (tile_fits): three CTAs per SM (H200, session 10: Mixtral 1 / 16 tokens -5 / -9%,
     # 32 tokens -17%; benchmarks/NOTES.md "three CTAs per SM")
     Tile(1, True, 8, 6, True, direct=1, occ=3), Tile(2, True, 8, 3, True, occ=3),
-    # dense 4-bit M <= 8: the k-split ring in clusters of 8 CTAs, each output unit split along K
-    # across one cluster (gemm.choose_cluster; H200 session 11: 4096^2 8.6 -> 7.2 us, 14336x4096
-    # 15.8 -> 14.8; the direct-load tiles and the 16-row tile in cluster form measured no gain)
-    Tile(1, True, 8, 6, True, 2, cluster=8),
+    CLUSTER_TILE,
 )
 
 

@@ -332,7 +332,7 @@ def cluster_grid(plan: Plan, rows: int, n: int, k: int) -> int:
     return (n // (64 * plan.nwarps)) * -(-rows // plan.tile.rows) * c
 
 
-CLUSTER_TILE = Tile(1, True, 8, 6, True, 2, cluster=8)  # the k-split ring, clusters of 8
+CLUSTER_TILE = K.CLUSTER_TILE  # the k-split ring, clusters of 8 (defined with the tile lists)
 
 
 def cluster_twin(tile: Tile) -> Tile | None:
