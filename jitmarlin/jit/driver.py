@@ -91,8 +91,19 @@ def _cuda():
     return _lib
 
 
+_ATTRS: dict = {}  # (pdl, cluster) -> _launch_attrs result, built once, read-only after
+
+
+def _cached_launch_attrs(pdl: bool, cluster: int):
+    key = (pdl, cluster)
+    hit = _ATTRS.get(key)
+    if hit is None:
+        hit = _ATTRS[key] = _launch_attrs(pdl, cluster)
+    return hit
+
+
 def _launch_attrs(pdl: bool, cluster: int):
-    """(pointer to an array of CUlaunchAttribute, count) for cuLaunchKernelEx."""
+    """(pointer to an array of CUlaunchAttribute, count, the array) for cuLaunchKernelEx."""
     attrs = (_LaunchAttribute * 2)()
     count = 0
     if pdl:
@@ -189,6 +200,7 @@ class Function:
         _check(lib, lib.cuFuncGetAttribute(ctypes.byref(v), _CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, handle), "cuFuncGetAttribute")
         self.local_bytes = v.value
         self._occ: dict[tuple[int, int], int] = {}
+        self._clusters: dict[tuple[int, int, int], int] = {}
 
     def occupancy(self, threads: int, smem: int) -> int:
         """Blocks of this kernel that fit on one SM at once."""
@@ -206,8 +218,8 @@ class Function:
     def max_active_clusters(self, threads: int, smem: int, cluster: int) -> int:
         """Clusters of `cluster` CTAs of this kernel that can run on the device at once (0 when the
         driver cannot tell: no cluster launch then)."""
-        key = (threads, smem, -cluster)
-        n = self._occ.get(key)
+        key = (threads, smem, cluster)
+        n = self._clusters.get(key)
         if n is None:
             lib = _cuda()
             n = 0
@@ -219,7 +231,7 @@ class Function:
                     res = lib.cuOccupancyMaxActiveClusters(ctypes.byref(v), self.handle, ctypes.byref(cfg))
                 n = v.value if res == 0 else 0
                 del keep
-            self._occ[key] = n
+            self._clusters[key] = n
         return n
 
     def launch(self, grid: int, threads: int, smem: int, stream: int, params: ctypes.Structure,
@@ -239,10 +251,9 @@ class Function:
             _check(lib, lib.cuCtxPushCurrent_v2(self.dev.ctx), "cuCtxPushCurrent")
         try:
             if cluster > 1:
-                ptr, count, keep = _launch_attrs(pdl and _PDL_ATTR is not None, cluster)
+                ptr, count, _ = _cached_launch_attrs(pdl and _PDL_ATTR is not None, cluster)
                 cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, stream, ptr, count)
                 res = lib.cuLaunchKernelEx(ctypes.byref(cfg), self.handle, args, None)
-                del keep
             elif pdl and _PDL_ATTR is not None:
                 cfg = _LaunchConfig(grid, 1, 1, threads, 1, 1, smem, stream, _PDL_ATTR, 1)
                 res = lib.cuLaunchKernelEx(ctypes.byref(cfg), self.handle, args, None)
