@@ -337,6 +337,32 @@ for st in $STAGES; do
                --configs w16_k128_s6_bk_dr1-w4,w16_k128_s6_bk_dr1_cl8-w2,w16_k128_s6_bk_dr1_cl4-w2 \
                2>&1 | grep -v "^done\|^jitmarlin:" | sed "s/^/[pad $pad] /" | tee -a "$OUT/s12a.log"
            done;;
+    s12d)  # session 12: the act-order gather's link in the launch chain at M = 1 / 8 / 16 (gather launched
+           # as a programmatic dependent by the route's rule, never, always), and bf16 vs f16 on the
+           # cluster route (14336x4096 M=1: bf16 1.14x f16 in session 11)
+           for g in route 0 1; do
+             timeout 150 python3 benchmarks/probe_act_order.py --shapes ${AO_SHAPES:-8192x28672,28672x8192,8192x8192,4096x28672} \
+               --m 1,8,16 --gather-pdl $g 2>&1 | grep "^\[" | tee -a "$OUT/s12d.log"
+           done
+           for dt in f16 bf16; do
+             timeout 120 python3 benchmarks/probe_configs.py --shapes 14336x4096,4096x4096 --m 1 --dtype $dt \
+               --configs w8_k128_s6_bk_ks2_cl8-w2,w8_k128_s6_bk_ks2-w4,w8_k128_s6_bk_dr2-w4,w8_k128_s6_bk_dr1-w4,w8_k128_s6_bk-w4 \
+               2>&1 | grep -v "^done\|^jitmarlin:" | sed "s/^/[$dt] /" | tee -a "$OUT/s12d.log"
+           done;;
+    s12e)  # session 12: bf16 keeps the striped launch past 8 k tiles per cluster CTA (gemm.choose_cluster);
+           # 8-bit weights at M=16 (1.56-1.67x fp16 in session 11): the 16-row tiles, more warps, 8-row passes
+           timeout 150 python3 benchmarks/bench_gemm.py --variants bf16 --variant-m 1,8,16 --peers none \
+             --shapes 14336x4096,4096x4096 --m 1,8,16 --json "$OUT/s12e_bf16.json" > "$OUT/s12e_bf16.log" 2>&1
+           echo "== bf16 rc=$?"; grep -E "^\| [0-9]" "$OUT/s12e_bf16.log"
+           timeout 200 python3 benchmarks/probe_configs.py --bits 8 --m 16 --shapes 8192x28672,4096x28672,8192x8192 \
+             --any-fit --extra-tiles w16_k128_s6_bk_dr1 \
+             --configs w16_k128_s5_bk-w4,w16_k128_s4_bk-w4,w16_k128_s4_bk-w8,w16_k128_s6_bk-w4,w16_k128_s6_bk_dr1-w4,w8_k128_s6_bk_dr1-w4,m1_k128_s4_bk-w4 \
+             2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s12e.log";;
+    s12f)  # session 12: the formats table (bf16 / 8-bit / act-order vs f16 x int4, M = 1 / 16) after the
+           # bf16 cluster rule and the 8-bit six-slot 16-row ring
+           timeout 300 python3 benchmarks/bench_gemm.py --variants bf16,u8,act_order --variant-m 1,16 --peers none \
+             --m 1,16 --json "$OUT/s12f.json" > "$OUT/s12f.log" 2>&1
+           echo "== s12f rc=$?"; grep -E "^\| [0-9]|÷|×" "$OUT/s12f.log" | tail -30;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -76,11 +76,12 @@ def test_sm90_small_m_routes():
         assert not select_plan(m, 28672, 8192, u4, SMEM["sm_80"], (8, 0)).tile.direct
     for m in (9, 16):
         assert select_plan(m, 28672, 8192, u4, sm90, cc).tile.tag() == "w16_k128_s5_bk"
-        assert select_plan(m, 28672, 8192, u8, sm90, cc).tile.tag() == "w16_k128_s5_bk"
+        assert select_plan(m, 28672, 8192, u8, sm90, cc).tile.tag() == "w16_k128_s6_bk"  # session 12: six slots
+        assert not select_plan(m, 28672, 8192, u8, SMEM["sm_80"], (8, 0)).tile.bulk
         # session 10: the 16-row direct-load tile on 4-bit problems of K*N in [32M, 72M]
         for k, n in ((8192, 8192), (14336, 4096), (4096, 11008), (11008, 4096)):
             assert select_plan(m, n, k, u4, sm90, cc).tile.tag() == "w16_k128_s6_bk_dr1"
-            assert select_plan(m, n, k, u8, sm90, cc).tile.tag() == "w16_k128_s5_bk"  # 8-bit: spills; the ring
+            assert select_plan(m, n, k, u8, sm90, cc).tile.tag() == "w16_k128_s6_bk"  # 8-bit: spills; the ring
             assert not select_plan(m, n, k, u4, SMEM["sm_80"], (8, 0)).tile.direct
         assert select_plan(m, 28672, 4096, u4, sm90, cc).tile.tag() == "w16_k128_s5_bk"  # 117M: the ring
         assert select_plan(m, 4096, 4096, u4, sm90, cc).tile.tag() == "m1_k128_s6"  # 16M: the cp.async tile
@@ -367,6 +368,12 @@ def test_cluster_choice():
     assert G.choose_cluster(plan_for(1, 4096, 4096), 1, 4096, 4096, fam, 396, lambda p: 64) is None
     assert G.choose_cluster(plan_for(1, 4096, 11008), 1, 4096, 11008, fam, 264, h200) is None
     assert G.choose_cluster(plan_for(1, 28672, 8192), 1, 28672, 8192, fam, 396, h200) is None
+    # bf16: only up to 8 k tiles per cluster CTA (4096^2: 4 yes; 14336x4096: 14 no)
+    bf = K.Family("bf16", 4, False, 128)
+    got = G.choose_cluster(plan_for(1, 4096, 4096, bf), 1, 4096, 4096, bf, 132, h200)
+    assert got is not None and got.nwarps == 2
+    assert G.choose_cluster(plan_for(1, 4096, 14336, bf), 1, 4096, 14336, bf, 264, h200) is None
+    assert G.choose_cluster(plan_for(1, 4096, 14336), 1, 4096, 14336, fam, 264, h200) is not None
     # 16-row tiles, 8-bit weights, MoE families: none
     assert G.choose_cluster(plan_for(16, 4096, 4096), 16, 4096, 4096, fam, 132, h200) is None
     fam8 = K.Family("f16", 8, False, 128)

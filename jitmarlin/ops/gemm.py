@@ -54,12 +54,12 @@ MOE_W16_O3 = Tile(2, True, 8, 3, True, occ=3)
 
 
 def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
-                 large: bool = False, experts: int = 0) -> tuple[tuple[Tile, int], ...]:
+                 large: bool = False, experts: int = 0, bits: int = 4) -> tuple[tuple[Tile, int], ...]:
     """Candidate (tile, warps) pairs for M x N x K, best first. `large`: take the routes of large
     problems whatever K*N (the sm_90 MoE kernel: one launch streams every active expert's weights;
     H200, session 8: Mixtral 1 / 16 tokens 85 -> 77 / 277 -> 232 us, E=64 top-6 31 -> 28 /
     125 -> 95 us, benchmarks/probe_moe_tiles.py). `experts`: MoE, at most this many experts'
-    weights are streamed (min(E, slots)); 0 for dense problems."""
+    weights are streamed (min(E, slots)); 0 for dense problems. `bits`: of the weights."""
     small = k * n < _SMALL_KN and not large
     cls = m_class(m)
     if cc >= (9, 0) and experts and cls == "w8" and experts * k * n > _SMALL_KN:
@@ -87,7 +87,12 @@ def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
         # five ring slots: two CTAs per SM still fit at 4 bits (NOTES.md session 7); also after the
         # direct-load tile on mid-size problems (8-bit weights, which it does not serve: H200 session
         # 10, 14336x4096 M=16 23.7 us vs 27.6 on m1_k128_s6)
-        return first + ((Tile(2, True, 8, 5, True), 4), (Tile(2, True, 8, 4, True), 4)) + _preferences(m, n, k)
+        ring = ((Tile(2, True, 8, 5, True), 4), (Tile(2, True, 8, 4, True), 4))
+        if bits == 8 and not experts:
+            # 8-bit weights: one CTA per SM at five slots already, so the sixth costs no CTA (H200
+            # session 12, M=16: 8192x28672 67.4 -> 64.5 us, 8192^2 24.7 -> 23.4, 4096x28672 37.5 -> 37.1)
+            ring = ((Tile(2, True, 8, 6, True), 4),) + ring
+        return first + ring + _preferences(m, n, k)
     if cc >= (9, 0) and cls == "m2" and not small:
         # the 32-row bulk-copy ring (M = 17-32 on large problems; smaller ones go to the wgmma kernel)
         return ((Tile(2, False, 8, 4, True), 4),) + _preferences(m, n, k)
@@ -140,7 +145,8 @@ def select_plan(m: int, n: int, k: int, fam: Family, smem_per_block: int, cc: tu
     per-block shared memory. Fewer warps per CTA are tried before giving up."""
     check_problem(n, k, fam.group_size)
     strips = n // 64
-    prefs = _preferences(m, n, k, cc, large=fam.moe and cc >= (9, 0), experts=max(1, experts) if fam.moe else 0)
+    prefs = _preferences(m, n, k, cc, large=fam.moe and cc >= (9, 0), experts=max(1, experts) if fam.moe else 0,
+                         bits=fam.bits)
     if first is not None and first[0].rows == prefs[0][0].rows and first[1] <= first[0].max_warps:
         prefs = (first,) + prefs  # same m tile as the built-in choice (the MoE kernel relies on it)
     for want_warps in (None, 4, 2, 1):
@@ -315,6 +321,10 @@ def _make_launch(plan: Plan, rows: int, n: int, k: int, fam: Family, index: int,
 # 15.3 -> 10.4, 4096^2 8.7 -> 6.1). Where the units times a cluster size fill the GPU about as well
 # as the striped grid, a cluster tile reduces through distributed shared memory instead.
 CLUSTER_MIN_FILL = 0.9  # cluster grid / striped grid
+# bf16 dequantizes with more instructions per weight than fp16, and a cluster CTA runs 2 math warps:
+# with many k tiles per CTA it falls behind the striped launch (H200 session 12, M=1: 14336x4096,
+# 14 k tiles per cluster CTA, 16.6 us vs 15.8 striped; 4096^2, 4 k tiles, 7.2 vs 8.7 striped)
+CLUSTER_BF16_MAX_KTILES = 8
 
 
 def cluster_launches_allowed(cc: tuple[int, int]) -> bool:
@@ -347,12 +357,15 @@ def choose_cluster(plan: Plan, rows: int, n: int, k: int, fam: Family, striped_g
     """The cluster plan replacing `plan` (4-bit, M <= 8: CLUSTER_TILE at the plan's warps per CTA or
     half), or None: its k tiles split evenly over a cluster, all its clusters fit at once
     (max_clusters(plan) -> clusters of it the device runs together, 0 if it cannot run) and it
-    launches at least CLUSTER_MIN_FILL of the striped grid. Pure given max_clusters (CPU-tested).
+    launches at least CLUSTER_MIN_FILL of the striped grid; bf16 only up to CLUSTER_BF16_MAX_KTILES k
+    tiles per CTA. Pure given max_clusters (CPU-tested).
     H200, session 11 (probe_configs.py, M=1, us): 4096^2 8.6 (striped k-split ring) -> 7.2 at 2
     warps; 14336x4096 15.8 (direct-load tile) -> 14.8 at 2 warps; the cases it turns down were slower
     or did not fit (8192^2: 32 clusters needed, 15 / 30 run at once)."""
     twin = cluster_twin(plan.tile)
     if twin is None or fam.bits != 4 or not K.tile_fits(fam, twin):
+        return None
+    if fam.dtype == "bf16" and k // twin.tile_k > CLUSTER_BF16_MAX_KTILES * twin.cluster:
         return None
     strips = n // 64
     for nw in (plan.nwarps, plan.nwarps // 2):

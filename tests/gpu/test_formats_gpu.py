@@ -37,16 +37,16 @@ def test_format(dtype, bits, group, zp):
 
 SM90_ROUTED = [pytest.param(tag, id=tag)
                for tag in ("w8_k128_s6_bk_dr2", "w8_k128_s6_bk_dr1", "w16_k128_s5_bk", "w16_k128_s6_bk_dr1",
-                           "m2_k128_s4_bk")]
+                           "w16_k128_s6_bk", "m2_k128_s4_bk")]
 
 
 @pytest.mark.parametrize("tag", SM90_ROUTED)
 @pytest.mark.parametrize("dtype,bits,group,zp", FORMATS)
 def test_format_sm90_small_m_tiles(dtype, bits, group, zp, tag):
     """The tiles the sm_90 heuristic routes M <= 32 to on large problems (the direct-load tiles of
-    4-bit and 8-bit weights, the five-slot 16-row ring, the 16-row direct-load tile of mid-size
-    4-bit problems, the 32-row ring), in every format they take, on a shape the heuristic would
-    not give them."""
+    4-bit and 8-bit weights, the five-slot and the six-slot (8-bit) 16-row rings, the 16-row
+    direct-load tile of mid-size 4-bit problems, the 32-row ring), in every format they take, on a
+    shape the heuristic would not give them."""
     if torch.cuda.get_device_capability(0) < (9, 0):
         pytest.skip("bulk-copy tiles are built for sm_90 and newer only")
     tile, nw = K.Tile.from_tag(tag), 4
