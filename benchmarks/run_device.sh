@@ -363,6 +363,14 @@ for st in $STAGES; do
            timeout 300 python3 benchmarks/bench_gemm.py --variants bf16,u8,act_order --variant-m 1,16 --peers none \
              --m 1,16 --json "$OUT/s12f.json" > "$OUT/s12f.log" 2>&1
            echo "== s12f rc=$?"; grep -E "^\| [0-9]|÷|×" "$OUT/s12f.log" | tail -30;;
+    s13a)  # prepared in session 12 (not yet run): M=16 on the narrow-N shapes, where a unit of 256 columns
+           # is split 4-8 ways and the fixup costs ~6 us (4-bit no-fixup bound 14336x4096 20.1 -> 14.3):
+           # 128-column CTAs (2 warps) halve each partial sum (8 KB) and fit two or three per SM; 8-bit, 4-bit
+           for b in 8 4; do
+             timeout 200 python3 benchmarks/probe_configs.py --bits $b --m 16 --shapes 14336x4096,4096x28672,8192x8192 --any-fit --extra-tiles w16_k128_s6_bk_dr1 \
+               --configs w16_k128_s6_bk-w4,w16_k128_s5_bk-w4,w16_k128_s6_bk-w2,w16_k128_s5_bk-w2,w16_k128_s4_bk-w2,w16_k128_s6_bk_dr1-w4,w16_k128_s6_bk_dr1-w2 \
+               2>&1 | grep -v "^done\|^jitmarlin:" | sed "s/^/[u$b] /" | tee -a "$OUT/s13a.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
