@@ -67,12 +67,41 @@ def moe_cases(names, tokens):
                 x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, w, ids)), ids
 
 
+def _act_order_times(moe, x, weights, ids, e, h, i) -> dict:
+    """µs of the expert computation with act-order column orders (random per expert), the two
+    gathers by jm_moe_gather and by the torch reference (same run); and whether they agree."""
+    import jitmarlin.ops.moe as M
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    p13 = torch.stack([torch.randperm(h, device="cuda", generator=gen) for _ in range(e)]).to(torch.int32)
+    p2 = torch.stack([torch.randperm(i, device="cuda", generator=gen) for _ in range(e)]).to(torch.int32)
+
+    def run():
+        return fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
+                                w13_perm=p13, w2_perm=p2)
+
+    out = {}
+    kernel_out = run()
+    out["kernel gather"] = round(common.time_graph(lambda _i: run(), 1, calls=10), 1)
+    saved = M.gather_by_position
+    M.gather_by_position = lambda x_, s_, e_, n_, p_, k_, b_: M._gather_by_position_torch(x_, s_, e_, p_, k_, b_)
+    try:
+        torch_out = run()
+        out["torch gather"] = round(common.time_graph(lambda _i: run(), 1, calls=10), 1)
+    finally:
+        M.gather_by_position = saved
+    out["equal"] = bool(torch.equal(kernel_out, torch_out))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,256,1024")
     ap.add_argument("--json", default=None)
     ap.add_argument("--blocks", default="", help="also time ours with these expert block sizes, e.g. 16,32,64 "
                     "(to check choose_block_size)")
+    ap.add_argument("--act-order", action="store_true", help="also time ours with act-order column orders "
+                    "(random per expert), gathered by our kernel and by the torch reference")
     args = ap.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     env = common.environment()
@@ -129,6 +158,9 @@ def main(argv=None):
                     by_block[b] = repr(ex)[:80]
             if by_block:
                 print(f"{name} T={t}: ours by block size {by_block} (default {us_ours:.1f})", flush=True)
+            if args.act_order:
+                act = _act_order_times(moe, x, weights, ids, e, h, i)
+                print(f"{name} T={t}: act-order {act} (plain {us_ours:.1f})", flush=True)
             us_loop = eager_us(loop, reps=10)
             us_grouped = None
             grouped_mode = "graph"

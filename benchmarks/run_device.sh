@@ -371,6 +371,15 @@ for st in $STAGES; do
                --configs w16_k128_s6_bk-w4,w16_k128_s5_bk-w4,w16_k128_s6_bk-w2,w16_k128_s5_bk-w2,w16_k128_s4_bk-w2,w16_k128_s6_bk_dr1-w4,w16_k128_s6_bk_dr1-w2 \
                2>&1 | grep -v "^done\|^jitmarlin:" | sed "s/^/[u$b] /" | tee -a "$OUT/s13a.log"
            done;;
+    s13b)  # prepared in session 12 (branch prep-moe-gather, not yet run): act-order experts gathered by
+           # jm_moe_gather instead of torch indexing through an [L, K] int64 index; GPU tests of the MoE
+           # path first, then the act-order times (kernel gather vs torch gather, same run)
+           timeout 300 python3 -m pytest -q -rs tests/gpu/test_moe_util_gpu.py tests/gpu/test_moe_gpu.py \
+             tests/gpu/test_checkpoint_gpu.py > "$OUT/s13b_tests.log" 2>&1
+           echo "== s13b tests rc=$?"; tail -3 "$OUT/s13b_tests.log"
+           timeout 240 python3 benchmarks/bench_moe.py --act-order --tokens 1,16,64,256,1024 --json "$OUT/s13b.json" \
+             > "$OUT/s13b.log" 2>&1
+           echo "== s13b bench rc=$?"; grep -E "act-order|^\| " "$OUT/s13b.log" | head -40;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

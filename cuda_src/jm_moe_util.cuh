@@ -10,6 +10,10 @@
 // GEMM's output, 8 values per thread.
 // jm_topk_sum: y[t, j] = sum over k of x[t * top_k + k, j] (the second expert GEMM's output, the
 // routing weights already applied), summed in fp32 in slot order, rounded once, 8 values per thread.
+// jm_moe_gather (act-order experts): y[r, j] = x[slot / top_k, perm[expert, j]] for each position r
+// of the expert-sorted slot list (slot = sorted_ids[r], expert = expert_ids[r / block]); padding
+// positions get zeros, positions at or past *num_padded are not written (no GEMM reads them). One
+// kernel instead of the torch gather through an [L, K] int64 index tensor; 8 values per thread.
 // Programmatic dependent launch (sm_90): both let the kernel after them launch at once, so that
 // the expert GEMM's CTAs are resident and set up when they finish (the GEMMs read nothing of
 // ours before their own griddep_wait); silu_mul, launched as a dependent of the first GEMM,
@@ -34,7 +38,8 @@ struct JmMoeParams {
   int32_t ids_64;       // 1: ids are int64
   int32_t rows;
   int32_t inter;
-  int32_t top_k;        // topk_sum: slots per token
+  int32_t top_k;        // topk_sum: slots per token; moe_gather: slots per row of x
+  const int* perm;      // moe_gather: [num_experts, inter] column order of each expert's input
 };
 
 namespace jm {
@@ -169,6 +174,31 @@ JM_DEVICE void topk_sum_body(const JmMoeParams p) {
   *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(r) * p.inter + j) = out;
 }
 
+// Act-order MoE: position r of the expert-sorted list gathers the columns of its expert's order
+// from its slot's row of x (rows x p.inter output; p.numel slots, p.block positions per expert
+// block). The sorted list and the expert of each block come from the align kernel, x from the
+// kernel just before (the hidden states' producer, or SiLU-mul): all read after griddep_wait.
+template <typename T>
+JM_DEVICE void moe_gather_body(const JmMoeParams p) {
+  static_assert(sizeof(T) == 2, "2-byte activations");
+  int r, j;
+  if (!chunk_of_thread(p, r, j) || r >= *p.num_padded) return;
+  const int slot = p.sorted_ids[r];
+  uint32_t packed[4] = {0u, 0u, 0u, 0u};
+  if (slot < p.numel) {
+    const int* perm = p.perm + static_cast<int64_t>(p.expert_ids[r / p.block]) * p.inter + j;
+    const int4 c0 = *reinterpret_cast<const int4*>(perm);
+    const int4 c1 = *reinterpret_cast<const int4*>(perm + 4);
+    const int cols[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    const unsigned short* src = static_cast<const unsigned short*>(p.x) + static_cast<int64_t>(slot / p.top_k) * p.inter;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+      packed[i] = static_cast<uint32_t>(src[cols[2 * i]]) | (static_cast<uint32_t>(src[cols[2 * i + 1]]) << 16);
+  }
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(r) * p.inter + j) =
+      make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
 }  // namespace jm
 
 #define JM_MOE_ALIGN_KERNEL(NAME) \
@@ -177,3 +207,5 @@ JM_DEVICE void topk_sum_body(const JmMoeParams p) {
   extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::silu_mul_body<T>(p); }
 #define JM_TOPK_SUM_KERNEL(NAME, T) \
   extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::topk_sum_body<T>(p); }
+#define JM_MOE_GATHER_KERNEL(NAME, T) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::moe_gather_body<T>(p); }

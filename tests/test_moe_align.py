@@ -147,3 +147,27 @@ def test_moe_gemm_ready_tables_op_mirrors_moe_gemm():
     b = torch.ops.jitmarlin.moe_gemm_ready_tables.default._schema
     assert [(x.name, str(x.type)) for x in a.arguments] == [(x.name, str(x.type)) for x in b.arguments]
     assert [str(x.type) for x in a.returns] == [str(x.type) for x in b.returns]
+
+
+@pytest.mark.parametrize("top_k,block", [(2, 8), (1, 16), (6, 8)])
+def test_gather_by_position_cpu(top_k, block):
+    """Act-order experts on the CPU (the torch reference): each real position of the sorted list
+    holds its slot's row of x in its expert's column order, written out element by element here."""
+    from jitmarlin.ops.moe import gather_by_position
+
+    g = torch.Generator().manual_seed(top_k * 10 + block)
+    t, e, k = 9, 8, 32
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)])
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, block, e)
+    perm = torch.stack([torch.randperm(k, generator=g) for _ in range(e)])
+    x = torch.randn(t, k, generator=g, dtype=torch.float32).half()
+    got = gather_by_position(x, sorted_ids, expert_ids, num_padded, perm, top_k, block)
+    assert got.shape == (sorted_ids.numel(), k)
+    for r in range(int(num_padded)):
+        slot = int(sorted_ids[r])
+        if slot >= t * top_k:
+            continue
+        row, ex = slot // top_k, int(expert_ids[r // block])
+        assert int(ids.flatten()[slot]) == ex
+        for j in range(k):
+            assert got[r, j] == x[row, int(perm[ex, j])]

@@ -97,11 +97,11 @@ def _align_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     return sorted_ids, expert_ids, num_padded
 
 
-def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int = 0) -> torch.Tensor:
+def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int = 0, **fields) -> torch.Tensor:
     """y [rows, cols] = one of our elementwise MoE kernels (jm_<name>_f16 / _bf16) on x: one thread
-    per 8-value chunk (jm_moe_util.cuh, chunk_of_thread). A programmatic dependent of the expert
-    GEMM before it when its grid is small (the rule of the act-order gather: a large grid parked
-    beside a running GEMM costs more than it saves)."""
+    per 8-value chunk (jm_moe_util.cuh, chunk_of_thread); `fields`: more JmMoeParams fields. A
+    programmatic dependent of the kernel before it when its grid is small (the rule of the act-order
+    gather: a large grid parked beside a running GEMM costs more than it saves)."""
     from .gemm import _cc, gather_pdl, use_pdl
 
     y = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
@@ -110,6 +110,10 @@ def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int
     index = K.cuda_index(x.device)
     p = K.MoeParams()
     p.x, p.y, p.rows, p.inter, p.top_k = x.data_ptr(), y.data_ptr(), rows, cols, top_k
+    for key, value in fields.items():
+        if not hasattr(K.MoeParams, key):  # a ctypes Structure would take a misspelt name silently
+            raise TypeError(f"JmMoeParams has no field {key!r}")
+        setattr(p, key, value)
     fn = K.get_moe_util_kernel(f"jm_{name}_{'bf16' if x.dtype == torch.bfloat16 else 'f16'}", index, _cc(index))
     grid = -(-(rows * (cols // 8)) // 256)
     fn.launch(grid, 256, 0, K.current_stream_handle(x.device), p, pdl=use_pdl(_cc(index)) and gather_pdl(grid))
@@ -323,10 +327,28 @@ def moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weigh
                                         size_m, top_k, block_size, a_by_position)
 
 
-def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, perm: torch.Tensor,
-                       top_k: int, block_size: int) -> torch.Tensor:
-    """Act-order: A'[pos] = x[slot(pos) // top_k][perm[expert(pos)]] for every padded position
-    (padding positions get some row; the kernel never reads them). perm: [E, K]."""
+def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                       num_padded: torch.Tensor, perm: torch.Tensor, top_k: int, block_size: int) -> torch.Tensor:
+    """Act-order: A'[pos] = x[slot(pos) // top_k][perm[expert(pos)]] for the positions of the
+    expert-sorted slot list (perm: [E, K]). On CUDA one kernel of ours (jm_moe_gather, unless
+    JITMARLIN_MOE_KERNELS=0): padding positions get zeros, positions at or past num_padded are not
+    written (the expert GEMM reads none of them). Else the torch reference below."""
+    k = x.shape[1]
+    if not (x.is_cuda and use_moe_kernels() and k % 8 == 0 and x.is_contiguous() and x.dtype in DTYPES):
+        return _gather_by_position_torch(x, sorted_ids, expert_ids, perm, top_k, block_size)
+    perm32 = perm if perm.dtype == torch.int32 and perm.is_contiguous() else perm.to(torch.int32).contiguous()
+    if perm32.data_ptr() % 16:  # read 8 entries at a time
+        perm32 = perm32.clone()
+    rows = sorted_ids.numel()
+    return _launch_chunked("moe_gather", x, rows, k, top_k, sorted_ids=sorted_ids.data_ptr(),
+                           expert_ids=expert_ids.data_ptr(), num_padded=num_padded.data_ptr(),
+                           numel=x.shape[0] * top_k, block=block_size, perm=perm32.data_ptr())
+
+
+def _gather_by_position_torch(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                              perm: torch.Tensor, top_k: int, block_size: int) -> torch.Tensor:
+    """The reference: torch ops through an [L, K] int64 index (L = the list's length); every
+    position gets a row (padding positions some token's)."""
     numel = x.shape[0] * top_k
     rows = sorted_ids.clamp(max=numel - 1).to(torch.int64) // top_k  # [L]
     experts = expert_ids.to(torch.int64).repeat_interleave(block_size)[: sorted_ids.numel()]  # [L]
@@ -399,7 +421,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         c1 = moe_gemm(hidden, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                       top_k, bs)  # [T*k, 2I]
     else:
-        a1 = gather_by_position(hidden, sorted_ids, expert_ids, w13_perm, top_k, bs)
+        a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, w13_perm, top_k, bs)
         c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                       top_k, bs, True)
     c2 = silu_mul(c1, inter)  # [T*k, I]
@@ -408,7 +430,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs)
     else:
-        a2 = gather_by_position(c2, sorted_ids, expert_ids, w2_perm, 1, bs)
+        a2 = gather_by_position(c2, sorted_ids, expert_ids, num_padded, w2_perm, 1, bs)
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs, True)
     return topk_sum(c3, t, top_k)  # [T, H]

@@ -1,7 +1,7 @@
 """The MoE helper kernels (on by default since their first H200 run, 2026-11-30): the align kernel
 must give exactly the torch reference's table (it places slots in order), the SiLU-mul kernel
-F.silu(gate) * up, and the fused MoE layer the same result with the kernels as with torch ops
-(JITMARLIN_MOE_KERNELS=0)."""
+F.silu(gate) * up, the act-order gather the torch gather's rows, and the fused MoE layer the same
+result with the kernels as with torch ops (JITMARLIN_MOE_KERNELS=0)."""
 
 from __future__ import annotations
 
@@ -77,10 +77,35 @@ def test_topk_sum_kernel(monkeypatch, dtype, tokens, top_k, h):
         assert ((got.float() - want.float()).abs() <= eps * want.float().abs() + 1e-6).all()
 
 
-def test_fused_moe_same_with_and_without_the_kernels(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,k,e,block,cols", [(1, 2, 8, 8, 4096), (5, 2, 8, 16, 1408), (64, 2, 8, 64, 14336),
+                                              (300, 6, 64, 16, 2048), (3, 1, 4, 8, 64)])
+def test_moe_gather_kernel(monkeypatch, dtype, t, k, e, block, cols):
+    """Act-order experts: our gather against the torch reference on every position the expert GEMM
+    reads (before num_padded), for the first GEMM's input (token rows, top_k slots each) and the
+    second's (one row per slot, the order given as int64): equal to the bit at real slots, zeros
+    at padding positions."""
+    monkeypatch.delenv("JITMARLIN_MOE_KERNELS", raising=False)
+    ids = _ids(t, k, e, seed=t + cols)
+    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, block, e)
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    perm = torch.stack([torch.randperm(cols, device="cuda", generator=g) for _ in range(e)]).to(torch.int32)
+    n = int(num_padded)
+    real = sorted_ids[:n] < t * k
+    for rows, top, order in ((t, k, perm), (t * k, 1, perm.to(torch.int64))):
+        x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+        got = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, order, top, block)
+        want = M._gather_by_position_torch(x, sorted_ids, expert_ids, order, top, block)
+        assert got.shape == want.shape == (sorted_ids.numel(), cols) and got.dtype == dtype
+        assert torch.equal(got[:n][real], want[:n][real])
+        assert not got[:n][~real].any()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fused_moe_same_with_and_without_the_kernels(monkeypatch, act_order):
     from .test_moe_gpu import make_moe
 
-    moe, _, _ = make_moe(8, 1024, 512, 2)
+    moe, _, _ = make_moe(8, 1024, 512, 2, act_order=act_order)
     x = torch.randn(37, 1024, device="cuda", dtype=torch.float16)
     monkeypatch.setenv("JITMARLIN_MOE_KERNELS", "0")
     K.env_flag.cache_clear()
