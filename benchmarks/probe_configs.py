@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
+                    "(route: the heuristic's choice; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]: the sm_90a kernel) "
                     "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
     ap.add_argument("--extra-tiles", default="", help="comma-separated tile tags built into the families "
                     "for this run only (candidates outside the built-in lists), e.g. w16_k128_s5_bk")
@@ -63,7 +64,9 @@ def main() -> None:
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n, bits=args.bits)
         for cfg in args.configs.split(","):
-            if cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]
+            if cfg == "route":  # what the heuristic picks
+                override = None
+            elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]
                 parts = cfg.split("-")
                 override = ("wgmma",) + tuple(int(x[1:]) for x in parts[1:])
             else:  # TAG-wN, or TAG-wN-gG: G CTAs (default: all that fit at once)

@@ -67,6 +67,10 @@ def main() -> None:
     extra = tuple(tuple(int(x) for x in c.split("-")) for c in args.wgmma.split(",") if c)
     if extra:  # before the first build: part of the module's cache key; first match wins at launch
         K.WGMMA_MOE_CONFIGS = extra + K.WGMMA_MOE_CONFIGS
+        blocks = {c[0] for c in extra}  # token tiles of 16 / 32: expert blocks of that size take the wgmma kernel
+        use0 = M._use_wgmma_moe
+        M._use_wgmma_moe = lambda bs, n, k, fam, index: (bs in blocks and n % 128 == 0 and k % 64 == 0) or use0(
+            bs, n, k, fam, index)
     if args.torch_sum:
         M.topk_sum = lambda c3, t, k: c3.view(t, k, -1).sum(1)
     tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "

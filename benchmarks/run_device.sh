@@ -380,6 +380,33 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/bench_moe.py --act-order --tokens 1,16,64,256,1024 --json "$OUT/s13b.json" \
              > "$OUT/s13b.log" 2>&1
            echo "== s13b bench rc=$?"; grep -E "act-order|^\| " "$OUT/s13b.log" | head -40;;
+    s13c)  # wgmma token tiles of 16 and 32 (m64n16k16 / m64n32k16: no padding to 64 tokens) against the routes,
+           # dense M = 9-32 (4- and 8-bit) and MoE expert blocks of 16 / 32 rows
+           W="--extra-wgmma 32-1-8,32-2-8,16-1-8,16-2-8"
+           timeout 240 python3 benchmarks/probe_configs.py $W --m 17,24,32 \
+             --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 \
+             --configs route,wgmma-n32-f1-s8,wgmma-n32-f2-s8,wgmma-n64-f1-s6 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s13c.log"
+           timeout 200 python3 benchmarks/probe_configs.py $W --m 9,16 \
+             --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 \
+             --configs route,wgmma-n16-f1-s8,wgmma-n16-f2-s8,wgmma-n32-f1-s8 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s13c.log"
+           timeout 200 python3 benchmarks/probe_configs.py $W --bits 8 --m 16,32 \
+             --shapes 8192x28672,28672x8192,4096x28672,8192x8192 \
+             --configs route,w16_k128_s6_bk-w2,w16_k128_s5_bk-w4,wgmma-n16-f1-s8,wgmma-n32-f1-s8,wgmma-n32-f2-s8 2>&1 \
+             | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s13c.log"
+           timeout 100 python3 benchmarks/probe_moe_tiles.py --tokens 16,32,64,128 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s13c.log"
+           for bl in 16 32; do
+             timeout 120 python3 benchmarks/probe_moe_tiles.py --tokens 16,32,64,128 --block $bl --wgmma $bl-1-8,$bl-2-8 2>&1 \
+               | grep -v "^jitmarlin:" | tee -a "$OUT/s13c.log"
+           done;;
+    s13d)  # after the 16/32-token wgmma routes: their GPU tests; MoE blocks of 16 / 32 on the wgmma kernel at
+           # 9-24 rows per expert (Mixtral 48-96 tokens, E=64 96-192 tokens) against the current rule
+           timeout 300 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py tests/gpu/test_formats_gpu.py \
+             > "$OUT/s13d_tests.log" 2>&1
+           echo "== s13d tests rc=$?"; tail -5 "$OUT/s13d_tests.log"
+           for a in "" "--block 16 --wgmma 16-1-8,16-2-8" "--block 32 --wgmma 32-1-8,32-2-8"; do
+             timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 40,48,64,80,96 $a 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s13d.log"
+             timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 96,128,160,192,256 $a 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s13d.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

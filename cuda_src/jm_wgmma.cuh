@@ -52,6 +52,26 @@ template <int N>
 struct WgmmaRS;
 
 // TY: "f16" or "bf16" (a string literal, pasted into the instruction)
+#define JM_WGMMA_RS_N16(TY)                                                                  \
+  asm volatile(                                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                          \
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " "                          \
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "  \
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"                                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
+
+// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
+#define JM_WGMMA_RS_N32(TY)                                                                  \
+  asm volatile(                                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                          \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                          \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "  \
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
+
+// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
 #define JM_WGMMA_RS_N64(TY)                                                                  \
   asm volatile(                                                                            \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                          \
@@ -80,6 +100,24 @@ struct WgmmaRS;
       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
+
+template <>
+struct WgmmaRS<16> {
+  template <typename T>
+  static JM_DEVICE void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N16("bf16");
+    else JM_WGMMA_RS_N16("f16");
+  }
+};
+
+template <>
+struct WgmmaRS<32> {
+  template <typename T>
+  static JM_DEVICE void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N32("bf16");
+    else JM_WGMMA_RS_N32("f16");
+  }
+};
 
 template <>
 struct WgmmaRS<64> {
@@ -119,7 +157,7 @@ struct WgmmaStage {
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE>
 JM_DEVICE void wgmma_body(const JmGemmParams p) {
-  static_assert(NT == 64 || NT == 128, "token tile");
+  static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
   static_assert(FW == 1 || FW == 2, "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW>;
@@ -157,12 +195,14 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 
   // ---- activation rows this thread copies: chunk c = (token r, 8 k j), r = 8 (c >> 6) + (c & 7),
   // j = (c >> 3) & 7, so a warp reads 64 contiguous bytes of 8 rows and writes 4 full 128-byte lines
-  constexpr int kActPerThread = NT * 8 / 256;
+  // (NT = 16: 128 chunks, copied by the first warpgroup)
+  constexpr int kActChunks = NT * 8, kActPerThread = (kActChunks + 255) / 256;
+  const bool act_copier = kActChunks >= 256 || tid < kActChunks;
   const T* arow[kActPerThread];
   bool avalid[kActPerThread];
 #pragma unroll
   for (int i = 0; i < kActPerThread; i++) {
-    const int c = tid + 256 * i, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
+    const int c = (tid + 256 * i) % kActChunks, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
     int row = tok0 + r;
     bool valid;
     if constexpr (MOE) {  // A row of a (token, k) slot: its token, or its position when pre-gathered
@@ -203,7 +243,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     uint8_t* st = smem + slot * S::kBytes;
     // activations: chunk c = tid + 256 i lands 32 rows (4096 bytes) after chunk tid
 #pragma unroll
-    for (int i = 0; i < kActPerThread; i++) cp_async16(st + asoff + 4096 * i, arow[i] + kt * 64, avalid[i]);
+    for (int i = 0; i < kActPerThread; i++)
+      if (act_copier) cp_async16(st + asoff + 4096 * i, arow[i] + kt * 64, avalid[i]);
     // weights: per strip, the 4 k16 of this stage are contiguous (S::kStripBytes)
     const uint32_t* wk = bbase + kt * 4 * kWordsPerK16;
 #pragma unroll

@@ -171,16 +171,34 @@ def test_wgmma_route_rules(monkeypatch, setting):
         small = [G.use_wgmma_path(m, n, k, fam, 0) for m, k, n in
                  ((33, 4096, 28672), (63, 28672, 8192), (32, 8192, 8192), (17, 4096, 4096), (32, 4096, 28672),
                   (17, 28672, 8192), (16, 4096, 4096))]
-        assert small == {None: [True] * 4 + [False] * 3, "0": [False] * 7, "1": [True] * 6 + [False]}[setting]
+        # M = 17-32 (32-token tiles): 4-bit where K*N <= 2^27; M = 9-16 (16-token tiles): automatic
+        # route only, 4-bit, K*N <= 2^24
+        assert small == {None: [True] * 5 + [False, True], "0": [False] * 7, "1": [True] * 6 + [False]}[setting]
+        fam8 = K.Family("f16", 8, False, 128)
+        mid = [G.use_wgmma_path(m, n, k, f, 0) for m, k, n, f in
+               ((32, 8192, 28672, fam8), (17, 28672, 8192, fam8), (16, 8192, 8192, fam), (9, 4096, 4096, fam),
+                (16, 4096, 4096, fam8), (8, 4096, 4096, fam), (32, 8192, 28672, fam))]
+        assert mid == {None: [True, True, False, True, False, False, False], "0": [False] * 7,
+                       "1": [True, True, False, False, False, False, True]}[setting]
         for m, k, n in ((16, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
             assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile
         assert not G.use_wgmma_path(256, 28672, 4096, fam, 1)  # not sm_90
         assert not G.use_wgmma_path(256, 28672, 4096, K.Family("f16", 4, False, 128, moe=True), 0)
         assert M._use_wgmma_moe(64, 28672, 4096, mfam, 0) is (setting != "0")
         assert not M._use_wgmma_moe(32, 28672, 4096, mfam, 0) and not M._use_wgmma_moe(64, 28672, 4096, mfam, 1)
+        # blocks of 32: by rows per expert and the experts' K*N (M.wgmma_block32)
+        assert [M._use_wgmma_moe(32, n, k, mfam, 0, r) for n, k, r in
+                ((28672, 4096, 16.0), (28672, 4096, 24.0), (28672, 4096, 12.0), (2816, 2048, 9.0), (2048, 1408, 24.0),
+                 (2048, 1408, 8.0))] == [setting != "0", False, False, setting != "0", setting != "0", False]
         assert [G.wgmma_strips(n, mt, 132) for n, mt in ((28672, 1), (28672, 2), (8192, 2), (8192, 8), (8064, 8))] \
             == [2, 2, 1, 2, 1]
         assert G.wgmma_config(64, 28672, 132) == (64, 2, 4) and G.wgmma_config(256, 8192, 132) == (128, 1, 4)
+        # 32-token tiles: two strips unless one spreads the work over more SMs (H200, session 13)
+        assert [G.wgmma_config(32, n, 132, k)[:2] for k, n in
+                ((8192, 8192), (4096, 4096), (14336, 4096), (8192, 28672), (28672, 8192), (4096, 28672))] \
+            == [(32, 2), (32, 1), (32, 1), (32, 2), (32, 2), (32, 2)]
+        assert G.wgmma_config(17, 8064, 132, 4096)[:2] == (32, 1)  # N not a multiple of 256
+        assert G.wgmma_config(16, 4096, 132, 4096) == (16, 1, 8) and G.wgmma_config(9, 4096, 132)[:2] == (16, 1)
     finally:
         K.env_flag.cache_clear()
 

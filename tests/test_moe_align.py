@@ -73,7 +73,11 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert choose_block_size(1024, 2, 8, True) == M.WGMMA_BLOCK  # 256 rows per expert
     assert choose_block_size(192, 2, 8, True) == M.WGMMA_BLOCK  # 48
     assert choose_block_size(191, 2, 8, True) == 64
-    assert choose_block_size(64, 2, 8, True) == 64  # 16 rows: the wgmma kernel's blocks of 64
+    assert choose_block_size(64, 2, 8, True) == 32  # 16 rows: the wgmma kernel's blocks of 32 ...
+    assert choose_block_size(96, 2, 8, True) == 64  # ... 24 rows (large experts): its blocks of 64
+    assert choose_block_size(40, 2, 8, True) == 16  # 10 rows (large experts): the mma.sync kernel's
+    small = 2048 * 2816  # E=64 experts: blocks of 32 from 9 to 24 rows per expert
+    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 96, 256, 267, 320)] == [16, 32, 32, 64, 64]
     assert choose_block_size(64, 2, 8) == 32  # (the mma.sync kernel's choice)
     assert choose_block_size(16, 2, 8, True) == 8 and choose_block_size(64, 6, 64, True) == 8  # 4, 6 rows
     assert choose_block_size(1024, 2, 8) == 64 and choose_block_size(100000, 8, 8) == 64
@@ -128,14 +132,17 @@ def test_fused_moe_block_choice(monkeypatch, wgmma):
     w13 = torch.zeros(e, 2 * inter // 64, h // 16, 128, dtype=torch.int32)
     w2 = torch.zeros(e, h // 64, inter // 16, 128, dtype=torch.int32)
     s13, s2 = torch.zeros(e, 2, 2 * inter, dtype=torch.float16), torch.zeros(e, 1, h, dtype=torch.float16)
-    for t, want in ((16, 8), (64, 64 if wgmma else 32), (256, 128 if wgmma else 64)):
+    # 16 rows per expert: blocks of 32 either way (moe_gemm sends them to the wgmma kernel where it
+    # runs); 28 rows: 64 (wgmma) vs 32; 64 rows: 128 vs 64
+    for t, want, asks in ((16, 8, False), (64, 32, False), (112, 64 if wgmma else 32, True),
+                          (256, 128 if wgmma else 64, True)):
         x = torch.zeros(t, h, dtype=torch.float16)
         ids = torch.zeros(t, top_k, dtype=torch.int64)
         asked.clear()
         with pytest.raises(Stop):
             M.fused_marlin_moe(x, w13, s13, w2, s2, torch.ones(t, top_k), ids)
         assert chosen[-1] == want, (t, chosen)
-        assert asked == ([] if t == 16 else [[(2 * inter, h), (h, inter)]])
+        assert asked == ([[(2 * inter, h), (h, inter)]] if asks else [])
 
 
 def test_moe_gemm_ready_tables_op_mirrors_moe_gemm():

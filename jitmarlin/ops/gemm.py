@@ -489,12 +489,17 @@ def wgmma_setting() -> str:
 # output tiles are too few to fill the SMs, the wgmma kernel beat the mma.sync kernel and
 # dequantize + cuBLAS at M = 64, 128 and 256 on all six benchmark shapes (e.g. M=64: 4096^2 12.7 vs
 # 26.5 us, 14336x4096 28.0 vs 56.5, 8192^2 30.0 vs 48.6, 28672x8192 84.5 vs 114.7); at M=1024
-# dequantize + cuBLAS stays level or ahead. Below M=64 (64-token tiles, padded): M=48 beat the
-# mma.sync kernel on every shape measured (4096^2 13.9 vs 29.2 us, 8192x28672 85.4 vs 94.5), M=32
-# only where K*N <= 2^26 (8192^2 28.4 vs 32.9; 8192x28672 83.2 vs 79.1).
-WGMMA_AUTO_M = (17, 512)  # M range the automatic route sends to the wgmma kernel ...
-WGMMA_AUTO_SMALL_M = 32  # ... up to this M only where K*N <= WGMMA_AUTO_SMALL_M_MAX_KN
-WGMMA_AUTO_SMALL_M_MAX_KN = 1 << 26
+# dequantize + cuBLAS stays level or ahead. M=48 beat the mma.sync kernel on every shape measured
+# (4096^2 13.9 vs 29.2 us, 8192x28672 85.4 vs 94.5).
+# Session 13 (NOTES.md, "token tiles of 16 and 32"): at M = 17-32 the 32-token tile (m64n32k16,
+# no padding to 64) beat the mma.sync route on 4-bit weights where K*N <= 2^27 (8192^2 M=32 23.1 vs
+# 27.8 us, 4096^2 10.4 vs 12.3, 4096x28672 37.3 vs 39.7) but not on 8192x28672 (71.1 vs 66.5), and
+# on 8-bit weights everywhere (28672x8192 70.5 vs 78.5, 4096x28672 39.5 vs 45.4, 8192x28672 level);
+# at M = 9-16 the 16-token tile only on 4096^2 (9.8 vs 11.0), 2-2.5x slower on the large shapes.
+WGMMA_AUTO_M = (17, 512)  # M range the automatic route sends to the wgmma kernel (M <= 32: see below)
+WGMMA_N32_MAX_KN = 1 << 27  # M in [17, 32], 4-bit weights: only where K*N <= this (8-bit: always)
+WGMMA_N16_M = (9, 16)  # M range of the 16-token tile (automatic route only) ...
+WGMMA_N16_MAX_KN = 1 << 24  # ... 4-bit weights, K*N <= this
 
 
 def wgmma_allowed(fam: Family, index: int, wanted: bool) -> bool:
@@ -507,10 +512,17 @@ def wgmma_allowed(fam: Family, index: int, wanted: bool) -> bool:
 
 
 def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
-    """The dense GEMM on the sm_90a wgmma kernel (see wgmma_setting)."""
-    if fam.moe or m < 17 or n % 128 or k % 64:
+    """The dense GEMM on the sm_90a wgmma kernel (see wgmma_setting; JITMARLIN_WGMMA=1 forces it
+    from M = 17, the 16-token tile is taken by the automatic route only)."""
+    if fam.moe or m < WGMMA_N16_M[0] or n % 128 or k % 64:
         return False
-    wanted = WGMMA_AUTO_M[0] <= m < WGMMA_AUTO_M[1] and (m > WGMMA_AUTO_SMALL_M or k * n <= WGMMA_AUTO_SMALL_M_MAX_KN)
+    if m < WGMMA_AUTO_M[0]:
+        wanted = m <= WGMMA_N16_M[1] and fam.bits == 4 and k * n <= WGMMA_N16_MAX_KN
+        return wanted and wgmma_setting() == "auto" and wgmma_allowed(fam, index, True)
+    if m <= 32:
+        wanted = fam.bits == 8 or k * n <= WGMMA_N32_MAX_KN
+    else:
+        wanted = m < WGMMA_AUTO_M[1]
     return wgmma_allowed(fam, index, wanted)
 
 
@@ -520,11 +532,28 @@ def wgmma_strips(n: int, m_tiles: int, sms: int) -> int:
     return 2 if n % 256 == 0 and (n // 256) * m_tiles * 4 >= 3 * sms else 1
 
 
-def wgmma_config(m: int, n: int, sms: int) -> tuple[int, int, int]:
-    """(token tile, strips per warpgroup, stages) for the wgmma kernel: 64-token tiles up to M=64,
-    else 128; strips per warpgroup from wgmma_strips."""
-    nt = 64 if m <= 64 else 128
-    fw = wgmma_strips(n, -(-m // nt), sms)
+def _wgmma_span(n: int, m_tiles: int, k: int, nt: int, fw: int, sms: int) -> float:
+    """Relative time of a wgmma launch: CTAs per SM (rounded up) times the 64-k stages each runs
+    (a CTA with two strips per warpgroup does twice the work per stage)."""
+    tiles = (n // (128 * fw)) * m_tiles
+    splits = wgmma_splits(tiles, k, nt, fw, sms)
+    return -(-tiles * splits // sms) * fw * (k // 64) / splits
+
+
+def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, int, int]:
+    """(token tile, strips per warpgroup, stages) for the wgmma kernel: the smallest of 16 / 32 /
+    64 token tiles holding M (16 only from 9 rows), else 128. Strips per warpgroup: from
+    wgmma_strips for 64 / 128-token tiles; for 32-token tiles two unless one strip spreads the
+    work over more SMs (_wgmma_span; H200: 4096^2 and 14336x4096 take one, the other four
+    benchmark shapes two); 16-token tiles one."""
+    nt = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    if nt == 16:
+        fw = 1
+    elif nt == 32:
+        kk = k if k is not None else 4096
+        fw = 2 if n % 256 == 0 and _wgmma_span(n, 1, kk, nt, 2, sms) <= _wgmma_span(n, 1, kk, nt, 1, sms) else 1
+    else:
+        fw = wgmma_strips(n, -(-m // nt), sms)
     for cfg in K.WGMMA_CONFIGS:
         if cfg[:2] == (nt, fw):
             return cfg
@@ -580,7 +609,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
     sms = driver.device(index).sm_count
     if nt is None or fw is None or stages is None:
-        nt, fw, stages = wgmma_config(m, n, sms)
+        nt, fw, stages = wgmma_config(m, n, sms, k)
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)

@@ -27,16 +27,34 @@ BLOCK_SIZES = (8, 16, 32, 48, 64)
 WGMMA_BLOCK = 128
 WGMMA_BLOCK_MIN_ROWS = 48  # rows per expert (average) from which blocks of 128 ...
 WGMMA_64_MIN_ROWS = 14  # ... and blocks of 64, when the wgmma kernel runs both GEMMs
+# Blocks of 32 on the wgmma kernel (32-token tiles, session 13; NOTES.md "token tiles of 16 and
+# 32"), by rows per expert (average): Mixtral 64 / 80 tokens (16 / 20 rows) 415 / 419 us vs 448 /
+# 450 with blocks of 64, but 96 tokens (24 rows) 474 vs 448; E=64 top-6 (experts of 2048 x 1408)
+# 96-256 tokens (9-24 rows) 150 / 156 / 161 / 165 / 183 vs 158 / 164 / 229 / 234 / 241.
+WGMMA_32_ROWS = (14, 22)  # [lo, hi) rows per expert ...
+WGMMA_32_ROWS_SMALL = (9, 25)  # ... or this range for experts of K*N <= WGMMA_32_SMALL_KN
+WGMMA_32_SMALL_KN = 1 << 24
 
 
-def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_blocks: bool = False) -> int:
+def wgmma_block32(per_expert: float, kn: int) -> bool:
+    """Whether blocks of 32 rows go to the wgmma kernel at `per_expert` rows per expert (average)
+    for experts of K*N = kn (the shape rule only; the device and switch: _use_wgmma_moe)."""
+    lo, hi = WGMMA_32_ROWS_SMALL if kn <= WGMMA_32_SMALL_KN else WGMMA_32_ROWS
+    return lo <= per_expert < hi
+
+
+def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_blocks: bool = False,
+                      expert_kn: int = 1 << 30) -> int:
     """Rows per expert block (= the kernel's m tile): the first B with T*k/E/B < 0.9, else 64.
     Small blocks waste few padded rows at small batch; large ones reuse weights at large batch.
-    With large_blocks (the wgmma MoE kernel runs both GEMMs): 64 from WGMMA_64_MIN_ROWS rows per
-    expert, 128 from WGMMA_BLOCK_MIN_ROWS."""
+    With large_blocks (the wgmma MoE kernel runs both GEMMs): 128 from WGMMA_BLOCK_MIN_ROWS rows
+    per expert, 32 where wgmma_block32 says so for experts of K*N = expert_kn (the first GEMM's),
+    else 64 from WGMMA_64_MIN_ROWS."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if large_blocks and per_expert >= WGMMA_BLOCK_MIN_ROWS:
         return WGMMA_BLOCK
+    if large_blocks and wgmma_block32(per_expert, expert_kn):
+        return 32
     if large_blocks and per_expert >= WGMMA_64_MIN_ROWS:
         return 64
     for b in BLOCK_SIZES:
@@ -230,7 +248,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     if block_size == WGMMA_BLOCK and not _use_wgmma_moe(block_size, n, k, fam, index):
         raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel: compute capability 9.0, "
                          f"N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), JITMARLIN_WGMMA not 0")
-    if _use_wgmma_moe(block_size, n, k, fam, index):
+    if _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0]):
         _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k,
                           fam, top_k, block_size, a_by_position, index)
         return out
@@ -249,13 +267,19 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     return out
 
 
-def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int) -> bool:
-    """The sm_90a wgmma kernel for blocks of 64 and 128 rows, unless JITMARLIN_WGMMA=0 (or, chosen
-    automatically, its module cannot be built). H200: Mixtral shape at 1024 tokens 3306 us on the
-    mma.sync kernel -> 2157 (blocks of 64) -> 1899 (128)."""
+def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
+                   per_expert: float | None = None) -> bool:
+    """The sm_90a wgmma kernel for blocks of 64 and 128 rows, and of 32 at per_expert rows per
+    expert where wgmma_block32 says so, unless JITMARLIN_WGMMA=0 (or, chosen automatically, its
+    module cannot be built). H200: Mixtral shape at 1024 tokens 3306 us on the mma.sync kernel ->
+    2157 (blocks of 64) -> 1899 (128)."""
     from .gemm import wgmma_allowed
 
-    return block_size in (64, WGMMA_BLOCK) and n % 128 == 0 and k % 64 == 0 and wgmma_allowed(fam, index, True)
+    if block_size == 32:
+        wanted = per_expert is not None and wgmma_block32(per_expert, n * k)
+    else:
+        wanted = block_size in (64, WGMMA_BLOCK)
+    return wanted and n % 128 == 0 and k % 64 == 0 and wgmma_allowed(fam, index, True)
 
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
@@ -411,7 +435,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         check_perm_values(perm, k)
     bs = block_size
     if bs is None:  # the expert families are only needed when the wgmma blocks would differ
-        bs, wide = choose_block_size(t, top_k, e), choose_block_size(t, top_k, e, True)
+        bs, wide = choose_block_size(t, top_k, e), choose_block_size(t, top_k, e, True, i2 * h)
         if wide != bs and _large_blocks_ok(hidden, ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
                                                     (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))):
             bs = wide

@@ -51,7 +51,7 @@ def test_formats(fmt):
     k, n = 1024, 768
     packed, w = random_weights(k, n, bits, group, zp, dtype)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
-    for m in (1, 64, 100, 128, 257):
+    for m in (1, 9, 17, 32, 64, 100, 128, 257):
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         for cfg in K.WGMMA_CONFIGS:
             if n % (128 * cfg[1]):
@@ -174,10 +174,16 @@ def test_route_through_the_op(monkeypatch):
     assert calls == [64, 256]
     calls.clear()
     packed, w = random_weights(4096, 4096, 4, 128)  # narrow: the K split fills the GPU
-    for m in (16, 17, 63, 128, 511, 512):
+    for m in (8, 9, 16, 17, 32, 63, 128, 511, 512):
         a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
-    assert calls == [17, 63, 128, 511]
+    assert calls == [9, 16, 17, 32, 63, 128, 511]  # 16-token tiles from M = 9 on this small matrix
+    calls.clear()
+    packed, w = random_weights(8192, 28672, 8, 128)  # 8-bit: 32-token tiles at M = 17-32
+    for m in (16, 17, 32):
+        a = torch.randn(m, 8192, device="cuda", dtype=torch.float16)
+        check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"8-bit M={m}")
+    assert calls == [17, 32]
     with pytest.raises(ValueError, match="N % 128"):
         packed2, _ = random_weights(256, 192, 4, 128)
         run(torch.randn(64, 256, device="cuda", dtype=torch.float16), packed2, 64, 192, 256, torch.float16)
@@ -211,3 +217,31 @@ def test_moe_blocks_of_64(monkeypatch, fw, kw):
             K.env_flag.cache_clear()
             got = moe(x)
             assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, (t, setting)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64)],
+                         ids=["f16", "act_order", "bf16", "u8g64"])
+def test_moe_blocks_of_32(monkeypatch, kw):
+    """Blocks of 32 rows on the wgmma kernel (9-24 rows per expert on small experts): the layer's
+    output against the mma.sync MoE kernel (JITMARLIN_WGMMA=0), and the route taken."""
+    from .test_moe_gpu import make_moe
+
+    from jitmarlin.ops import moe as M
+
+    blocks = []
+    orig = M._launch_wgmma_moe
+    monkeypatch.setattr(M, "_launch_wgmma_moe", lambda *a, **k: (blocks.append(a[14]), orig(*a, **k))[1])
+    moe, _, _ = make_moe(8, 1024, 512, 2, **kw)
+    dtype = kw.get("dtype", torch.float16)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for t in (37, 64, 95):  # 9.25, 16, 23.75 rows per expert
+        x = torch.randn(t, 1024, device="cuda", dtype=dtype)
+        monkeypatch.setenv("JITMARLIN_WGMMA", "0")
+        K.env_flag.cache_clear()
+        want = moe(x)
+        monkeypatch.delenv("JITMARLIN_WGMMA")
+        K.env_flag.cache_clear()
+        blocks.clear()
+        got = moe(x)
+        assert blocks == [32, 32], (t, blocks)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, t
