@@ -49,6 +49,7 @@ def main() -> None:
         K.BULK_TILES = K.BULK_TILES + tuple(t for t in (K.Tile(2, True, 8, args.w16_stages, True),)
                                             if t not in K.BULK_TILES)
     tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} gather PDL={args.gather_pdl} "
+           f"flags={os.environ.get('JITMARLIN_NVCC_FLAGS', '') or '-'} WGMMA={os.environ.get('JITMARLIN_WGMMA', 'auto')} "
            f"w16 stages={args.w16_stages or 'route'}")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in args.shapes.split(","):
@@ -70,8 +71,10 @@ def main() -> None:
                                                              out, m, n, k, fam), len(copies))
             gather = common.time_graph(lambda i: G.gather_columns(a, p32, m, k, fam), len(copies))
             plan = G.select_plan(m, n, k, fam, G.device_info(0).smem_per_block, G.device_info(0).cc)
+            route = ("wgmma-n%d-f%d-s%d" % G.wgmma_config(m, n, G.driver.device(0).sm_count, k)
+                     if G.use_wgmma_path(m, n, k, fam, 0) else f"{plan.tile.tag()}-w{plan.nwarps}")
             print(f"[{tag}] {k}x{n} M={m}: layer {layer:.1f} us, gemm on gathered A {gemm:.1f}, gather alone "
-                  f"{gather:.1f} ({plan.tile.tag()}-w{plan.nwarps})", flush=True)
+                  f"{gather:.1f} ({route})", flush=True)
 
 
 if __name__ == "__main__":

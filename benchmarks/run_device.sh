@@ -407,6 +407,25 @@ for st in $STAGES; do
              timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 40,48,64,80,96 $a 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s13d.log"
              timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 96,128,160,192,256 $a 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s13d.log"
            done;;
+    s13e)  # act-order on the 16/32-token wgmma routes (bench: 4096^2 M=16 1.41x plain, M=32 1.55-1.62x): the
+           # wgmma kernel's weight copies before griddep_wait (default) vs waiting first (-DJM_WG_WAIT_FIRST),
+           # and the mma.sync routes (JITMARLIN_WGMMA=0); then the wgmma GPU tests on the default build
+           for f in "" "-DJM_WG_WAIT_FIRST"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_act_order.py \
+               --shapes 4096x4096,4096x28672,8192x8192,14336x4096 --m 16,32,64 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s13e.log"
+           done
+           [ -n "${S13E_PROBES_ONLY:-}" ] && continue
+           JITMARLIN_WGMMA=0 timeout 150 python3 benchmarks/probe_act_order.py \
+             --shapes 4096x4096,4096x28672,8192x8192,14336x4096 --m 16,32,64 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s13e.log"
+           timeout 200 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s13e_tests.log" 2>&1
+           echo "== s13e tests rc=$?"; tail -3 "$OUT/s13e_tests.log";;
+    s13f)  # final check of session 13: act-order layers (the wgmma kernel as a plain launch after the gather),
+           # then the formats table at M = 1 / 16 / 32 / 64 (run after "tests")
+           timeout 120 python3 benchmarks/probe_act_order.py --shapes 4096x4096,4096x28672,8192x8192,14336x4096 \
+             --m 16,32,64 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s13f.log"
+           timeout 240 python3 benchmarks/bench_gemm.py --variants bf16,u8,act_order --variant-m 1,16,32,64 --peers none \
+             --m 1,16,32,64 --json "$OUT/s13f.json" > "$OUT/s13f_formats.log" 2>&1
+           echo "== s13f formats rc=$?"; grep -E "^\| [0-9]" "$OUT/s13f_formats.log" | tail -24;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

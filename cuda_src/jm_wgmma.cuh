@@ -185,8 +185,19 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int k_tiles = MOE ? p.k / 64 : (split + 1) * (p.k / 64) / splits - kt0;
   const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
 
-  griddep_wait();  // MoE: the routing tables come from the previous kernels
-  griddep_launch_dependents();
+  // Dense: the weight copies of the first stages go out before waiting for the previous kernel
+  // (they never depend on it; the act-order gather before this GEMM, any kernel of a model); the
+  // activations follow once it has finished (below). MoE: the routing tables come from the
+  // previous kernels, so it waits here. -DJM_WG_WAIT_FIRST: wait here in both (A/B switch).
+#if defined(JM_WG_WAIT_FIRST)
+  constexpr bool kEarlyWeights = false;
+#else
+  constexpr bool kEarlyWeights = !MOE;
+#endif
+  if constexpr (!kEarlyWeights) {
+    griddep_wait();
+    griddep_launch_dependents();
+  }
   int expert = 0;  // MoE: an m tile of NT rows (= the block size) belongs to one expert
   if constexpr (MOE) {
     if (tok0 >= *p.num_padded) return;
@@ -238,13 +249,17 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int soff = (tid / kRowChunks) * p.n + strip0 * 64 + (tid % kRowChunks) * 8;
   const int zoff = (tid / kZRowChunks) * (p.n * BITS / 32) + strip0 * (2 * BITS) + (tid % kZRowChunks) * 4;
 
-  auto fetch = [&](int kt_local, int slot) {
+  auto fetch_acts = [&](int kt_local, int slot) {
     const int kt = kt0 + kt_local;
     uint8_t* st = smem + slot * S::kBytes;
     // activations: chunk c = tid + 256 i lands 32 rows (4096 bytes) after chunk tid
 #pragma unroll
     for (int i = 0; i < kActPerThread; i++)
       if (act_copier) cp_async16(st + asoff + 4096 * i, arow[i] + kt * 64, avalid[i]);
+  };
+  auto fetch_weights = [&](int kt_local, int slot) {
+    const int kt = kt0 + kt_local;
+    uint8_t* st = smem + slot * S::kBytes;
     // weights: per strip, the 4 k16 of this stage are contiguous (S::kStripBytes)
     const uint32_t* wk = bbase + kt * 4 * kWordsPerK16;
 #pragma unroll
@@ -258,6 +273,10 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
                      zbase + static_cast<int64_t>(grp0) * (p.n * BITS / 32) + zoff);
       }
     }
+  };
+  auto fetch = [&](int kt_local, int slot) {
+    fetch_acts(kt_local, slot);
+    fetch_weights(kt_local, slot);
   };
 
   // per channel: this lane's scales (and zero points) for its FW strips, once
@@ -379,10 +398,25 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     wgmma_commit();
   };
 
+  if constexpr (kEarlyWeights) {
+    // one copy group per stage as below; the first also holds every early weight copy, and it
+    // completes before any later group is waited for
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; s++) {
-    if (s < k_tiles) fetch(s, s);
-    cp_async_commit();
+    for (int s = 0; s < STAGES - 1; s++)
+      if (s < k_tiles) fetch_weights(s, s);
+    griddep_wait();
+    griddep_launch_dependents();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+      if (s < k_tiles) fetch_acts(s, s);
+      cp_async_commit();
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+      if (s < k_tiles) fetch(s, s);
+      cp_async_commit();
+    }
   }
   cp_async_wait<STAGES - 2>();
   fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)

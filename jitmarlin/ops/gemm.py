@@ -625,7 +625,9 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
 
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
                  nt: int | None = None, fw: int | None = None, stages: int | None = None,
-                 splits: int | None = None, workspace: Workspace | None = None) -> None:
+                 splits: int | None = None, workspace: Workspace | None = None, pdl: bool = True) -> None:
+    """pdl=False: a plain launch even where programmatic dependent launch is on (after the act-order
+    gather: see _gemm_cuda)."""
     wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
@@ -638,20 +640,26 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
         ws = workspace if workspace is not None else K.default_workspace(a.device)
         ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
-    wl.fn.launch(wl.grid, 256, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl)
+    wl.fn.launch(wl.grid, 256, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl)
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family,
-                workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None) -> None:
+                workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None,
+                after_gather: bool = False) -> None:
     """Compute out[m, n] = a @ dequant(b) (+ bias). plan_override (for tuning): a (tile, warps)
-    pair for the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
+    pair for the fused kernel, or "dequant" for the dequantize + cuBLAS path. after_gather: `a` was
+    just written by the act-order gather kernel (the wgmma kernel then launches without PDL)."""
     index = K.cuda_index(a.device)
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace)
         return
     if plan_override is None and use_wgmma_path(m, n, k, fam, index):
-        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace)
+        # After the act-order gather the wgmma kernel runs faster as a plain launch: H200 session 13
+        # (NOTES.md), layer = gather + GEMM at M=32, PDL vs plain: 4096x28672 59.0 vs 41.3 us, 8192^2
+        # 36.3-39.1 vs 27.7, 14336x4096 40.2-41.3 vs 31.6 (the mma.sync kernels keep PDL there).
+        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace,
+                     pdl=not after_gather)
         return
     if plan_override == "dequant" or (plan_override is None and use_dequant_path(m, n, k)):
         wt = dequantize_weights(b, scales, zeros, fam, n, k)
@@ -707,7 +715,7 @@ def _gemm_cuda(a, b, scales, zeros, bias, perm=None, workspace: Workspace | None
     if m > 0:
         if perm is not None:
             a = gather_columns(a, perm, m, k, fam)
-        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace)
+        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace, after_gather=perm is not None)
     return out
 
 

@@ -245,3 +245,22 @@ def test_moe_blocks_of_32(monkeypatch, kw):
         got = moe(x)
         assert blocks == [32, 32], (t, blocks)
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, t
+
+
+def test_act_order_gemm_on_the_wgmma_route_is_a_plain_launch(monkeypatch):
+    """After the act-order gather the wgmma kernel launches without PDL (benchmarks/NOTES.md,
+    session 13), plain calls keep it; results are A[:, perm] @ W and A @ W."""
+    seen = []
+    orig = G.launch_wgmma
+    monkeypatch.setattr(G, "launch_wgmma", lambda *a, **kw: (seen.append(kw.get("pdl", True)), orig(*a, **kw))[1])
+    monkeypatch.delenv("JITMARLIN_WGMMA", raising=False)
+    K.env_flag.cache_clear()
+    k, n = 4096, 4096
+    packed, w = random_weights(k, n, 4, 128, seed=5)
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    for m in (16, 32, 64):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm), a[:, perm.long()].float() @ w, 1e-3,
+                    f"act-order M={m}")
+        check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
+    assert seen == [False, True] * 3
