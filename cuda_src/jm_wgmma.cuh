@@ -380,11 +380,14 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 
   // NACC accumulator sets: k16 step s of a stage accumulates into set s % NACC, so consecutive
   // wgmma of a warpgroup do not wait on each other's accumulators (summed before the epilogue).
-  // Tuning switch -DJM_WG_NACC=1/2/4 (A/B of session 13).
-#ifndef JM_WG_NACC
-#define JM_WG_NACC 1
-#endif
+  // H200 session 13 (NOTES.md), two sets vs one: 32-token tiles 1-6% faster (8192x28672 M=32
+  // n32-f1 77.8 -> 73.1 us, n32-f2 70.1 -> 68.5), 64-token tiles within +-4%, four sets no better;
+  // with 64 and 128 tokens the registers are needed elsewhere. Tuning switch -DJM_WG_NACC=1/2/4.
+#ifdef JM_WG_NACC
   constexpr int NACC = JM_WG_NACC;
+#else
+  constexpr int NACC = NT <= 32 ? 2 : 1;
+#endif
   static_assert(NACC == 1 || NACC == 2 || NACC == 4, "accumulator sets divide the 4 k16 steps of a stage");
   float dacc[NACC][FW][NT / 2];
 #pragma unroll
