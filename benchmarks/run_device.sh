@@ -426,7 +426,7 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/bench_gemm.py --variants bf16,u8,act_order --variant-m 1,16,32,64 --peers none \
              --m 1,16,32,64 --json "$OUT/s13f.json" > "$OUT/s13f_formats.log" 2>&1
            echo "== s13f formats rc=$?"; grep -E "^\| [0-9]" "$OUT/s13f_formats.log" | tail -24;;
-    s13h)  # wgmma accumulator sets (-DJM_WG_NACC): consecutive k16 steps into independent accumulators, so that
+    s13h)  # (branch exp-wgmma-nacc) wgmma accumulator sets (-DJM_WG_NACC): consecutive k16 steps into independent accumulators, so that
            # a warpgroup's wgmma do not wait on each other (session 13: the kernel's time hardly moves with N)
            SH="8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096"
            for n in 1 2; do
