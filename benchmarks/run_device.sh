@@ -426,19 +426,6 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/bench_gemm.py --variants bf16,u8,act_order --variant-m 1,16,32,64 --peers none \
              --m 1,16,32,64 --json "$OUT/s13f.json" > "$OUT/s13f_formats.log" 2>&1
            echo "== s13f formats rc=$?"; grep -E "^\| [0-9]" "$OUT/s13f_formats.log" | tail -24;;
-    s13h)  # (branch exp-wgmma-nacc) wgmma accumulator sets (-DJM_WG_NACC): consecutive k16 steps into independent accumulators, so that
-           # a warpgroup's wgmma do not wait on each other (session 13: the kernel's time hardly moves with N)
-           SH="8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096"
-           for n in 1 2; do
-             JITMARLIN_NVCC_FLAGS="-DJM_WG_NACC=$n" timeout 100 python3 benchmarks/probe_configs.py --m 32,64 --shapes $SH \
-               --configs wgmma-n32-f1-s8,wgmma-n32-f2-s8,wgmma-n64-f1-s6,wgmma-n64-f2-s4 2>&1 | grep -v "^done\|^jitmarlin:" \
-               | tee -a "$OUT/s13h.log"
-           done
-           JITMARLIN_NVCC_FLAGS="-DJM_WG_NACC=4" timeout 60 python3 benchmarks/probe_configs.py --m 32 --shapes $SH \
-             --configs wgmma-n32-f1-s8,wgmma-n32-f2-s8 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s13h.log"
-           JITMARLIN_NVCC_FLAGS="-DJM_WG_NACC=2" timeout 90 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py \
-             -k "formats or k_splits or blocks_of" > "$OUT/s13h_tests.log" 2>&1
-           echo "== s13h tests (NACC=2) rc=$?"; tail -2 "$OUT/s13h_tests.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

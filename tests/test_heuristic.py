@@ -198,6 +198,8 @@ def test_wgmma_route_rules(monkeypatch, setting):
                 ((8192, 8192), (4096, 4096), (14336, 4096), (8192, 28672), (28672, 8192), (4096, 28672))] \
             == [(32, 2), (32, 1), (32, 1), (32, 2), (32, 2), (32, 2)]
         assert G.wgmma_config(17, 8064, 132, 4096)[:2] == (32, 1)  # N not a multiple of 256
+        with pytest.raises(ValueError, match="needs K"):
+            G.wgmma_config(32, 8192, 132)
         assert G.wgmma_config(16, 4096, 132, 4096) == (16, 1, 8) and G.wgmma_config(9, 4096, 132)[:2] == (16, 1)
     finally:
         K.env_flag.cache_clear()

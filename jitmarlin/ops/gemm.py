@@ -550,8 +550,9 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
     if nt == 16:
         fw = 1
     elif nt == 32:
-        kk = k if k is not None else 4096
-        fw = 2 if n % 256 == 0 and _wgmma_span(n, 1, kk, nt, 2, sms) <= _wgmma_span(n, 1, kk, nt, 1, sms) else 1
+        if k is None:
+            raise ValueError(f"wgmma_config needs K for a 32-token tile (M={m}): the strips depend on the K split")
+        fw = 2 if n % 256 == 0 and _wgmma_span(n, 1, k, nt, 2, sms) <= _wgmma_span(n, 1, k, nt, 1, sms) else 1
     else:
         fw = wgmma_strips(n, -(-m // nt), sms)
     for cfg in K.WGMMA_CONFIGS:
