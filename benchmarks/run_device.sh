@@ -439,6 +439,17 @@ for st in $STAGES; do
            JITMARLIN_NVCC_FLAGS="-DJM_WG_NACC=2" timeout 90 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py \
              -k "formats or k_splits or blocks_of" > "$OUT/s13h_tests.log" 2>&1
            echo "== s13h tests (NACC=2) rc=$?"; tail -2 "$OUT/s13h_tests.log";;
+    s14a)  # prepared in session 13 (branch prep-wgmma-preload, on exp-wgmma-nacc; NOT yet run): the wgmma
+           # kernel with two accumulator sets for 16/32-token tiles and the stage's weight words read from
+           # shared memory at once. Run "tests" first (whole suite), then this A/B (same run):
+           # default / -DJM_WG_NO_PRELOAD / -DJM_WG_NACC=1 -DJM_WG_NO_PRELOAD (= main's kernel)
+           SH="8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096"
+           for f in "" "-DJM_WG_NO_PRELOAD" "-DJM_WG_NACC=1 -DJM_WG_NO_PRELOAD"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py --m 16,32,64,256 --shapes $SH \
+               --configs route 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s14a.log"
+             JITMARLIN_NVCC_FLAGS="$f" timeout 100 python3 benchmarks/probe_moe_tiles.py --tokens 16,64,256,1024 2>&1 \
+               | grep -v "^jitmarlin:" | sed "s/^/[$f] /" | tee -a "$OUT/s14a.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
