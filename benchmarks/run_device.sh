@@ -449,7 +449,11 @@ for st in $STAGES; do
                --configs route 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s14a.log"
              JITMARLIN_NVCC_FLAGS="$f" timeout 100 python3 benchmarks/probe_moe_tiles.py --tokens 16,64,256,1024 2>&1 \
                | grep -v "^jitmarlin:" | sed "s/^/[$f] /" | tee -a "$OUT/s14a.log"
-           done;;
+           done
+           # where a wgmma call's time goes (per-CTA timeline, -DJM_TIMELINE build: entry, past the wait, first
+           # stage, last stage, end), M = 16 / 32 / 64 on the routes
+           timeout 120 python3 benchmarks/probe_timeline.py --shapes 8192x28672,8192x8192,4096x4096 --m 16,32,64 2>&1 \
+             | grep -v "^jitmarlin:" | tee -a "$OUT/s14a.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

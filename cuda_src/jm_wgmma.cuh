@@ -179,11 +179,31 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int f_tile = blockIdx.x / per_f, rem = blockIdx.x - f_tile * per_f;
   const int split = MOE ? 0 : rem / m_tiles, m_tile = rem - split * m_tiles;
   if (f_tile >= f_tiles) return;
+  // Diagnostics (-DJM_TIMELINE, benchmarks/probe_timeline.py; the slots of the mma.sync kernel's
+  // timeline): 0 entry, 1 past griddep_wait, 2 the first stage landed, 3 the last stage computed,
+  // 4 the end, 5 the SM, 6 the stages, 7 ns from 3 to 4 (split-K sum and output). Thread 0.
+#ifdef JM_TIMELINE
+  uint64_t tl_last = 0;
+  auto tl_end = [&]() {
+    if (tid == 0) {
+      const uint64_t now = globaltimer();
+      JM_TL(4, now);
+      JM_TL(7, now - tl_last);
+    }
+  };
+#else
+  auto tl_end = [&]() {};
+#endif
   const int strip0 = f_tile * S::kStrips;  // the CTA's first strip
   const int tok0 = m_tile * NT;
   const int kt0 = MOE ? 0 : split * (p.k / 64) / splits;  // this CTA's stages: [kt0, kt0 + k_tiles)
   const int k_tiles = MOE ? p.k / 64 : (split + 1) * (p.k / 64) / splits - kt0;
   const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
+  if (tid == 0) {
+    JM_TL(0, globaltimer());
+    JM_TL(5, smid());
+    JM_TL(6, k_tiles);
+  }
 
   // Dense: the weight copies of the first stages go out before waiting for the previous kernel
   // (they never depend on it; the act-order gather before this GEMM, any kernel of a model); the
@@ -196,6 +216,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 #endif
   if constexpr (!kEarlyWeights) {
     griddep_wait();
+    if (tid == 0) JM_TL(1, globaltimer());
     griddep_launch_dependents();
   }
   int expert = 0;  // MoE: an m tile of NT rows (= the block size) belongs to one expert
@@ -456,6 +477,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     for (int s = 0; s < STAGES - 1; s++)
       if (s < k_tiles) fetch_weights(s, s);
     griddep_wait();
+    if (tid == 0) JM_TL(1, globaltimer());
     griddep_launch_dependents();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
@@ -472,6 +494,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   cp_async_wait<STAGES - 2>();
   fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
   __syncthreads();
+  if (tid == 0) JM_TL(2, globaltimer());
 
   const uint32_t smem_base = smem_addr(smem);  // 1024-byte aligned
   // NB fragment buffers: step s dequantizes into buffer s % NB while up to NB - 1 earlier steps'
@@ -508,6 +531,10 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
+#ifdef JM_TIMELINE
+  tl_last = globaltimer();
+  if (tid == 0) JM_TL(3, tl_last);
+#endif
 
 #pragma unroll
   for (int q = 1; q < NACC; q++) {
@@ -536,7 +563,10 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     const int unit = f_tile * m_tiles + m_tile;
     if (tid == 0) s_last = atomicAdd(p.counters + unit, 1) == splits - 1;
     __syncthreads();
-    if (!s_last) return;
+    if (!s_last) {
+      tl_end();
+      return;
+    }
     __threadfence();
     if (tid == 0) p.counters[unit] = 0;  // all the tile's splits have arrived: zero for the next launch
     const float* first = p.ws + static_cast<int64_t>(f_tile * per_f + m_tile) * kRegion + tid * 4;
@@ -591,6 +621,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       }
     }
   }
+  tl_end();
 }
 
 }  // namespace jm
