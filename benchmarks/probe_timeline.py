@@ -1,7 +1,8 @@
 """Where the fixed cost of a GEMM call goes, inside a chain of calls (the way layers run): every
 call of a CUDA graph of back-to-back GEMMs (programmatic dependent launch between them) records
 per-CTA GPU timestamps (kernels built with -DJM_TIMELINE; bulk tiles on sm_90, see the
-"Diagnostics" block of cuda_src/jm_gemm.cuh), and this prints, for the calls in the middle of the
+"Diagnostics" block of cuda_src/jm_gemm.cuh, and the sm_90a wgmma kernel, where "wait" is thread 0
+past griddep_wait, "first" the first stage landed, "fixup" the split-K sum and output), and this prints, for the calls in the middle of the
 chain, medians over calls of:
 
     step        end of the previous call -> end of this one (the per-call time in the chain)
@@ -54,24 +55,40 @@ def chain(k: int, n: int, m: int, calls: int, override=None):
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
     out = torch.empty(m, n, device="cuda", dtype=torch.float16)
     index = K.cuda_index(a.device)
-    if override:  # the launch launch_gemm makes for it (its grid sizes the timeline buffers)
-        tile, w = override
-        launch = G._make_launch(G.Plan(tile, w, K.smem_bytes(fam, tile, w)), m, n, k, fam, index)
+    wgmma = (override is not None and override[0] == "wgmma") or (override is None and
+                                                                   G.use_wgmma_path(m, n, k, fam, index))
+    if wgmma:  # the sm_90a warpgroup-MMA kernel (its timeline: cuda_src/jm_wgmma.cuh, same slots)
+        cfg = tuple(override[1:]) if override else ()
+        wl = G.wgmma_launch(m, n, k, fam, index, *cfg)
+        grid = wl.grid
+        tag = "wgmma-n%d-f%d-s%d" % (cfg[:3] if cfg else G.wgmma_config(m, n, G.driver.device(index).sm_count, k))
     else:
-        launch = G.prepare_launch(m, m, n, k, fam, index)
-    grid = launch.grid
-    if not launch.plan.tile.bulk:
-        return None, grid, launch.plan.tile.tag()
+        if override:  # the launch launch_gemm makes for it (its grid sizes the timeline buffers)
+            tile, w = override
+            launch = G._make_launch(G.Plan(tile, w, K.smem_bytes(fam, tile, w)), m, n, k, fam, index)
+        else:
+            launch = G.prepare_launch(m, m, n, k, fam, index)
+        grid, tag = launch.grid, launch.plan.tile.tag()
+        if not launch.plan.tile.bulk:
+            return None, grid, tag
     bufs = torch.zeros(calls, grid, SLOTS, dtype=torch.int64, device="cuda")
     state = {"i": 0}
     orig = G.launch_params
+    orig_params = K.GemmParams
 
     def with_timeline(*args, **kw):
         p = orig(*args, **kw)
         p.timeline = bufs[state["i"] % calls].data_ptr()
         return p
 
+    class TimelineParams(orig_params):  # the wgmma launch builds its parameters itself
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.timeline = bufs[state["i"] % calls].data_ptr()
+
     G.launch_params = with_timeline
+    if wgmma:
+        K.GemmParams = TimelineParams
     try:
         def step(i):
             state["i"] = i
@@ -91,7 +108,8 @@ def chain(k: int, n: int, m: int, calls: int, override=None):
         torch.cuda.synchronize()
     finally:
         G.launch_params = orig
-    return bufs.cpu(), grid, launch.plan.tile.tag()
+        K.GemmParams = orig_params
+    return bufs.cpu(), grid, tag
 
 
 def summarize(t: torch.Tensor, grid: int) -> dict:
@@ -129,11 +147,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672,8192x8192,4096x4096")
     ap.add_argument("--m", default="1,16")
     ap.add_argument("--calls", type=int, default=24)
-    ap.add_argument("--config", default="", help="TILE_TAG-wN instead of the route's choice")
+    ap.add_argument("--config", default="", help="TILE_TAG-wN (or wgmma-n{NT}-f{FW}-s{STAGES}) instead of the "
+                    "route's choice")
     args = ap.parse_args()
     tiles = {t.tag(): t for t in K.tiles_for(torch.cuda.get_device_capability(0))}
     override = None
-    if args.config:
+    if args.config.startswith("wgmma"):
+        override = ("wgmma",) + tuple(int(x[1:]) for x in args.config.split("-")[1:])
+    elif args.config:
         tag, w = args.config.rsplit("-w", 1)
         override = (tiles[tag], int(w))
     for shape in args.shapes.split(","):

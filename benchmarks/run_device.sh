@@ -426,6 +426,21 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/bench_gemm.py --variants bf16,u8,act_order --variant-m 1,16,32,64 --peers none \
              --m 1,16,32,64 --json "$OUT/s13f.json" > "$OUT/s13f_formats.log" 2>&1
            echo "== s13f formats rc=$?"; grep -E "^\| [0-9]" "$OUT/s13f_formats.log" | tail -24;;
+    s14a)  # prepared in session 13 (branch prep-wgmma-preload, on exp-wgmma-nacc; NOT yet run): the wgmma
+           # kernel with two accumulator sets for 16/32-token tiles and the stage's weight words read from
+           # shared memory at once. Run "tests" first (whole suite), then this A/B (same run):
+           # default / -DJM_WG_NO_PRELOAD / -DJM_WG_NACC=1 -DJM_WG_NO_PRELOAD (= main's kernel)
+           SH="8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096"
+           for f in "" "-DJM_WG_NO_PRELOAD" "-DJM_WG_NACC=1 -DJM_WG_NO_PRELOAD"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py --m 16,32,64,256 --shapes $SH \
+               --configs route 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s14a.log"
+             JITMARLIN_NVCC_FLAGS="$f" timeout 100 python3 benchmarks/probe_moe_tiles.py --tokens 16,64,256,1024 2>&1 \
+               | grep -v "^jitmarlin:" | sed "s/^/[$f] /" | tee -a "$OUT/s14a.log"
+           done
+           # where a wgmma call's time goes (per-CTA timeline, -DJM_TIMELINE build: entry, past the wait, first
+           # stage, last stage, end), M = 16 / 32 / 64 on the routes
+           timeout 120 python3 benchmarks/probe_timeline.py --shapes 8192x28672,8192x8192,4096x4096 --m 16,32,64 2>&1 \
+             | grep -v "^jitmarlin:" | tee -a "$OUT/s14a.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

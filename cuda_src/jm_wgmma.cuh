@@ -179,11 +179,31 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int f_tile = blockIdx.x / per_f, rem = blockIdx.x - f_tile * per_f;
   const int split = MOE ? 0 : rem / m_tiles, m_tile = rem - split * m_tiles;
   if (f_tile >= f_tiles) return;
+  // Diagnostics (-DJM_TIMELINE, benchmarks/probe_timeline.py; the slots of the mma.sync kernel's
+  // timeline): 0 entry, 1 past griddep_wait, 2 the first stage landed, 3 the last stage computed,
+  // 4 the end, 5 the SM, 6 the stages, 7 ns from 3 to 4 (split-K sum and output). Thread 0.
+#ifdef JM_TIMELINE
+  uint64_t tl_last = 0;
+  auto tl_end = [&]() {
+    if (tid == 0) {
+      const uint64_t now = globaltimer();
+      JM_TL(4, now);
+      JM_TL(7, now - tl_last);
+    }
+  };
+#else
+  auto tl_end = [&]() {};
+#endif
   const int strip0 = f_tile * S::kStrips;  // the CTA's first strip
   const int tok0 = m_tile * NT;
   const int kt0 = MOE ? 0 : split * (p.k / 64) / splits;  // this CTA's stages: [kt0, kt0 + k_tiles)
   const int k_tiles = MOE ? p.k / 64 : (split + 1) * (p.k / 64) / splits - kt0;
   const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
+  if (tid == 0) {
+    JM_TL(0, globaltimer());
+    JM_TL(5, smid());
+    JM_TL(6, k_tiles);
+  }
 
   // Dense: the weight copies of the first stages go out before waiting for the previous kernel
   // (they never depend on it; the act-order gather before this GEMM, any kernel of a model); the
@@ -196,6 +216,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 #endif
   if constexpr (!kEarlyWeights) {
     griddep_wait();
+    if (tid == 0) JM_TL(1, globaltimer());
     griddep_launch_dependents();
   }
   int expert = 0;  // MoE: an m tile of NT rows (= the block size) belongs to one expert
@@ -329,12 +350,41 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   };
 
   // dequantize k16 step s of the stage in `st` into the A fragments of this warp, one per strip
+  // The stage's packed weight words of this lane, read from shared memory together when the stage
+  // becomes current: the wgmma asm statements are memory barriers to the compiler, so a read
+  // inside dequant would wait behind the previous step's wgmma issue and put its latency on every
+  // step. -DJM_WG_NO_PRELOAD: read per step (A/B switch, session 13 prep).
+#if defined(JM_WG_NO_PRELOAD) || defined(JM_WG_NOLDS)
+  constexpr bool kPreload = false;
+#else
+  constexpr bool kPreload = true;
+#endif
+  constexpr int kWW = BITS == 4 ? 1 : 2;  // 32-bit words per lane, strip and k16 step
+  uint32_t wpre[kPreload ? 4 : 1][FW][kWW];
+  auto lane_words = [&](const uint8_t* st, int s, int j, uint32_t (&w)[kWW]) {
+    const uint8_t* wst = st + S::kAct + (wg * FW + j) * S::kStripBytes + s * kWordsPerK16 * 4;
+    if constexpr (BITS == 4) {
+      w[0] = *reinterpret_cast<const uint32_t*>(wst + (lane * 4 + warp) * 4);
+    } else {  // words e0, e0 + 1 of a lane's 8 (the first 4 at lane*4, the last 4 at 128 + lane*4)
+      const uint2 v = *reinterpret_cast<const uint2*>(wst + (e0 < 4 ? lane * 4 + e0 : 128 + lane * 4 + e0 - 4) * 4);
+      w[0] = v.x;
+      w[kWW - 1] = v.y;
+    }
+  };
+  auto preload = [&](const uint8_t* st) {
+    if constexpr (kPreload) {
+#pragma unroll
+      for (int s = 0; s < 4; s++) {
+#pragma unroll
+        for (int j = 0; j < FW; j++) lane_words(st, s, j, wpre[s][j]);
+      }
+    }
+  };
+
   auto dequant = [&](const uint8_t* st, int s, uint32_t (&a)[FW][4]) {
     const int row = S::kRows > 1 ? s / GROUP_BLOCKS : 0;
 #pragma unroll
     for (int j = 0; j < FW; j++) {
-      const int ls = wg * FW + j;  // CTA-local strip
-      const uint8_t* wst = st + S::kAct + ls * S::kStripBytes + s * kWordsPerK16 * 4;
       uint32_t z0, z1;
       if constexpr (!HAS_ZP) {
         z0 = z1 = BITS == 4 ? 8u : 128u;
@@ -350,10 +400,19 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       }
       const ZeroConst zc0 = make_zero_const<T, BITS>(z0), zc1 = make_zero_const<T, BITS>(z1);
       Frag f0, f1;
+      uint32_t w[kWW];
+      if constexpr (kPreload) {
+#pragma unroll
+        for (int i = 0; i < kWW; i++) w[i] = wpre[s][j][i];
+      } else {
+        lane_words(st, s, j, w);
+      }
 #if defined(JM_WG_NOLDS)  // diagnostic (wrong results): no weight reads from shared memory
-      const uint32_t wword = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(wst)) * 0x9E3779B9u;
+      const uint32_t wword =
+          static_cast<uint32_t>(reinterpret_cast<uintptr_t>(st + S::kAct + (wg * FW + j) * S::kStripBytes + s * 64)) *
+          0x9E3779B9u;
 #else
-      const uint32_t wword = *reinterpret_cast<const uint32_t*>(wst + (lane * 4 + warp) * 4);
+      const uint32_t wword = w[0];
 #endif
 #if defined(JM_WG_NODEQ)  // diagnostic (wrong results): the fragments are the packed words, no dequant ALU
       if constexpr (true) {
@@ -364,10 +423,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       if constexpr (BITS == 4) {
         dequant4<T>(wword, zc0, zc1, f0, f1);
       } else {
-        // 8-bit: words e0, e0 + 1 of a lane's 8 (the first 4 at lane*4, the last 4 at 128 + lane*4)
-        const uint2 v = *reinterpret_cast<const uint2*>(wst + (e0 < 4 ? lane * 4 + e0 : 128 + lane * 4 + e0 - 4) * 4);
-        f0 = dequant8<T>(v.x, zc0);
-        f1 = dequant8<T>(v.y, zc1);
+        f0 = dequant8<T>(wword, zc0);
+        f1 = dequant8<T>(w[kWW - 1], zc1);
       }
       const uint32_t sc = gsc[j][row];
       const uint32_t s0 = bcast_half(sc, 0), s1 = bcast_half(sc, 1);
@@ -405,6 +462,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     for (int s = 0; s < STAGES - 1; s++)
       if (s < k_tiles) fetch_weights(s, s);
     griddep_wait();
+    if (tid == 0) JM_TL(1, globaltimer());
     griddep_launch_dependents();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
@@ -421,6 +479,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   cp_async_wait<STAGES - 2>();
   fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
   __syncthreads();
+  if (tid == 0) JM_TL(2, globaltimer());
 
   const uint32_t smem_base = smem_addr(smem);  // 1024-byte aligned
   // NB fragment buffers: step s dequantizes into buffer s % NB while up to NB - 1 earlier steps'
@@ -428,6 +487,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   // (a whole stage in flight), else two.
   constexpr int NB = (FW == 2 && NT == 128) ? 2 : 4;
   uint32_t abuf[NB][FW][4];
+  preload(smem);
   load_groups(smem);
   dequant(smem, 0, abuf[0]);
   int slot = 0;
@@ -449,12 +509,17 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       const int nk = kt + STAGES - 1;
       if (nk < k_tiles) fetch(nk, (slot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
       cp_async_commit();
+      preload(smem + slot * S::kBytes);
       load_groups(smem + slot * S::kBytes);
       dequant(smem + slot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
     }
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
+#ifdef JM_TIMELINE
+  tl_last = globaltimer();
+  if (tid == 0) JM_TL(3, tl_last);
+#endif
 
   if (splits > 1) {
     // Every split stores its partial sums in a region of its own (thread-major float4s, so each
@@ -475,7 +540,10 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     const int unit = f_tile * m_tiles + m_tile;
     if (tid == 0) s_last = atomicAdd(p.counters + unit, 1) == splits - 1;
     __syncthreads();
-    if (!s_last) return;
+    if (!s_last) {
+      tl_end();
+      return;
+    }
     __threadfence();
     if (tid == 0) p.counters[unit] = 0;  // all the tile's splits have arrived: zero for the next launch
     const float* first = p.ws + static_cast<int64_t>(f_tile * per_f + m_tile) * kRegion + tid * 4;
@@ -530,6 +598,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       }
     }
   }
+  tl_end();
 }
 
 }  // namespace jm
