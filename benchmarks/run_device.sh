@@ -441,6 +441,16 @@ for st in $STAGES; do
            # stage, last stage, end), M = 16 / 32 / 64 on the routes
            timeout 120 python3 benchmarks/probe_timeline.py --shapes 8192x28672,8192x8192,4096x4096 --m 16,32,64 2>&1 \
              | grep -v "^jitmarlin:" | tee -a "$OUT/s14a.log";;
+    s14p)  # Nsight Compute on the wgmma kernel (stall cycles per issued instruction by reason, issue rate,
+           # instruction mix): 8192x28672 at M = 64 (route) and M = 32 (JITMARLIN_WGMMA=1: the n32 tile)
+           for m in ${S14P_M:-64 32}; do
+             JITMARLIN_WGMMA=1 timeout 120 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+               --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis \
+               --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k regex:jm_wgmma -s 2 -c 1 \
+               python3 benchmarks/profile_gemm.py --k 8192 --n 28672 --m $m > "$OUT/s14p_$m.txt" 2>&1
+             echo "s14p M=$m rc=$?"; grep -E "jm_wgmma|Duration|Throughput|Registers|Issued Ipc|Issue Slots|No Eligible|Active Warps|Eligible Warps" "$OUT/s14p_$m.txt" | head -24
+             grep -E "issue_stalled" "$OUT/s14p_$m.txt" | sort -k3 -g -r | head -10
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
