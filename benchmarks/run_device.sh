@@ -451,6 +451,17 @@ for st in $STAGES; do
              echo "s14p M=$m rc=$?"; grep -E "jm_wgmma|Duration|Throughput|Registers|Issued Ipc|Issue Slots|No Eligible|Active Warps|Eligible Warps" "$OUT/s14p_$m.txt" | head -24
              grep -E "issue_stalled" "$OUT/s14p_$m.txt" | sort -k3 -g -r | head -10
            done;;
+    s14b)  # what the wgmma kernel's per-stage proxy fence costs (-DJM_WG_NO_PROXY_FENCE: diagnostic, formally racy)
+           SH="8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096"
+           for f in "" "-DJM_WG_NO_PROXY_FENCE"; do
+             JITMARLIN_NVCC_FLAGS="$f" JITMARLIN_WGMMA=1 timeout 150 python3 benchmarks/probe_configs.py --m 16,32,64,256 --shapes $SH \
+               --configs route 2>&1 | grep -v "^done\|^jitmarlin:" | sed "s/^/[$f] /" | tee -a "$OUT/s14b.log"
+             JITMARLIN_NVCC_FLAGS="$f" timeout 100 python3 benchmarks/probe_moe_tiles.py --tokens 64,256,1024 2>&1 \
+               | grep -v "^jitmarlin:" | sed "s/^/[$f] /" | tee -a "$OUT/s14b.log"
+           done
+           JITMARLIN_NVCC_FLAGS="-DJM_WG_NO_PROXY_FENCE" timeout 120 python3 -m pytest -q -x tests/gpu/test_wgmma_gpu.py \
+             -k "formats or k_splits or blocks_of" > "$OUT/s14b_tests.log" 2>&1
+           echo "== s14b tests (no proxy fence) rc=$?"; tail -2 "$OUT/s14b_tests.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -492,7 +492,9 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     }
   }
   cp_async_wait<STAGES - 2>();
+#ifndef JM_WG_NO_PROXY_FENCE  // diagnostic only (formally racy): what the proxy fence costs
   fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
+#endif
   __syncthreads();
   if (tid == 0) JM_TL(2, globaltimer());
 
@@ -519,7 +521,9 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     if (kt + 1 < k_tiles) {
       cp_async_wait<STAGES - 3>();  // stage kt + 1 is in (this thread's copies)
+#ifndef JM_WG_NO_PROXY_FENCE
       fence_proxy_async_smem();
+#endif
       __syncthreads();  // ... every thread's; and no warpgroup still reads stage kt - 1's slot
       const int nk = kt + STAGES - 1;
       if (nk < k_tiles) fetch(nk, (slot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
