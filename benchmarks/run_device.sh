@@ -462,6 +462,20 @@ for st in $STAGES; do
            JITMARLIN_NVCC_FLAGS="-DJM_WG_NO_PROXY_FENCE" timeout 120 python3 -m pytest -q -x tests/gpu/test_wgmma_gpu.py \
              -k "formats or k_splits or blocks_of" > "$OUT/s14b_tests.log" 2>&1
            echo "== s14b tests (no proxy fence) rc=$?"; tail -2 "$OUT/s14b_tests.log";;
+    s14c)  # per-instruction stall sampling of the wgmma kernel (ncu source page, SASS), 8192x28672 M=64 and
+           # 14336x4096 M=32; then K splits for the 32-token tile on the two narrow shapes
+           for spec in ${S14C_SPECS:-8192,28672,64 14336,4096,32}; do
+             IFS=, read -r k n m <<< "$spec"
+             JITMARLIN_WGMMA=1 timeout 150 ncu --clock-control none --section WarpStateStats --section SourceCounters \
+               --import-source no -k regex:jm_wgmma -s 2 -c 1 -o "$OUT/s14c_${k}_${n}_${m}" -f \
+               python3 benchmarks/profile_gemm.py --k $k --n $n --m $m > "$OUT/s14c_${k}_${n}_${m}.log" 2>&1
+             echo "s14c $spec rc=$?"
+             timeout 60 ncu -i "$OUT/s14c_${k}_${n}_${m}.ncu-rep" --page source --csv --print-source sass \
+               > "$OUT/s14c_${k}_${n}_${m}_sass.csv" 2>&1; echo "source page rc=$? $(wc -l < "$OUT/s14c_${k}_${n}_${m}_sass.csv") lines"
+           done
+           timeout 120 python3 benchmarks/probe_configs.py --m 32 --shapes 14336x4096,4096x4096 \
+             --configs route,wgmma-n32-f1-s8-k4,wgmma-n32-f1-s8-k8,wgmma-n32-f1-s8-k2,wgmma-n32-f2-s8-k8 2>&1 \
+             | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s14c.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
