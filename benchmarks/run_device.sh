@@ -476,6 +476,17 @@ for st in $STAGES; do
            timeout 120 python3 benchmarks/probe_configs.py --m 32 --shapes 14336x4096,4096x4096 \
              --configs route,wgmma-n32-f1-s8-k4,wgmma-n32-f1-s8-k8,wgmma-n32-f1-s8-k2,wgmma-n32-f2-s8-k8 2>&1 \
              | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s14c.log";;
+    s14d)  # the split copy roles (default: the first warpgroup copies and fences the activations, the second
+           # the weights) vs every thread on both (-DJM_WG_COPY_ALL) vs no fence (diagnostic), same run; wgmma tests
+           timeout 150 python3 -m pytest -q -x tests/gpu/test_wgmma_gpu.py > "$OUT/s14d_tests.log" 2>&1
+           echo "== s14d wgmma tests rc=$?"; tail -2 "$OUT/s14d_tests.log"
+           SH="8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096"
+           for f in "" "-DJM_WG_COPY_ALL" "-DJM_WG_NO_PROXY_FENCE -DJM_WG_COPY_ALL"; do
+             JITMARLIN_NVCC_FLAGS="$f" JITMARLIN_WGMMA=1 timeout 150 python3 benchmarks/probe_configs.py --m 16,32,64,256 --shapes $SH \
+               --configs route 2>&1 | grep -v "^done\|^jitmarlin:" | sed "s/^/[$f] /" | tee -a "$OUT/s14d.log"
+             JITMARLIN_NVCC_FLAGS="$f" timeout 100 python3 benchmarks/probe_moe_tiles.py --tokens 16,64,256,1024 2>&1 \
+               | grep -v "^jitmarlin:" | sed "s/^/[$f] /" | tee -a "$OUT/s14d.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

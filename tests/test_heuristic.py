@@ -215,6 +215,8 @@ def test_wgmma_k_splits():
     assert G.wgmma_splits(32, 4096, 64, 1, 132) == 4  # 4096^2 at M=64: 64 stages, runs of >= 16
     assert G.wgmma_splits(32, 14336, 64, 1, 132) == 8  # 14336x4096 at M=64: 32 tiles -> 256 CTAs
     assert G.wgmma_splits(32, 14336, 128, 1, 132) == 4  # 128-token tiles: at most 4
+    assert G.wgmma_splits(32, 14336, 32, 1, 132) == 8  # 32-token tiles: up to 8 (session 14)
+    assert G.wgmma_config(32, 4096, 132, 14336)[:2] == (32, 1)  # a span tie with 8 splits: one strip
     assert G.wgmma_splits(32, 1024, 64, 1, 132) == 1  # 16 stages: one run
     assert G.wgmma_splits(64, 8192, 64, 1, 132) == 4  # 8192^2 at M=64
     assert G.wgmma_splits(64, 8192, 64, 2, 132) == 2  # one CTA per SM with two strips

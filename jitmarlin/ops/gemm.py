@@ -552,7 +552,11 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
     elif nt == 32:
         if k is None:
             raise ValueError(f"wgmma_config needs K for a 32-token tile (M={m}): the strips depend on the K split")
-        fw = 2 if n % 256 == 0 and _wgmma_span(n, 1, k, nt, 2, sms) <= _wgmma_span(n, 1, k, nt, 1, sms) else 1
+        s2, s1 = _wgmma_span(n, 1, k, nt, 2, sms), _wgmma_span(n, 1, k, nt, 1, sms)
+        # a tie goes to two strips, unless they split K more than 4 ways: the last CTA then sums
+        # over 128 KB of partials (H200 session 14: 14336x4096 M=32, 8 splits, f1 21.4 us, f2 23.9)
+        tie_f2 = wgmma_splits(n // 256, k, nt, 2, sms) <= 4
+        fw = 2 if n % 256 == 0 and (s2 < s1 or (s2 == s1 and tie_f2)) else 1
     else:
         fw = wgmma_strips(n, -(-m // nt), sms)
     for cfg in K.WGMMA_CONFIGS:
@@ -567,11 +571,11 @@ WGMMA_SPLIT_MIN_STAGES = 16  # a K split keeps at least this many 64-k stages (p
 def wgmma_splits(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
     """CTAs per output tile along K: as many as fit the resident CTA slots (two per SM with one
     strip per warpgroup, one with two), each with at least WGMMA_SPLIT_MIN_STAGES stages, at most 8
-    with 64-token tiles and 4 with 128 (the last CTA reads every split's partials: 32 / 64 KB per
+    with 32- and 64-token tiles and 4 with 128 (the last CTA reads every split's partials: 32 / 64 KB per
     CTA). H200 (benchmarks/NOTES.md, "wgmma split-K"): 4096^2 M=64 4 splits 12.7 us vs 8 14.2;
     14336x4096 M=64 8 splits 28.0 vs 4 31.8; M=128 4 splits 42.0 vs 8 44.5."""
     slots = sms * (2 if fw == 1 else 1)
-    cap = 8 if nt == 64 else 4
+    cap = 8 if nt in (32, 64) else 4  # 32 tokens: 8 since session 14 (14336x4096 M=32 25.1 -> 21.4 us)
     return max(1, min(slots // max(1, tiles), (k // 64) // WGMMA_SPLIT_MIN_STAGES, cap))
 
 
