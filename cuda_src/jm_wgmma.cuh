@@ -225,103 +225,72 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     expert = __ldg(p.expert_ids + m_tile);
   }
 
-  // ---- copy roles. The wgmma reads the activation tile through the async proxy, so the threads
-  // that wrote it by cp.async must run a proxy fence after their wait; that fence (MEMBAR + FENCE.VIEW
-  // in SASS) also waits for the thread's younger copies still in flight. So the first warpgroup
-  // copies only the activations (L2-resident, short latency) and fences, the second copies the
-  // weights, scales and zero points (read by LDS, no fence) and keeps its deep prefetch.
-  // H200 (benchmarks/NOTES.md, session 14): dropping the fence altogether measured 0-14% faster.
-  // 128-token tiles keep every thread on both (8 activation chunks per thread would not fit the
-  // 128 registers of two CTAs per SM). -DJM_WG_COPY_ALL: every tile so (the kernel before; A/B).
-#if defined(JM_WG_COPY_ALL)
-  constexpr bool kSplitCopy = false;
-#else
-  constexpr bool kSplitCopy = NT <= 64;
-#endif
-  constexpr int kCT = kSplitCopy ? 128 : 256;  // threads per copy role
-  const bool act_role = !kSplitCopy || wg == 0, w_role = !kSplitCopy || wg == 1;
-  const int ta = tid, tw = kSplitCopy ? tid - 128 : tid;  // index within the role (valid in the role)
-
-  // activation rows: chunk c = (token r, 8 k j), r = 8 (c >> 6) + (c & 7), j = (c >> 3) & 7, so a
-  // warp reads 64 contiguous bytes of 8 rows and writes 4 full 128-byte lines; chunk ta + kCT i
-  // lands kCT / 8 rows (kCT * 16 bytes) after chunk ta
-  constexpr int kActChunks = NT * 8, kActPerThread = (kActChunks + kCT - 1) / kCT;
-  const bool act_copier = act_role && (kActChunks >= kCT || ta < kActChunks);
-  // Per-thread copy state, computed once: the A row of each activation chunk (its k offset acol is
-  // the same for all of a thread's chunks: kCT is a multiple of 64) and each weight chunk's word
-  // offset. With split roles a thread has one kind only, so both share one array (registers).
-  constexpr int kWChunks = S::kW / 16, kStripChunks = S::kStripBytes / 16;
-  static_assert(kWChunks % kCT == 0 && (kCT % kStripChunks == 0 || kStripChunks % kCT == 0), "weight chunks per thread");
-  constexpr int kWPerThread = kWChunks / kCT;
-  constexpr int kWBase = kSplitCopy ? 0 : kActPerThread;
-  constexpr int kOffs = kSplitCopy ? (kActPerThread > kWPerThread ? kActPerThread : kWPerThread)
-                                   : kActPerThread + kWPerThread;
-  uint32_t coff[kOffs];
-  uint32_t avalid = 0;  // bit i: activation chunk i is a real row (else zero-filled)
-  const int acol = ((ta >> 3) & 7) * 8;
-  const T* aptr[kSplitCopy ? 1 : kActPerThread];  // without split roles: the chunks' row pointers
-  if (act_role) {
+  // ---- activation rows this thread copies: chunk c = (token r, 8 k j), r = 8 (c >> 6) + (c & 7),
+  // j = (c >> 3) & 7, so a warp reads 64 contiguous bytes of 8 rows and writes 4 full 128-byte lines
+  // (NT = 16: 128 chunks, copied by the first warpgroup)
+  constexpr int kActChunks = NT * 8, kActPerThread = (kActChunks + 255) / 256;
+  const bool act_copier = kActChunks >= 256 || tid < kActChunks;
+  const T* arow[kActPerThread];
+  bool avalid[kActPerThread];
 #pragma unroll
-    for (int i = 0; i < kActPerThread; i++) {
-      const int c = (ta + kCT * i) % kActChunks, r = 8 * (c >> 6) + (c & 7);
-      int row = tok0 + r;
-      bool valid;
-      if constexpr (MOE) {  // A row of a (token, k) slot: its token, or its position when pre-gathered
-        const int slot_id = __ldg(p.sorted_ids + row);
-        valid = slot_id < p.m;
-        row = p.a_by_position ? row : slot_id / p.top_k;
-      } else {
-        valid = row < p.m;
-      }
-      coff[i] = valid ? static_cast<uint32_t>(row) : 0u;
-      avalid |= static_cast<uint32_t>(valid) << i;
-      if constexpr (!kSplitCopy) aptr[i] = static_cast<const T*>(p.a) + static_cast<int64_t>(coff[i]) * p.lda + acol;
+  for (int i = 0; i < kActPerThread; i++) {
+    const int c = (tid + 256 * i) % kActChunks, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
+    int row = tok0 + r;
+    bool valid;
+    if constexpr (MOE) {  // A row of a (token, k) slot: its token, or its position when pre-gathered
+      const int slot_id = __ldg(p.sorted_ids + row);
+      valid = slot_id < p.m;
+      row = p.a_by_position ? row : slot_id / p.top_k;
+    } else {
+      valid = row < p.m;
     }
+    arow[i] = static_cast<const T*>(p.a) + static_cast<int64_t>(valid ? row : 0) * p.lda + j * 8;
+    avalid[i] = valid;
   }
   const uint32_t* bbase = static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
                           static_cast<int64_t>(strip0) * (p.k / 16) * kWordsPerK16;
   const T* sbase = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
   const uint32_t* zbase = HAS_ZP ? static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride : nullptr;
 
-  if (w_role) {
+  // Per-thread copy offsets are computed once here; a stage adds only its k offset (a generic
+  // strided copy loop compiled to ~150 instructions per stage, most of the kernel's issue slots).
+  constexpr int kWChunks = S::kW / 16, kStripChunks = S::kStripBytes / 16;
+  static_assert(kWChunks % 256 == 0 && 256 % kStripChunks == 0 || kStripChunks % 256 == 0, "weight chunks per thread");
+  constexpr int kWPerThread = kWChunks / 256;
+  uint32_t woff[kWPerThread];  // words from bbase, at k = 0
 #pragma unroll
-    for (int i = 0; i < kWPerThread; i++) {
-      const int c = tw + kCT * i, strip = c / kStripChunks, off = c - strip * kStripChunks;
-      coff[kWBase + i] = static_cast<uint32_t>(strip * (p.k / 16) * kWordsPerK16 + off * 4);  // words at k = 0
-    }
+  for (int i = 0; i < kWPerThread; i++) {
+    const int c = tid + 256 * i, strip = c / kStripChunks, off = c - strip * kStripChunks;
+    woff[i] = static_cast<uint32_t>(strip * (p.k / 16) * kWordsPerK16 + off * 4);
   }
-  const uint32_t asoff = static_cast<uint32_t>((8 * (ta >> 6) + (ta & 7)) * 128 + ((((ta >> 3) & 7) ^ (ta & 7)) << 4));
+  const uint32_t asoff = static_cast<uint32_t>((8 * (tid >> 6) + (tid & 7)) * 128 + ((((tid >> 3) & 7) ^ (tid & 7)) << 4));
   constexpr int kRowChunks = S::kStrips * 64 * 2 / 16, kZRowChunks = S::kStrips * 64 * BITS / 8 / 16;
-  static_assert(S::kRows * kRowChunks <= kCT, "one scale chunk per copying thread");
-  const bool s_copier = kGrouped && w_role && tw < S::kRows * kRowChunks;
-  const bool z_copier = kGrouped && HAS_ZP && w_role && tw < S::kRows * kZRowChunks;
-  const int soff = (tw / kRowChunks) * p.n + strip0 * 64 + (tw % kRowChunks) * 8;
-  const int zoff = (tw / kZRowChunks) * (p.n * BITS / 32) + strip0 * (2 * BITS) + (tw % kZRowChunks) * 4;
+  const bool s_copier = kGrouped && tid < S::kRows * kRowChunks;
+  const bool z_copier = kGrouped && HAS_ZP && tid < S::kRows * kZRowChunks;
+  const int soff = (tid / kRowChunks) * p.n + strip0 * 64 + (tid % kRowChunks) * 8;
+  const int zoff = (tid / kZRowChunks) * (p.n * BITS / 32) + strip0 * (2 * BITS) + (tid % kZRowChunks) * 4;
 
   auto fetch_acts = [&](int kt_local, int slot) {
     const int kt = kt0 + kt_local;
     uint8_t* st = smem + slot * S::kBytes;
+    // activations: chunk c = tid + 256 i lands 32 rows (4096 bytes) after chunk tid
 #pragma unroll
     for (int i = 0; i < kActPerThread; i++)
-      if (act_copier)
-        cp_async16(st + asoff + kCT * 16 * i,
-                   (kSplitCopy ? static_cast<const T*>(p.a) + static_cast<int64_t>(coff[i]) * p.lda + acol : aptr[kSplitCopy ? 0 : i]) + kt * 64,
-                   (avalid >> i) & 1u);
+      if (act_copier) cp_async16(st + asoff + 4096 * i, arow[i] + kt * 64, avalid[i]);
   };
   auto fetch_weights = [&](int kt_local, int slot) {
-    if (!w_role) return;
     const int kt = kt0 + kt_local;
     uint8_t* st = smem + slot * S::kBytes;
     // weights: per strip, the 4 k16 of this stage are contiguous (S::kStripBytes)
     const uint32_t* wk = bbase + kt * 4 * kWordsPerK16;
 #pragma unroll
-    for (int i = 0; i < kWPerThread; i++) cp_async16(st + S::kAct + (tw + kCT * i) * 16, wk + coff[kWBase + i]);
+    for (int i = 0; i < kWPerThread; i++) cp_async16(st + S::kAct + (tid + 256 * i) * 16, wk + woff[i]);
     if constexpr (kGrouped) {
       const int grp0 = kt * 4 / GROUP_BLOCKS;
-      if (s_copier) cp_async16(st + S::kAct + S::kW + tw * 16, sbase + static_cast<int64_t>(grp0) * p.n + soff);
+      if (s_copier) cp_async16(st + S::kAct + S::kW + tid * 16, sbase + static_cast<int64_t>(grp0) * p.n + soff);
       if constexpr (HAS_ZP) {
         if (z_copier)
-          cp_async16(st + S::kAct + S::kW + S::kS + tw * 16,
+          cp_async16(st + S::kAct + S::kW + S::kS + tid * 16,
                      zbase + static_cast<int64_t>(grp0) * (p.n * BITS / 32) + zoff);
       }
     }
@@ -524,7 +493,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   }
   cp_async_wait<STAGES - 2>();
 #ifndef JM_WG_NO_PROXY_FENCE  // diagnostic only (formally racy): what the proxy fence costs
-  if (act_role) fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
+  fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
 #endif
   __syncthreads();
   if (tid == 0) JM_TL(2, globaltimer());
@@ -553,7 +522,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     if (kt + 1 < k_tiles) {
       cp_async_wait<STAGES - 3>();  // stage kt + 1 is in (this thread's copies)
 #ifndef JM_WG_NO_PROXY_FENCE
-      if (act_role) fence_proxy_async_smem();
+      fence_proxy_async_smem();
 #endif
       __syncthreads();  // ... every thread's; and no warpgroup still reads stage kt - 1's slot
       const int nk = kt + STAGES - 1;
