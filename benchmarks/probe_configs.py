@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
-                    "(route: the heuristic's choice; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]: the sm_90a kernel) "
+                    "(route: the heuristic's choice; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk]: the sm_90a kernel, -sk stream-K) "
                     "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
     ap.add_argument("--extra-tiles", default="", help="comma-separated tile tags built into the families "
                     "for this run only (candidates outside the built-in lists), e.g. w16_k128_s5_bk")
@@ -43,7 +43,10 @@ def main() -> None:
                     "spreads 256 CTAs of a cluster tile over 128 SMs instead of packing them onto fewer")
     ap.add_argument("--any-fit", action="store_true", help="build --extra-tiles into every family, also where "
                     "tile_fits excludes them (probe only: e.g. direct-load tiles of 8-bit weights)")
+    ap.add_argument("--settle", type=float, default=0.0, help="idle seconds before each timed (config, shape) "
+                    "block, so that clocks recover from the block before (common.settle)")
     args = ap.parse_args()
+    common.SETTLE_S = args.settle
     for cfg in (c for c in args.extra_wgmma.split(",") if c):  # before the first build (part of the cache key)
         K.WGMMA_CONFIGS = K.WGMMA_CONFIGS + (tuple(int(x) for x in cfg.split("-")),)
     extra = tuple(K.Tile.from_tag(t) for t in args.extra_tiles.split(",") if t)
@@ -68,13 +71,15 @@ def main() -> None:
                 override = None
             elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]
                 parts = cfg.split("-")
-                override = ("wgmma",) + tuple(int(x[1:]) for x in parts[1:])
+                override = ("wgmma",) + tuple(-1 if x == "sk" else int(x[1:]) for x in parts[1:])
             else:  # TAG-wN, or TAG-wN-gG: G CTAs (default: all that fit at once)
                 tag, w = cfg.rsplit("-w", 1)
                 w, _, g = w.partition("-g")
                 override = (tiles[tag], int(w)) + ((int(g),) if g else ())
             results: dict = {}
             ms = [int(x) for x in args.m.split(",")]
+            if args.settle > 0:
+                common.settle(cfg)
             bench_ours(k, n, ms, q, s, results, override=override, tag=cfg, bits=args.bits,
                        dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float16)
             for m in ms:

@@ -487,6 +487,13 @@ for st in $STAGES; do
              JITMARLIN_NVCC_FLAGS="$f" timeout 100 python3 benchmarks/probe_moe_tiles.py --tokens 16,64,256,1024 2>&1 \
                | grep -v "^jitmarlin:" | sed "s/^/[$f] /" | tee -a "$OUT/s14d.log"
            done;;
+    s14e)  # stream-K for the wgmma kernel (tiles cut evenly over the resident CTAs): GPU tests, then the
+           # 28672-wide shapes (112 two-strip tiles on 132 SMs) with and without it, same run
+           timeout 200 python3 -m pytest -q -x tests/gpu/test_wgmma_gpu.py > "$OUT/s14e_tests.log" 2>&1
+           echo "== s14e wgmma tests rc=$?"; tail -3 "$OUT/s14e_tests.log"
+           timeout 240 python3 benchmarks/probe_configs.py --settle 0.3 --m 17,32,48,64 --shapes 8192x28672,4096x28672,4096x22016 \
+             --configs route,wgmma-n32-f2-s8-k1,wgmma-n32-f2-s8-sk,wgmma-n64-f2-s4-k1,wgmma-n64-f2-s4-sk,wgmma-n64-f1-s6-sk,wgmma-n32-f1-s8-sk \
+             2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s14e.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -16,7 +16,8 @@
 // CTA: two warpgroups; each owns FW 64-feature strips (one wgmma per strip and k16, sharing the
 // activation descriptor) x NT tokens, all of K, or (dense, p.k_splits > 1) one of k_splits
 // contiguous runs of K, reduced through the workspace in a fixed order (as the mma.sync kernel's
-// split units). MOE: an m tile is one expert's block of
+// split units), or (dense, p.k_splits == -1, stream-K) its even share of all tiles' stages (see
+// wgmma_body). MOE: an m tile is one expert's block of
 // NT = block-size rows of the sorted slot list (as the mma.sync MoE kernel: A rows gathered
 // through the slot ids, output row = slot, routing weight).
 // Pipeline: a STAGES-deep cp.async ring of 64-k stages holding activations, packed weights, and
@@ -155,8 +156,18 @@ struct WgmmaStage {
   static constexpr int kBytes = (kAct + kW + kS + kZ + 1023) / 1024 * 1024;  // swizzled tiles: 1 KB aligned
 };
 
+// How a CTA's piece of an output tile ends (dense; MoE pieces are always whole tiles):
+// `arrivals` == 1: the piece is the whole tile, written out directly. Else the piece stores its
+// partial sums in region `region` of the workspace and arrives on the tile's counter; the last of
+// the tile's `arrivals` pieces to arrive adds the regions first + i * stride (+ first_extra for
+// i = 0), i = 0 .. arrivals - 1, in that order (bit-identical results whoever arrives last).
+struct WgPiece {
+  int arrivals, region, first, stride, first_extra;
+};
+
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE>
-JM_DEVICE void wgmma_body(const JmGemmParams p) {
+JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
+                          const int k_tiles, const WgPiece piece) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
   static_assert(FW == 1 || FW == 2, "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
@@ -171,13 +182,6 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int g = lane >> 2;
   // p.grid: the m tiles the launch covers (MoE: an upper bound; the padded row count decides)
   const int f_tiles = p.n / (64 * S::kStrips), m_tiles = p.grid;
-  // Split-K (dense only): `splits` CTAs share an output tile, each over a contiguous run of the
-  // 64-k stages; the last to finish sums the partials in split order (wgmma_reduce_splits).
-  const int splits = MOE || p.k_splits < 1 ? 1 : p.k_splits;
-  // feature-tile-major order (then split, then m tile): CTAs running together share weights (L2)
-  const int per_f = m_tiles * splits;
-  const int f_tile = blockIdx.x / per_f, rem = blockIdx.x - f_tile * per_f;
-  const int split = MOE ? 0 : rem / m_tiles, m_tile = rem - split * m_tiles;
   if (f_tile >= f_tiles) return;
   // Diagnostics (-DJM_TIMELINE, benchmarks/probe_timeline.py; the slots of the mma.sync kernel's
   // timeline): 0 entry, 1 past griddep_wait, 2 the first stage landed, 3 the last stage computed,
@@ -195,9 +199,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   auto tl_end = [&]() {};
 #endif
   const int strip0 = f_tile * S::kStrips;  // the CTA's first strip
-  const int tok0 = m_tile * NT;
-  const int kt0 = MOE ? 0 : split * (p.k / 64) / splits;  // this CTA's stages: [kt0, kt0 + k_tiles)
-  const int k_tiles = MOE ? p.k / 64 : (split + 1) * (p.k / 64) / splits - kt0;
+  const int tok0 = m_tile * NT;  // this piece's stages: [kt0, kt0 + k_tiles)
   const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
   if (tid == 0) {
     JM_TL(0, globaltimer());
@@ -548,13 +550,13 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       for (int i = 0; i < NT / 2; i++) d[j][i] += dacc[q][j][i];
     }
   }
-  if (splits > 1) {
-    // Every split stores its partial sums in a region of its own (thread-major float4s, so each
-    // warp writes and reads 512 contiguous bytes); the last of the tile's CTAs to arrive adds all
-    // regions up in split order: bit-identical results run to run, whoever arrives last.
-    constexpr int kRegion = 256 * FW * (NT / 2);  // floats per CTA
+  if (piece.arrivals > 1) {
+    // Every piece stores its partial sums in a region of its own (thread-major float4s, so each
+    // warp writes and reads 512 contiguous bytes); the last of the tile's pieces to arrive adds all
+    // regions up in a fixed order: bit-identical results run to run, whoever arrives last.
+    constexpr int kRegion = 256 * FW * (NT / 2);  // floats per piece
     __shared__ int s_last;
-    float* mine = p.ws + static_cast<int64_t>(blockIdx.x) * kRegion + tid * 4;
+    float* mine = p.ws + static_cast<int64_t>(piece.region) * kRegion + tid * 4;
 #pragma unroll
     for (int j = 0; j < FW; j++) {
 #pragma unroll
@@ -565,16 +567,14 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     __threadfence();
     __syncthreads();
     const int unit = f_tile * m_tiles + m_tile;
-    if (tid == 0) s_last = atomicAdd(p.counters + unit, 1) == splits - 1;
+    if (tid == 0) s_last = atomicAdd(p.counters + unit, 1) == piece.arrivals - 1;
     __syncthreads();
     if (!s_last) {
       tl_end();
       return;
     }
     __threadfence();
-    if (tid == 0) p.counters[unit] = 0;  // all the tile's splits have arrived: zero for the next launch
-    const float* first = p.ws + static_cast<int64_t>(f_tile * per_f + m_tile) * kRegion + tid * 4;
-    const int64_t split_stride = static_cast<int64_t>(m_tiles) * kRegion;  // next split, same tile
+    if (tid == 0) p.counters[unit] = 0;  // all the tile's pieces have arrived: zero for the next launch
 #pragma unroll
     for (int j = 0; j < FW; j++) {
       constexpr int kChunk = NT / 8 < 8 ? NT / 8 : 8;  // float4 loads in flight per region
@@ -582,8 +582,9 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       for (int q0 = 0; q0 < NT / 8; q0 += kChunk) {
 #pragma unroll
         for (int q = q0; q < q0 + kChunk; q++) d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
-        for (int sp = 0; sp < splits; sp++) {
-          const float* src = first + sp * split_stride + (j * (NT / 8) + q0) * 1024;
+        for (int sp = 0; sp < piece.arrivals; sp++) {
+          const int region = piece.first + sp * piece.stride + (sp == 0 ? piece.first_extra : 0);
+          const float* src = p.ws + static_cast<int64_t>(region) * kRegion + tid * 4 + (j * (NT / 8) + q0) * 1024;
           float4 v[kChunk];
 #pragma unroll
           for (int q = 0; q < kChunk; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + q * 1024));
@@ -626,6 +627,68 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     }
   }
   tl_end();
+}
+
+// One launch: a CTA's pieces of output tiles.
+// * MoE: CTA = (feature tile, m tile), all of K.
+// * Dense, p.k_splits >= 1: CTA = (feature tile, split, m tile), feature-tile-major (CTAs running
+//   together share weights in L2); `splits` CTAs share a tile, each over a contiguous run of its
+//   64-k stages.
+// * Dense, p.k_splits == -1 (stream-K, as the mma.sync kernel's striping): the tiles' stages in
+//   one sequence (tile t = f_tile * m_tiles + m_tile, then its stages), CTA c takes the run
+//   [c W / G, (c + 1) W / G) of the W = tiles * K/64 stages, G = gridDim.x, so that every SM gets
+//   the same work when the tiles do not divide the resident CTAs (4096x28672, 8192x28672: 112
+//   tiles of two strips on 132 SMs). A tile cut between CTAs is summed by the last piece to
+//   arrive; region of CTA c's piece: 2c for its first tile, 2c + 1 for its last.
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE>
+JM_DEVICE void wgmma_body(const JmGemmParams p) {
+  constexpr int kStrips = 2 * FW;
+  const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
+  const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
+  // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)
+  const bool stream = !MOE && NT <= 64 && p.k_splits < 0;
+  const int splits = MOE || p.k_splits < 1 ? 1 : p.k_splits;
+  // stream-K: this CTA's run [u0, u1) of the W stages (W < 2^31: at most 2^9 feature tiles x 2^5
+  // m tiles x 2^10 stages); split / MoE: one piece, and the loop below runs once
+  int u0 = 0, u1 = 1;
+  if (stream) {
+    const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = gridDim.x;
+    u0 = static_cast<int>(c * W / G);
+    u1 = static_cast<int>((c + 1) * W / G);
+  }
+#pragma unroll 1
+  for (int u = u0; u < u1;) {  // one call site: the tile's code is inlined once
+    int f_tile, m_tile, kt0, k_tiles, next;
+    WgPiece piece{1, 0, 0, 0, 0};
+    if (stream) {
+      const int t = u / ks, x = t * ks, x_end = x + ks, e = u1 < x_end ? u1 : x_end;
+      f_tile = t / m_tiles;
+      m_tile = t - f_tile * m_tiles;
+      kt0 = u - x;
+      k_tiles = e - u;
+      next = e;
+      if (k_tiles < ks) {  // cut between CTAs: CTAs c_first .. c_last hold its pieces
+        const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = gridDim.x;
+        const int c_first = static_cast<int>(((x + 1) * G + W - 1) / W) - 1;
+        const int c_last = static_cast<int>((static_cast<int64_t>(x_end) * G + W - 1) / W) - 1;
+        piece = WgPiece{c_last - c_first + 1, 2 * c + (u0 >= x ? 0 : 1), 2 * c_first, 2,
+                        c_first * W / G >= x ? 0 : 1};
+      }
+      if (u != u0) __syncthreads();  // every warp is past the previous piece's last stage
+    } else {
+      const int per_f = m_tiles * splits;
+      f_tile = c / per_f;
+      const int rem = c - f_tile * per_f, split = MOE ? 0 : rem / m_tiles;
+      m_tile = rem - split * m_tiles;
+      kt0 = MOE ? 0 : split * ks / splits;
+      k_tiles = MOE ? ks : (split + 1) * ks / splits - kt0;
+      next = u1;
+      // split pieces: region = the CTA, the tile's splits m_tiles regions apart
+      if (splits > 1) piece = WgPiece{splits, c, f_tile * per_f + m_tile, m_tiles, 0};
+    }
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p, f_tile, m_tile, kt0, k_tiles, piece);
+    u = next;
+  }
 }
 
 }  // namespace jm

@@ -235,6 +235,17 @@ def test_wgmma_k_splits():
                         sp = G.wgmma_splits(mt * ft, k, nt, fw, sms)
                         need, _ = G.wgmma_split_workspace(mt, ft, sp, nt, fw)
                         assert sp == 1 or need <= G.wgmma_split_bound(sms), (sms, nt, fw, m, k, n, sp)
+    # stream-K where whole tiles leave over 10% of the CTA slots idle and K does not split (session 14)
+    assert G.wgmma_stream_grid(112, 8192, 64, 2, 132) == 132  # 8192x28672 at M=64: 112 tiles
+    assert G.wgmma_stream_grid(224, 8192, 64, 1, 132) == 264
+    assert G.wgmma_stream_grid(112, 8192, 128, 2, 132) == 0  # not with 128-token tiles
+    assert G.wgmma_stream_grid(64, 8192, 64, 1, 132) == 0  # K splits instead
+    assert G.wgmma_stream_grid(132, 8192, 64, 2, 132) == 0 and G.wgmma_stream_grid(260, 8192, 64, 1, 132) == 0
+    assert G.wgmma_stream_grid(112, 512, 64, 2, 132) == 0  # under 16 stages per CTA
+    for sms in (78, 114, 132):  # its workspace fits the reserved bound too
+        for nt, fw, _ in K.WGMMA_CONFIGS:
+            if nt <= 64:
+                assert 2 * sms * (2 if fw == 1 else 1) * 256 * fw * (nt // 2) <= G.wgmma_split_bound(sms)
     floats, counters = G.wgmma_split_workspace(2, 32, 4, 128, 1)
     assert counters == 64 and floats == 2 * 32 * 4 * 256 * 64
 

@@ -536,6 +536,8 @@ def _wgmma_span(n: int, m_tiles: int, k: int, nt: int, fw: int, sms: int) -> flo
     """Relative time of a wgmma launch: CTAs per SM (rounded up) times the 64-k stages each runs
     (a CTA with two strips per warpgroup does twice the work per stage)."""
     tiles = (n // (128 * fw)) * m_tiles
+    if wgmma_stream_grid(tiles, k, nt, fw, sms):  # stream-K: the stages spread evenly
+        return fw * tiles * (k // 64) / sms
     splits = wgmma_splits(tiles, k, nt, fw, sms)
     return -(-tiles * splits // sms) * fw * (k // 64) / splits
 
@@ -579,6 +581,25 @@ def wgmma_splits(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
     return max(1, min(slots // max(1, tiles), (k // 64) // WGMMA_SPLIT_MIN_STAGES, cap))
 
 
+WGMMA_STREAM_MAX_FILL = 0.9  # stream-K where whole tiles would keep more than 10% of the CTA slots idle
+
+
+def wgmma_stream_grid(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
+    """CTAs of a stream-K launch (cuda_src/jm_wgmma.cuh, wgmma_body: the tiles' 64-k stages in one
+    sequence cut evenly over the resident CTA slots), or 0 for a tile-per-CTA launch. Taken where
+    tiles do not split along K (wgmma_splits == 1) and fill under WGMMA_STREAM_MAX_FILL of the slots
+    over their waves, e.g. 112 two-strip tiles of 4096x28672 / 8192x28672 on 132 SMs (85%); runs
+    of at least WGMMA_SPLIT_MIN_STAGES stages; up to 64 tokens (the 128-token kernel spills with
+    it)."""
+    slots = sms * (2 if fw == 1 else 1)
+    if nt > 64 or wgmma_splits(tiles, k, nt, fw, sms) > 1:
+        return 0
+    waves = -(-tiles // slots)
+    if tiles / (waves * slots) >= WGMMA_STREAM_MAX_FILL or tiles * (k // 64) < slots * WGMMA_SPLIT_MIN_STAGES:
+        return 0
+    return slots
+
+
 def wgmma_split_workspace(m_tiles: int, f_tiles: int, splits: int, nt: int, fw: int) -> tuple[int, int]:
     """(floats, counters) a split launch needs: a region of 256 * fw * nt / 2 partial sums per CTA
     (mirrors the kernel's kRegion), one arrival counter per output tile."""
@@ -600,8 +621,8 @@ class WgmmaLaunch:
     smem: int
     m_tiles: int
     grid: int
-    splits: int
-    ws: tuple[int, int]  # (floats, counters) to reserve when splits > 1 (at least wgmma_split_bound)
+    splits: int  # CTAs per tile along K; -1: stream-K (wgmma_stream_grid)
+    ws: tuple[int, int]  # (floats, counters) to reserve when splits != 1 (at least wgmma_split_bound)
     pdl: bool
 
 
@@ -620,11 +641,20 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
     if splits is None:
         splits = wgmma_splits(m_tiles * f_tiles, k, nt, fw, sms)
-    if not 1 <= splits <= k // 64:
-        raise ValueError(f"wgmma K splits must be in [1, K/64 = {k // 64}], got {splits}")
-    floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
+        if splits == 1 and wgmma_stream_grid(m_tiles * f_tiles, k, nt, fw, sms):
+            splits = -1
+    if splits == -1:  # stream-K over the resident CTA slots: two regions per CTA
+        if nt > 64:
+            raise ValueError(f"stream-K (splits=-1) needs a token tile of at most 64, got {nt}")
+        grid = sms * (2 if fw == 1 else 1)
+        floats, counters = 2 * grid * 256 * fw * (nt // 2), m_tiles * f_tiles
+    elif not 1 <= splits <= k // 64:
+        raise ValueError(f"wgmma K splits must be in [1, K/64 = {k // 64}] (or -1: stream-K), got {splits}")
+    else:
+        grid = f_tiles * m_tiles * splits
+        floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index), K.wgmma_smem_bytes(fam, nt, fw, stages),
-                       m_tiles, f_tiles * m_tiles * splits, splits, (max(floats, wgmma_split_bound(sms)), counters),
+                       m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
                        use_pdl(_cc(index)))
 
 
@@ -641,7 +671,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
     p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
     p.grid = wl.m_tiles
     p.k_splits = wl.splits
-    if wl.splits > 1:
+    if wl.splits != 1:
         ws = workspace if workspace is not None else K.default_workspace(a.device)
         ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()

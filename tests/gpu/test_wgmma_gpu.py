@@ -90,6 +90,61 @@ def test_k_splits(fmt):
         run(a, packed, 1, n, k, dtype, K.WGMMA_CONFIGS[0] + (k // 64 + 1,))
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_stream_k(fmt):
+    """Stream-K (splits=-1): the tiles' stages cut evenly over the resident CTA slots. Shapes where
+    a tile is cut over many CTAs (K=4096, N=2560: ~5 stages per CTA), where CTAs cross tile
+    boundaries (K=1024, N=28672) and where CTAs also hold whole tiles in the middle of their run
+    (M=200: 448 tiles); the bias is added once; a second run is bit-identical and the counters are
+    all zero afterwards."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for k, n, ms in ((4096, 2560, (17, 64)), (1024, 28672, (33, 200))):
+        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=4)
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        for m in ms:
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = a.float() @ w + bias.float()
+            for cfg in K.WGMMA_CONFIGS:
+                if cfg[0] > 64 or n % (128 * cfg[1]) or cfg[0] < m // 4:
+                    continue
+                out = run(a, packed, m, n, k, dtype, cfg + (-1,), bias=bias)
+                check_close(out, ref, tol, f"K={k} N={n} M={m} config={cfg} stream-K")
+                again = run(a, packed, m, n, k, dtype, cfg + (-1,), bias=bias)
+                assert torch.equal(out, again), (k, n, m, cfg)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    with pytest.raises(ValueError, match="stream-K"):
+        run(a, packed, m, n, k, dtype, (128, 1, 4, -1))
+
+
+def test_stream_k_route_in_a_cuda_graph():
+    """The heuristic takes stream-K where whole tiles fill the SMs badly (8192x28672 at M=64 on 132
+    SMs: 112 tiles); captured and replayed equals eager, and new inputs give the right result."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n, m = 2048, 28672, 64
+    fam = K.Family(K.DTYPES[torch.float16], 4, False, 128)
+    nt, fw, _ = G.wgmma_config(m, n, sms, k)
+    tiles = -(-m // nt) * (n // (128 * fw))
+    if not G.wgmma_stream_grid(tiles, k, nt, fw, sms):
+        pytest.skip(f"{sms} SMs: {tiles} tiles fill them without stream-K")
+    assert G.wgmma_launch(m, n, k, fam, 0).splits == -1
+    packed, w = random_weights(k, n, 4, 128)
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)
+    eager = out.clone()
+    check_close(eager, a.float() @ w, 1e-3, "stream-K route")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, eager)
+    a.copy_(torch.randn(m, k, device="cuda", dtype=torch.float16))
+    graph.replay()
+    check_close(out, a.float() @ w, 1e-3, "replay with new inputs")
+
+
 def test_k_splits_in_a_cuda_graph():
     """The automatic split count on a narrow shape (few output tiles): captured and replayed equals
     eager, on fresh inputs copied into the captured buffer."""
