@@ -195,8 +195,9 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert G.wgmma_config(64, 28672, 132) == (64, 2, 4) and G.wgmma_config(256, 8192, 132) == (128, 1, 4)
         # 32-token tiles: two strips unless one spreads the work over more SMs (H200, session 13)
         assert [G.wgmma_config(32, n, 132, k)[:2] for k, n in
-                ((8192, 8192), (4096, 4096), (14336, 4096), (8192, 28672), (28672, 8192), (4096, 28672))] \
-            == [(32, 2), (32, 1), (32, 1), (32, 2), (32, 2), (32, 2)]
+                ((8192, 8192), (4096, 4096), (14336, 4096), (8192, 28672), (28672, 8192), (4096, 28672),
+                 (4096, 22016))] \
+            == [(32, 2), (32, 1), (32, 1), (32, 1), (32, 2), (32, 2), (32, 1)]  # session 14: one strip on stream-K
         assert G.wgmma_config(17, 8064, 132, 4096)[:2] == (32, 1)  # N not a multiple of 256
         with pytest.raises(ValueError, match="needs K"):
             G.wgmma_config(32, 8192, 132)

@@ -546,8 +546,8 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
     """(token tile, strips per warpgroup, stages) for the wgmma kernel: the smallest of 16 / 32 /
     64 token tiles holding M (16 only from 9 rows), else 128. Strips per warpgroup: from
     wgmma_strips for 64 / 128-token tiles; for 32-token tiles two unless one strip spreads the
-    work over more SMs (_wgmma_span; H200: 4096^2 and 14336x4096 take one, the other four
-    benchmark shapes two); 16-token tiles one."""
+    work over more SMs or ties it with 8 K splits or stream-K (_wgmma_span; H200: 4096^2,
+    14336x4096 and 8192x28672 take one, the other three benchmark shapes two); 16-token tiles one."""
     nt = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     if nt == 16:
         fw = 1
@@ -555,9 +555,11 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
         if k is None:
             raise ValueError(f"wgmma_config needs K for a 32-token tile (M={m}): the strips depend on the K split")
         s2, s1 = _wgmma_span(n, 1, k, nt, 2, sms), _wgmma_span(n, 1, k, nt, 1, sms)
-        # a tie goes to two strips, unless they split K more than 4 ways: the last CTA then sums
-        # over 128 KB of partials (H200 session 14: 14336x4096 M=32, 8 splits, f1 21.4 us, f2 23.9)
-        tie_f2 = wgmma_splits(n // 256, k, nt, 2, sms) <= 4
+        # a tie goes to two strips (H200 session 13: 8192^2, 28672x8192), unless they split K more
+        # than 4 ways or one strip runs stream-K (two CTAs per SM; session 14: 14336x4096 M=32 with 8
+        # splits f1 21.4 us vs f2 23.9; stream-K f1 68.2 / 38.5 / 31.3 vs f2 72.0 / 40.2 / 32.8 us on
+        # 8192x28672 / 4096x28672 / 4096x22016)
+        tie_f2 = wgmma_splits(n // 256, k, nt, 2, sms) <= 4 and not wgmma_stream_grid(n // 128, k, nt, 1, sms)
         fw = 2 if n % 256 == 0 and (s2 < s1 or (s2 == s1 and tie_f2)) else 1
     else:
         fw = wgmma_strips(n, -(-m // nt), sms)
@@ -582,6 +584,7 @@ def wgmma_splits(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
 
 
 WGMMA_STREAM_MAX_FILL = 0.9  # stream-K where whole tiles would keep more than 10% of the CTA slots idle
+WGMMA_STREAM_MIN_GAIN_STAGES = 16
 
 
 def wgmma_stream_grid(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
@@ -595,7 +598,11 @@ def wgmma_stream_grid(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
     if nt > 64 or wgmma_splits(tiles, k, nt, fw, sms) > 1:
         return 0
     waves = -(-tiles // slots)
-    if tiles / (waves * slots) >= WGMMA_STREAM_MAX_FILL or tiles * (k // 64) < slots * WGMMA_SPLIT_MIN_STAGES:
+    idle = 1 - tiles / (waves * slots)
+    # the gain must outweigh the cut tiles' sums (H200 session 14, NOTES.md: about 7-10 us per launch):
+    # idle slots x stages per CTA of the plain launch >= 16 stages. 8192x28672 M=64 (0.15 x 128) 94.7
+    # -> 88.4 us; 4096x22016 (0.35 x 64) 48.4 -> 41.4; 4096x28672 (0.15 x 64) 48.7 -> 50.3, not taken
+    if idle < 1 - WGMMA_STREAM_MAX_FILL or idle * waves * (k // 64) < WGMMA_STREAM_MIN_GAIN_STAGES:
         return 0
     return slots
 
