@@ -595,7 +595,7 @@ def wgmma_stream_grid(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
     of at least WGMMA_SPLIT_MIN_STAGES stages; up to 64 tokens (the 128-token kernel spills with
     it)."""
     slots = sms * (2 if fw == 1 else 1)
-    if nt > 64 or wgmma_splits(tiles, k, nt, fw, sms) > 1:
+    if tiles < 1 or nt > 64 or wgmma_splits(tiles, k, nt, fw, sms) > 1:
         return 0
     waves = -(-tiles // slots)
     idle = 1 - tiles / (waves * slots)

@@ -121,7 +121,7 @@ def test_stream_k_route_in_a_cuda_graph():
     """The heuristic takes stream-K where whole tiles fill the SMs badly (8192x28672 at M=64 on 132
     SMs: 112 tiles); captured and replayed equals eager, and new inputs give the right result."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    k, n, m = 2048, 28672, 64
+    k, n, m = 8192, 28672, 64
     fam = K.Family(K.DTYPES[torch.float16], 4, False, 128)
     nt, fw, _ = G.wgmma_config(m, n, sms, k)
     tiles = -(-m // nt) * (n // (128 * fw))
