@@ -128,12 +128,19 @@ def test_stream_k_route_in_a_cuda_graph():
     if not G.wgmma_stream_grid(tiles, k, nt, fw, sms):
         pytest.skip(f"{sms} SMs: {tiles} tiles fill them without stream-K")
     assert G.wgmma_launch(m, n, k, fam, 0).splits == -1
+    _graph_equals_eager(m, n, k, fam)
+
+
+def _graph_equals_eager(m, n, k, fam):
+    """The automatic wgmma launch of (M, N, K), fp16 4-bit g128: eager matches the reference (and
+    sizes the workspace); captured and replayed equals eager; new inputs copied into the captured
+    buffer give the right result."""
     packed, w = random_weights(k, n, 4, 128)
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
     out = torch.empty(m, n, device="cuda", dtype=torch.float16)
     G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)
     eager = out.clone()
-    check_close(eager, a.float() @ w, 1e-3, "stream-K route")
+    check_close(eager, a.float() @ w, 1e-3, "eager")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)
@@ -148,26 +155,12 @@ def test_stream_k_route_in_a_cuda_graph():
 def test_k_splits_in_a_cuda_graph():
     """The automatic split count on a narrow shape (few output tiles): captured and replayed equals
     eager, on fresh inputs copied into the captured buffer."""
-    k, n = 8192, 1024
-    packed, w = random_weights(k, n, 4, 128)
-    m = 64
+    k, n, m = 8192, 1024, 64
     fam = K.Family(K.DTYPES[torch.float16], 4, False, 128)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     nt, fw, _ = G.wgmma_config(m, n, sms)
     assert G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, sms) > 1  # the case under test
-    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
-    G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)  # eager: workspace sized
-    eager = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        G.launch_wgmma(a, packed.b, packed.scales, None, None, out, m, n, k, fam, 0)
-    out.fill_(float("nan"))
-    graph.replay()
-    assert torch.equal(out, eager)
-    a.copy_(torch.randn(m, k, device="cuda", dtype=torch.float16))
-    graph.replay()
-    check_close(out, a.float() @ w, 1e-3, "replay with new inputs")
+    _graph_equals_eager(m, n, k, fam)
 
 
 def test_capture_of_a_new_split_shape_needs_no_growth():
