@@ -165,9 +165,11 @@ struct WgPiece {
   int arrivals, region, first, stride, first_extra;
 };
 
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE>
+// piece_of(): the piece's WgPiece, asked for only after the main loop (a split launch's is
+// recomputed from blockIdx there rather than held in registers through it)
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
-                          const int k_tiles, const WgPiece piece) {
+                          const int k_tiles, const PieceOf& piece_of) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
   static_assert(FW == 1 || FW == 2, "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
@@ -550,6 +552,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       for (int i = 0; i < NT / 2; i++) d[j][i] += dacc[q][j][i];
     }
   }
+  const WgPiece piece = piece_of();
   if (piece.arrivals > 1) {
     // Every piece stores its partial sums in a region of its own (thread-major float4s, so each
     // warp writes and reads 512 contiguous bytes); the last of the tile's pieces to arrive adds all
@@ -683,10 +686,15 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
       kt0 = MOE ? 0 : split * ks / splits;
       k_tiles = MOE ? ks : (split + 1) * ks / splits - kt0;
       next = u1;
-      // split pieces: region = the CTA, the tile's splits m_tiles regions apart
-      if (splits > 1) piece = WgPiece{splits, c, f_tile * per_f + m_tile, m_tiles, 0};
     }
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p, f_tile, m_tile, kt0, k_tiles, piece);
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(
+        p, f_tile, m_tile, kt0, k_tiles, [&]() -> WgPiece {
+          if (stream || splits == 1) return piece;
+          // split pieces: region = the CTA, the tile's splits m_tiles regions apart
+          const int cc = static_cast<int>(blockIdx.x), per_f = p.grid * splits, ft = cc / per_f;
+          const int mt = (cc - ft * per_f) % p.grid;
+          return WgPiece{splits, cc, ft * per_f + mt, p.grid, 0};
+        });
     u = next;
   }
 }
