@@ -653,6 +653,11 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   const int splits = MOE || p.k_splits < 1 ? 1 : p.k_splits;
   // stream-K: this CTA's run [u0, u1) of the W stages (W < 2^31: at most 2^9 feature tiles x 2^5
   // m tiles x 2^10 stages); split / MoE: one piece, and the loop below runs once
+  if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p, c / m_tiles, c % m_tiles, 0, ks,
+                                                                    []() { return WgPiece{1, 0, 0, 0, 0}; });
+    return;
+  }
   int u0 = 0, u1 = 1;
   if (stream) {
     const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = gridDim.x;
