@@ -648,16 +648,16 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
   constexpr int kStrips = 2 * FW;
   const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
   const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
-  // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)
-  const bool stream = !MOE && NT <= 64 && p.k_splits < 0;
-  const int splits = MOE || p.k_splits < 1 ? 1 : p.k_splits;
-  // stream-K: this CTA's run [u0, u1) of the W stages (W < 2^31: at most 2^9 feature tiles x 2^5
-  // m tiles x 2^10 stages); split / MoE: one piece, and the loop below runs once
   if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
     wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p, c / m_tiles, c % m_tiles, 0, ks,
                                                                     []() { return WgPiece{1, 0, 0, 0, 0}; });
     return;
   }
+  // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)
+  const bool stream = NT <= 64 && p.k_splits < 0;
+  const int splits = p.k_splits < 1 ? 1 : p.k_splits;
+  // stream-K: this CTA's run [u0, u1) of the W stages (W < 2^31: gemm.wgmma_stream_grid); split:
+  // one piece, and the loop below runs once
   int u0 = 0, u1 = 1;
   if (stream) {
     const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = gridDim.x;
@@ -686,10 +686,10 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
     } else {
       const int per_f = m_tiles * splits;
       f_tile = c / per_f;
-      const int rem = c - f_tile * per_f, split = MOE ? 0 : rem / m_tiles;
+      const int rem = c - f_tile * per_f, split = rem / m_tiles;
       m_tile = rem - split * m_tiles;
-      kt0 = MOE ? 0 : split * ks / splits;
-      k_tiles = MOE ? ks : (split + 1) * ks / splits - kt0;
+      kt0 = split * ks / splits;
+      k_tiles = (split + 1) * ks / splits - kt0;
       next = u1;
     }
     wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(

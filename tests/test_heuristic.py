@@ -244,6 +244,7 @@ def test_wgmma_k_splits():
     assert G.wgmma_stream_grid(132, 8192, 64, 2, 132) == 0 and G.wgmma_stream_grid(260, 8192, 64, 1, 132) == 0
     assert G.wgmma_stream_grid(112, 512, 64, 2, 132) == 0  # under 16 stages per CTA
     assert G.wgmma_stream_grid(0, 4096, 32, 2, 132) == 0  # N < 256: no two-strip tile at all
+    assert G.wgmma_stream_grid(100_000, 64 * 30_000, 64, 2, 132_000) == 0  # 2^31 stages or more
     assert [G.wgmma_config(m, 128, 132, 4096)[:2] for m in (17, 32, 64)] == [(32, 1), (32, 1), (64, 1)]
     for sms in (78, 114, 132):  # its workspace fits the reserved bound too
         for nt, fw, _ in K.WGMMA_CONFIGS:

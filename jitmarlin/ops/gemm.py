@@ -595,8 +595,8 @@ def wgmma_stream_grid(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
     of at least WGMMA_SPLIT_MIN_STAGES stages; up to 64 tokens (the 128-token kernel spills with
     it)."""
     slots = sms * (2 if fw == 1 else 1)
-    if tiles < 1 or nt > 64 or wgmma_splits(tiles, k, nt, fw, sms) > 1:
-        return 0
+    if tiles < 1 or nt > 64 or wgmma_splits(tiles, k, nt, fw, sms) > 1 or tiles * (k // 64) >= 1 << 31:
+        return 0  # (the kernel counts the stages of a stream-K launch in 32-bit integers)
     waves = -(-tiles // slots)
     idle = 1 - tiles / (waves * slots)
     # the gain must outweigh the cut tiles' sums (H200 session 14, NOTES.md: about 7-10 us per launch):
