@@ -34,7 +34,15 @@ def main() -> None:
     ap.add_argument("--gather-pdl", default="route", choices=("route", "0", "1"),
                     help="launch the act-order gather as a programmatic dependent: the route's rule "
                          "(gemm.gather_pdl), never, or always (the GEMM after it keeps PDL)")
+    ap.add_argument("--gather-smem-min-m", type=int, default=0,
+                    help="smallest M for the shared-memory gather (0: the library's, gemm.GATHER_SMEM_MIN_M)")
+    ap.add_argument("--wgmma-pdl", type=int, default=-1, choices=(-1, 0, 1),
+                    help="launch the wgmma kernel after the gather as a programmatic dependent (-1: the library's rule)")
     args = ap.parse_args()
+    if args.gather_smem_min_m:
+        G.GATHER_SMEM_MIN_M = args.gather_smem_min_m
+    if args.wgmma_pdl >= 0:
+        G.WGMMA_PDL_AFTER_GATHER = bool(args.wgmma_pdl)
     if args.gather_pdl != "route":
         G.gather_pdl = lambda grid: args.gather_pdl == "1"
     if args.w16_stages:
@@ -50,7 +58,8 @@ def main() -> None:
                                             if t not in K.BULK_TILES)
     tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} gather PDL={args.gather_pdl} "
            f"flags={os.environ.get('JITMARLIN_NVCC_FLAGS', '') or '-'} WGMMA={os.environ.get('JITMARLIN_WGMMA', 'auto')} "
-           f"w16 stages={args.w16_stages or 'route'}")
+           f"w16 stages={args.w16_stages or 'route'} smem gather from M={G.GATHER_SMEM_MIN_M} "
+           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER}")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))

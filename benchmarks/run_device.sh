@@ -494,6 +494,25 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/probe_configs.py --settle 0.3 --m 17,32,48,64 --shapes 8192x28672,4096x28672,4096x22016 \
              --configs route,wgmma-n32-f2-s8-k1,wgmma-n32-f2-s8-sk,wgmma-n64-f2-s4-k1,wgmma-n64-f2-s4-sk,wgmma-n64-f1-s6-sk,wgmma-n32-f1-s8-sk \
              2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s14e.log";;
+    s15b)  # the act-order gather staged through shared memory (one row per CTA, ~64 CTAs: a programmatic
+           # dependent) from M = 4 against the scattered kernel (one row per thread), and at M = 1 too
+           timeout 200 python3 -m pytest -q -rs tests/gpu -k "gather or act_order or perm" > "$OUT/s15b_tests.log" 2>&1
+           echo "== s15b tests rc=$?"; tail -3 "$OUT/s15b_tests.log"
+           SH=4096x4096,14336x4096,8192x8192,4096x28672,28672x8192,8192x28672
+           for a in "" "--gather-smem-min-m 100000" "--gather-smem-min-m 1"; do
+             timeout 150 python3 benchmarks/probe_act_order.py --shapes $SH --m 1,4,8,16,32 $a 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s15b.log"
+           done
+           timeout 100 python3 benchmarks/probe_act_order.py --shapes 4096x4096,14336x4096,8192x8192,4096x28672 --m 16,32,64 \
+             --wgmma-pdl 1 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s15b.log"
+           timeout 100 python3 benchmarks/probe_act_order.py --shapes 4096x4096,14336x4096,8192x8192,4096x28672 --m 64 \
+             2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s15b.log"
+           timeout 200 python3 benchmarks/bench_gemm.py --variants act_order --variant-m 1,16,32 --peers none \
+             --m 1,16,32 --json "$OUT/s15b.json" > "$OUT/s15b_formats.log" 2>&1
+           echo "== s15b formats rc=$?"; grep -E "^\| [0-9]" "$OUT/s15b_formats.log" | tail -20;;
+    s15d)  # the formats table (bf16, 8-bit, act-order at M = 1 / 16 / 32 / 64; run after "tests")
+           timeout 240 python3 benchmarks/bench_gemm.py --variants bf16,u8,act_order --variant-m 1,16,32,64 --peers none \
+             --m 1,16,32,64 --json "$OUT/s15d.json" > "$OUT/s15d_formats.log" 2>&1
+           echo "== s15d formats rc=$?"; grep -E "^\| [0-9]" "$OUT/s15d_formats.log" | tail -24;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -1136,10 +1136,11 @@ JM_DEVICE void dequant_body(const JmGemmParams p) {
 namespace jm {
 
 // Act-order: C[r, j] = A[r, perm[j]] for r < p.m, j < p.k (row strides p.lda, p.ldc), the
-// activation columns in the order of the sorted weight rows. One thread per 8 output columns
-// (one 16-byte store). Under programmatic dependent launch (sm_90) it lets the GEMM after it
-// launch at once, so that the GEMM's first weight copies overlap this kernel, reads perm while
-// the kernel before it still runs, and waits for that kernel before reading A.
+// activation columns in the order of the sorted weight rows. One thread per 8 output columns of
+// one row (one 16-byte store; M >= gemm.GATHER_SMEM_MIN_M takes gather_smem_body below). Under
+// programmatic dependent launch (sm_90) it lets the GEMM after it launch at once, so that the
+// GEMM's first weight copies overlap this kernel, reads perm while the kernel before it still
+// runs, and waits for that kernel before reading A.
 template <typename T>
 JM_DEVICE void gather_body(const JmGemmParams p) {
   griddep_launch_dependents();
@@ -1161,9 +1162,63 @@ JM_DEVICE void gather_body(const JmGemmParams p) {
       make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
+// The same gather staged through shared memory (M >= gemm.GATHER_SMEM_MIN_M): CTA b copies row
+// b / p.n of A whole into shared memory with coalesced 16-byte loads, then writes part b % p.n of
+// that row's output chunks, each thread at most kGatherSmemChunks of them, reading the permuted
+// columns from shared memory. The scattered 2-byte loads of gather_body cost one L1 transaction
+// each and bound it at M = 8-16 (H200: 2.5-4.8 us at K = 14336-28672, M = 16); here each CTA reads
+// its row at full width instead (1.8-3.2 us, NOTES.md session 15). Needs 2 K bytes of dynamic
+// shared memory; blockDim.x = kGatherSmemThreads.
+constexpr int kGatherSmemThreads = 512;
+constexpr int kGatherSmemChunks = 4;
+
+template <typename T>
+JM_DEVICE void gather_smem_body(const JmGemmParams p) {
+  griddep_launch_dependents();
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int parts = p.n, chunks = p.k / 8;
+  const int row = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) - row * parts;
+  const int per = ceil_div(chunks, parts);
+  const int c0 = part * per, c1 = min(chunks, c0 + per);
+  // perm of this thread's output chunks (a layer constant): read while the kernel before still runs
+  int4 pa[kGatherSmemChunks], pb[kGatherSmemChunks];
+#pragma unroll
+  for (int i = 0; i < kGatherSmemChunks; i++) {
+    const int ch = c0 + static_cast<int>(threadIdx.x) + i * kGatherSmemThreads;
+    if (ch < c1) {
+      pa[i] = __ldg(reinterpret_cast<const int4*>(p.perm) + 2 * ch);
+      pb[i] = __ldg(reinterpret_cast<const int4*>(p.perm) + 2 * ch + 1);
+    }
+  }
+  griddep_wait();
+  const int4* src = reinterpret_cast<const int4*>(static_cast<const T*>(p.a) + static_cast<int64_t>(row) * p.lda);
+  int4* srow = reinterpret_cast<int4*>(smem);
+#pragma unroll 4
+  for (int i = threadIdx.x; i < chunks; i += kGatherSmemThreads) srow[i] = __ldg(src + i);
+  __syncthreads();
+  const unsigned short* sh = reinterpret_cast<const unsigned short*>(smem);
+  unsigned short* dst = static_cast<unsigned short*>(p.c) + static_cast<int64_t>(row) * p.ldc;
+#pragma unroll
+  for (int i = 0; i < kGatherSmemChunks; i++) {
+    const int ch = c0 + static_cast<int>(threadIdx.x) + i * kGatherSmemThreads;
+    if (ch < c1) {
+      const int cols[8] = {pa[i].x, pa[i].y, pa[i].z, pa[i].w, pb[i].x, pb[i].y, pb[i].z, pb[i].w};
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        w[j] = static_cast<uint32_t>(sh[cols[2 * j]]) | (static_cast<uint32_t>(sh[cols[2 * j + 1]]) << 16);
+      *reinterpret_cast<uint4*>(dst + 8 * ch) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
 }  // namespace jm
 
 #define JM_GATHER_KERNEL(NAME, T)                                                 \
   extern "C" __global__ void __launch_bounds__(256) NAME(const JmGemmParams p) { \
     jm::gather_body<T>(p);                                                        \
+  }                                                                               \
+  extern "C" __global__ void __launch_bounds__(jm::kGatherSmemThreads)            \
+      NAME##_smem(const JmGemmParams p) {                                         \
+    jm::gather_smem_body<T>(p);                                                   \
   }

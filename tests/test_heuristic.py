@@ -351,12 +351,23 @@ def test_pdl_switch(monkeypatch):
 
 
 def test_gather_pdl_rule():
-    from jitmarlin.ops.gemm import gather_pdl
+    from jitmarlin.ops.gemm import gather_grid, gather_pdl, gather_smem_grid
 
-    # grid = M * K / 8 / 256: K=8192 at M <= 16 overlaps, K=28672 from M=8 launches plainly
-    assert gather_pdl(1 * 8192 // 8 // 256) and gather_pdl(16 * 8192 // 8 // 256)
-    assert gather_pdl(-(-28672 // 8 // 256))
-    assert not gather_pdl(8 * 28672 // 8 // 256) and not gather_pdl(16 * 28672 // 8 // 256)
+    # the scattered gather (M < GATHER_SMEM_MIN_M): one thread per 8 columns of a row, 256 per CTA
+    assert gather_grid(1, 8192) == 4 and gather_grid(3, 28672) == 42
+    for k in (4096, 8192, 14336, 28672):
+        assert gather_pdl(gather_grid(1, k)), k
+    assert not gather_pdl(gather_grid(16, 28672))  # 224 CTAs: why M >= 4 takes the shared-memory gather
+    # the shared-memory gather: one row per CTA, 64 CTAs from M = 4 to 64 up to K = 65536 (at
+    # most 2048 chunks of 8 per part: 512 threads x 4), so it overlaps the GEMM before it
+    assert gather_smem_grid(16, 28672) == (4, 64) and gather_smem_grid(4, 4096) == (16, 64)
+    assert gather_smem_grid(64, 28672) == (2, 128)  # 3584 chunks need two parts
+    assert gather_smem_grid(128, 4096) == (1, 128)
+    for k in (4096, 8192, 14336, 28672, 65536):
+        for m in (4, 8, 16):
+            assert gather_pdl(gather_smem_grid(m, k)[1]), (m, k)
+    # the MoE gather's grid (one thread per 8 columns of a sorted position, 256 per CTA) keeps the rule
+    assert gather_pdl(-(-28672 // 8 // 256)) and not gather_pdl(16 * 28672 // 8 // 256)
 
 
 def test_sm90_moe_expert_gemms_take_the_large_routes():

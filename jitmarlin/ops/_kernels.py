@@ -510,12 +510,14 @@ def default_workspace(device: torch.device) -> Workspace:
 @functools.lru_cache(maxsize=None)
 def get_kernel(fam: Family, tile: Tile | str | None, device_index: int, cc: tuple[int, int]) -> driver.Function:
     """The GEMM kernel of `tile`; with tile None the family's dequantize kernel, with "gather"
-    its act-order column gather kernel."""
+    its act-order column gather kernel ("gather_smem": the shared-memory form)."""
     mod = module(fam, cc)
     if tile is None:
         name = dequant_kernel_name(fam)
     elif tile == "gather":
         name = gather_kernel_name(fam)
+    elif tile == "gather_smem":  # the shared-memory form, in the same module
+        return driver.get_function(mod.cubin(gather_kernel_name(fam)), gather_kernel_name(fam) + "_smem", device_index)
     else:
         name = kernel_name(fam, tile)
     return driver.get_function(mod.cubin(name), name, device_index)

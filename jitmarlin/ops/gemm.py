@@ -447,20 +447,60 @@ def dequantize_weights(b: torch.Tensor, scales: torch.Tensor, zeros: Optional[to
     return wt
 
 
-def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Family) -> torch.Tensor:
+GATHER_THREADS = 256  # the scattered gather kernel: one thread per 8 columns of one row
+GATHER_SMEM_MIN_M = 8  # from this M on, the gather staged through shared memory (gather_smem_body)
+GATHER_SMEM_THREADS = 512  # kGatherSmemThreads
+GATHER_SMEM_CHUNKS = 4  # kGatherSmemChunks: 8-column chunks per thread
+GATHER_SMEM_CTAS = 64  # aim: about this many CTAs (a programmatic dependent: gather_pdl)
+
+
+def gather_grid(m: int, k: int) -> int:
+    """CTAs of the scattered act-order gather kernel (one thread per 8 columns of one row)."""
+    return -(-(m * (k // 8)) // GATHER_THREADS)
+
+
+def gather_smem_grid(m: int, k: int) -> tuple[int, int]:
+    """(parts per row, CTAs) of the shared-memory gather kernel: each CTA holds one row of A and
+    writes one part of its output; enough parts that no thread has more than GATHER_SMEM_CHUNKS
+    chunks, and about GATHER_SMEM_CTAS CTAs in all."""
+    chunks = k // 8
+    parts = max(-(-chunks // (GATHER_SMEM_THREADS * GATHER_SMEM_CHUNKS)), GATHER_SMEM_CTAS // m)
+    parts = max(1, min(parts, chunks))
+    return parts, m * parts
+
+
+def use_gather_smem(m: int, k: int, fn) -> bool:
+    """The shared-memory gather from M = GATHER_SMEM_MIN_M on, where a row (2 K bytes) fits the
+    kernel's dynamic shared memory. H200 session 15 (probe_act_order, gather alone at M = 8 / 16,
+    scattered vs shared memory, us): 14336x4096 2.6 / 3.2 vs 2.3 / 2.4, 8192^2 1.6 / 2.5 vs 1.7 / 1.9,
+    28672x8192 3.3 / 4.8 vs 2.7 / 3.2, 8192x28672 1.7 / 2.5 vs 1.7 / 1.8; at M = 1-4 level (the
+    scattered kernel's loads are one L2 round trip on few rows)."""
+    return m >= GATHER_SMEM_MIN_M and 2 * k <= fn.max_dynamic_smem
+
+
+def gather_columns(a: torch.Tensor, perm: torch.Tensor, m: int, k: int, fam: Family,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """A[:, perm] for the act-order layout, by our gather kernel: on sm_90 it is launched as a
     programmatic dependent of the previous kernel and lets the GEMM after it start streaming
-    weights at once (a torch index_select in between would serialize all three)."""
+    weights at once (a torch index_select in between would serialize all three). `out`: a
+    contiguous tensor shaped like `a` to write into (tests poison it)."""
     index = K.cuda_index(a.device)
     cc = _cc(index)
-    fn = K.get_kernel(fam, "gather", index, cc)
-    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    if out is None:
+        out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     p = K.GemmParams()
     p.a, p.c, p.perm = a.data_ptr(), out.data_ptr(), perm.data_ptr()
     p.m, p.k, p.lda, p.ldc = m, k, k, k
-    threads = 256
-    grid = -(-(m * (k // 8)) // threads)
-    fn.launch(grid, threads, 0, K.current_stream_handle(a.device), p, pdl=use_pdl(cc) and gather_pdl(grid))
+    fn = K.get_kernel(fam, "gather_smem", index, cc)
+    if use_gather_smem(m, k, fn):
+        parts, grid = gather_smem_grid(m, k)
+        p.n = parts
+        fn.launch(grid, GATHER_SMEM_THREADS, 2 * k, K.current_stream_handle(a.device), p,
+                  pdl=use_pdl(cc) and gather_pdl(grid))
+        return out
+    fn = K.get_kernel(fam, "gather", index, cc)
+    grid = gather_grid(m, k)
+    fn.launch(grid, GATHER_THREADS, 0, K.current_stream_handle(a.device), p, pdl=use_pdl(cc) and gather_pdl(grid))
     return out
 
 
@@ -685,25 +725,44 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
     wl.fn.launch(wl.grid, 256, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl)
 
 
+# After the act-order gather the wgmma kernel launches as a programmatic dependent only on problems
+# above K*N = 2^24. H200 session 15 (probe_act_order, layer us, M = 16 / 32 / 64, PDL vs plain):
+# 4096^2 16.7 / 14.6 / 19.5 vs 12.8 / 13.7 / 15.5; 14336x4096 - / 24.8 / 33.3 vs - / 27.9 / 35.9,
+# 8192^2 - / 26.8 / 33.1 vs - / 29.4 / 35.8, 4096x28672 - / 41.1 / 48.2 vs - / 43.4 / 50.3. (Session
+# 13 found plain launches faster everywhere, with the gather of sessions 3-14.)
+WGMMA_PDL_AFTER_GATHER_MIN_KN = 1 << 24
+WGMMA_PDL_AFTER_GATHER: bool | None = None  # probe switch (probe_act_order.py --wgmma-pdl); None: the rule
+
+
+def wgmma_pdl_after_gather(n: int, k: int) -> bool:
+    if WGMMA_PDL_AFTER_GATHER is not None:
+        return WGMMA_PDL_AFTER_GATHER
+    return k * n > WGMMA_PDL_AFTER_GATHER_MIN_KN
+
+
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family,
                 workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None,
-                after_gather: bool = False) -> None:
-    """Compute out[m, n] = a @ dequant(b) (+ bias). plan_override (for tuning): a (tile, warps)
-    pair for the fused kernel, or "dequant" for the dequantize + cuBLAS path. after_gather: `a` was
-    just written by the act-order gather kernel (the wgmma kernel then launches without PDL)."""
+                perm: Optional[torch.Tensor] = None) -> None:
+    """Compute out[m, n] = a @ dequant(b) (+ bias), or with perm (act-order) a[:, perm] @
+    dequant(b): the gather kernel runs first. plan_override (for tuning): a (tile, warps) pair for
+    the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
     index = K.cuda_index(a.device)
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
-        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace)
+        if perm is not None:
+            a = gather_columns(a, perm, m, k, fam)
+        launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace,
+                     pdl=perm is None or wgmma_pdl_after_gather(n, k))
         return
     if plan_override is None and use_wgmma_path(m, n, k, fam, index):
-        # After the act-order gather the wgmma kernel runs faster as a plain launch: H200 session 13
-        # (NOTES.md), layer = gather + GEMM at M=32, PDL vs plain: 4096x28672 59.0 vs 41.3 us, 8192^2
-        # 36.3-39.1 vs 27.7, 14336x4096 40.2-41.3 vs 31.6 (the mma.sync kernels keep PDL there).
+        if perm is not None:
+            a = gather_columns(a, perm, m, k, fam)
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace,
-                     pdl=not after_gather)
+                     pdl=perm is None or wgmma_pdl_after_gather(n, k))
         return
     if plan_override == "dequant" or (plan_override is None and use_dequant_path(m, n, k)):
+        if perm is not None:
+            a = gather_columns(a, perm, m, k, fam)
         wt = dequantize_weights(b, scales, zeros, fam, n, k)
         a2, o2 = a.reshape(m, k), out.view(m, n)
         if bias is not None:
@@ -728,6 +787,8 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
         if len(plan_override) > 2 and plan_override[2] > 0 and not tile.cluster:
             grid = min(plan_override[2], tile_count(plan, m, n, k))
             launch = dataclasses.replace(launch, grid=grid, ws_floats=K.workspace_floats(grid, nwarps, tile))
+    if perm is not None:
+        a = gather_columns(a, perm, m, k, fam)
     ws = workspace if workspace is not None else K.default_workspace(a.device)
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
     p.bias = bias.data_ptr() if bias is not None else None
@@ -755,9 +816,7 @@ def _gemm_cuda(a, b, scales, zeros, bias, perm=None, workspace: Workspace | None
                          f"chunks); this view starts at byte offset {a.data_ptr() % 16}: call .clone() first")
     out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
     if m > 0:
-        if perm is not None:
-            a = gather_columns(a, perm, m, k, fam)
-        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace, after_gather=perm is not None)
+        launch_gemm(a, b, scales, zeros, bias, out, m, n, k, fam, workspace, perm=perm)
     return out
 
 

@@ -305,6 +305,43 @@ def test_act_order_public_op_small_m():
         check_close(out, a[:, perm.long()].float() @ w, 1e-3, f"M={m}")
 
 
+GATHER_FORMS = [("scattered", 10**9, 64), ("smem", 1, 64), ("smem-one-part", 1, 1), ("smem-many-parts", 1, 4096)]
+
+
+@pytest.mark.parametrize("form,smem_min_m,ctas", GATHER_FORMS, ids=[f[0] for f in GATHER_FORMS])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gather_kernels(dtype, form, smem_min_m, ctas, monkeypatch):
+    """Both act-order gather kernels — scattered (one thread per 8 columns of a row) and staged
+    through shared memory (one row per CTA, its output in parts) — are exact copies of A[:, perm]
+    into a NaN-poisoned output, at M across part and block boundaries, a K whose last column block
+    is partly idle (11008 / 8 = 1376 chunks) and one with more chunks than one CTA's threads take
+    at once (28672: 3584 > 512 x 4, so at least two parts per row)."""
+    monkeypatch.setattr(G, "GATHER_SMEM_MIN_M", smem_min_m)
+    monkeypatch.setattr(G, "GATHER_SMEM_CTAS", ctas)
+    fam = K.Family("f16" if dtype == torch.float16 else "bf16", 4, False, 128)
+    for k in (11008, 28672):
+        perm = torch.randperm(k, device="cuda").to(torch.int32)
+        for m in (1, 3, 4, 5, 9, 16, 17, 33, 64, 100):
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            out = torch.full_like(a, float("nan"))
+            G.gather_columns(a, perm, m, k, fam, out=out)
+            assert torch.equal(out, a[:, perm.long()]), f"K={k} M={m}"
+
+
+def test_gather_of_rows_too_long_for_shared_memory():
+    """A row of 2^17 columns (256 KB) does not fit one CTA's shared memory: the scattered kernel
+    gathers it, exactly."""
+    k, m = 1 << 17, 9
+    fam = K.Family("f16", 4, False, 128)
+    fn = K.get_kernel(fam, "gather_smem", torch.cuda.current_device(), torch.cuda.get_device_capability())
+    assert not G.use_gather_smem(m, k, fn) and G.use_gather_smem(m, 8192, fn)
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    out = torch.full_like(a, float("nan"))
+    G.gather_columns(a, perm, m, k, fam, out=out)
+    assert torch.equal(out, a[:, perm.long()])
+
+
 def test_bad_act_order_is_refused_not_a_crash():
     """An order with a value outside [0, K) or a repeat would gather out of bounds: the op refuses
     it (checked once per tensor, and again after an in-place change), and the GPU stays usable."""

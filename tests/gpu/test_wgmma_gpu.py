@@ -295,20 +295,22 @@ def test_moe_blocks_of_32(monkeypatch, kw):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, t
 
 
-def test_act_order_gemm_on_the_wgmma_route_is_a_plain_launch(monkeypatch):
-    """After the act-order gather the wgmma kernel launches without PDL (benchmarks/NOTES.md,
-    session 13), plain calls keep it; results are A[:, perm] @ W and A @ W."""
+def test_act_order_gemm_on_the_wgmma_route_pdl_rule(monkeypatch):
+    """After the act-order gather the wgmma kernel launches without PDL on K*N <= 2^24 and as a
+    programmatic dependent above (benchmarks/NOTES.md, session 15), plain calls keep PDL; results
+    are A[:, perm] @ W and A @ W."""
     seen = []
     orig = G.launch_wgmma
     monkeypatch.setattr(G, "launch_wgmma", lambda *a, **kw: (seen.append(kw.get("pdl", True)), orig(*a, **kw))[1])
     monkeypatch.delenv("JITMARLIN_WGMMA", raising=False)
     K.env_flag.cache_clear()
-    k, n = 4096, 4096
-    packed, w = random_weights(k, n, 4, 128, seed=5)
-    perm = torch.randperm(k, device="cuda").to(torch.int32)
-    for m in (16, 32, 64):
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm), a[:, perm.long()].float() @ w, 1e-3,
-                    f"act-order M={m}")
-        check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
-    assert seen == [False, True] * 3
+    for k, n, ms, after_gather in ((4096, 4096, (16, 32, 64), False), (8192, 4096, (32, 64), True)):
+        seen.clear()
+        packed, w = random_weights(k, n, 4, 128, seed=5)
+        perm = torch.randperm(k, device="cuda").to(torch.int32)
+        for m in ms:
+            a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm), a[:, perm.long()].float() @ w,
+                        1e-3, f"act-order M={m}")
+            check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
+        assert seen == [after_gather, True] * len(ms), (k, n, seen)
