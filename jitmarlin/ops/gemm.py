@@ -709,7 +709,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
                  nt: int | None = None, fw: int | None = None, stages: int | None = None,
                  splits: int | None = None, workspace: Workspace | None = None, pdl: bool = True) -> None:
     """pdl=False: a plain launch even where programmatic dependent launch is on (after the act-order
-    gather: see _gemm_cuda)."""
+    gather on small problems: launch_gemm, wgmma_pdl_after_gather)."""
     wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
