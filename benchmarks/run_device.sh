@@ -513,6 +513,13 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/bench_gemm.py --variants bf16,u8,act_order --variant-m 1,16,32,64 --peers none \
              --m 1,16,32,64 --json "$OUT/s15d.json" > "$OUT/s15d_formats.log" 2>&1
            echo "== s15d formats rc=$?"; grep -E "^\| [0-9]" "$OUT/s15d_formats.log" | tail -24;;
+    s15e)  # dense activations of the wgmma kernel by TMA (no per-stage proxy fence) against cp.async
+           # (-DJM_WG_NO_TMA), same run, the wgmma routes (run after "tests")
+           for f in "" "-DJM_WG_NO_TMA"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py --settle 0.3 --m 17,32,64,128,256 \
+               --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 --configs route 2>&1 \
+               | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s15e.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -48,6 +48,30 @@ JM_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n
 template <int N>
 JM_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
+// A TMA descriptor (CUtensorMap, built on the host by cuTensorMapEncodeTiled: driver.tensor_map_2d),
+// passed as a __grid_constant__ kernel parameter so that its address is valid for the copy engine.
+struct alignas(128) JmTensorMap {
+  unsigned long long opaque[16];
+};
+
+// Dense activations by TMA (-DJM_WG_NO_TMA: by cp.async, as before session 15): the box of NT
+// tokens x 64 k at (k0, row0) lands in shared memory in the 128-byte swizzle layout the wgmma
+// descriptors read (rows past M as zeros), counted on `bar` in bytes. Written and read by the
+// async proxy only, so the per-stage proxy fence of the cp.async path goes (0-14%, NOTES.md
+// session 14).
+#if defined(JM_WG_NO_TMA)
+constexpr bool kWgTma = false;
+#else
+constexpr bool kWgTma = true;
+#endif
+JM_DEVICE void tma_load_2d(void* smem_dst, const JmTensorMap* map, int k0, int row0, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k0), "r"(row0), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory, descriptor); fp32 accumulate.
 template <int N>
 struct WgmmaRS;
@@ -169,7 +193,8 @@ struct WgPiece {
 // recomputed from blockIdx there rather than held in registers through it)
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
-                          const int k_tiles, const PieceOf& piece_of) {
+                          const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, uint64_t* act_bar,
+                          uint32_t& act_phase) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
   static_assert(FW == 1 || FW == 2, "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
@@ -274,9 +299,17 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   const int soff = (tid / kRowChunks) * p.n + strip0 * 64 + (tid % kRowChunks) * 8;
   const int zoff = (tid / kZRowChunks) * (p.n * BITS / 32) + strip0 * (2 * BITS) + (tid % kZRowChunks) * 4;
 
+  constexpr bool kTma = kWgTma && !MOE;  // MoE gathers its rows: cp.async
   auto fetch_acts = [&](int kt_local, int slot) {
     const int kt = kt0 + kt_local;
     uint8_t* st = smem + slot * S::kBytes;
+    if constexpr (kTma) {
+      if (tid == 0) {
+        mbar_arrive_expect_tx(&act_bar[slot], S::kAct);
+        tma_load_2d(st, amap, kt * 64, tok0, &act_bar[slot]);
+      }
+      return;
+    }
     // activations: chunk c = tid + 256 i lands 32 rows (4096 bytes) after chunk tid
 #pragma unroll
     for (int i = 0; i < kActPerThread; i++)
@@ -495,10 +528,20 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       cp_async_commit();
     }
   }
-  cp_async_wait<STAGES - 2>();
+  // the activations of the stage in `slot` have landed (TMA; the cp.async path waits for its
+  // copy groups, then fences them for the async proxy that wgmma reads with)
+  auto wait_acts = [&](int slot) {
+    if constexpr (kTma) {
+      mbar_wait(&act_bar[slot], (act_phase >> slot) & 1u);
+      act_phase ^= 1u << slot;
+    } else {
 #ifndef JM_WG_NO_PROXY_FENCE  // diagnostic only (formally racy): what the proxy fence costs
-  fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
+      fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
 #endif
+    }
+  };
+  cp_async_wait<STAGES - 2>();
+  wait_acts(0);
   __syncthreads();
   if (tid == 0) JM_TL(2, globaltimer());
 
@@ -525,9 +568,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     if (kt + 1 < k_tiles) {
       cp_async_wait<STAGES - 3>();  // stage kt + 1 is in (this thread's copies)
-#ifndef JM_WG_NO_PROXY_FENCE
-      fence_proxy_async_smem();
-#endif
+      wait_acts(slot);
       __syncthreads();  // ... every thread's; and no warpgroup still reads stage kt - 1's slot
       const int nk = kt + STAGES - 1;
       if (nk < k_tiles) fetch(nk, (slot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
@@ -644,14 +685,27 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 //   tiles of two strips on 132 SMs). A tile cut between CTAs is summed by the last piece to
 //   arrive; region of CTA c's piece: 2c for its first tile, 2c + 1 for its last.
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE>
-JM_DEVICE void wgmma_body(const JmGemmParams p) {
+JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   constexpr int kStrips = 2 * FW;
   const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
   const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
+  // TMA activations: one mbarrier per ring slot, its phase parity per slot in act_phase (bit s),
+  // kept across the CTA's pieces (stream-K runs several tiles through the same ring)
+  __shared__ __align__(8) uint64_t act_bar[STAGES];
+  uint32_t act_phase = 0;
   if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
     wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p, c / m_tiles, c % m_tiles, 0, ks,
-                                                                    []() { return WgPiece{1, 0, 0, 0, 0}; });
+                                                                    []() { return WgPiece{1, 0, 0, 0, 0}; }, amap,
+                                                                    act_bar, act_phase);
     return;
+  }
+  if constexpr (kWgTma) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; s++) mbar_init(&act_bar[s], 1);
+      mbar_fence_init();
+    }
+    __syncthreads();
   }
   // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)
   const bool stream = NT <= 64 && p.k_splits < 0;
@@ -699,7 +753,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
           const int cc = static_cast<int>(blockIdx.x), per_f = p.grid * splits, ft = cc / per_f;
           const int mt = (cc - ft * per_f) % p.grid;
           return WgPiece{splits, cc, ft * per_f + mt, p.grid, 0};
-        });
+        },
+        amap, act_bar, act_phase);
     u = next;
   }
 }
@@ -707,7 +762,10 @@ JM_DEVICE void wgmma_body(const JmGemmParams p) {
 }  // namespace jm
 
 // Two CTAs per SM with one strip per warpgroup (<= 128 registers), one with two.
-#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE)                  \
-  extern "C" __global__ void __launch_bounds__(256, (FW) == 1 ? 2 : 1) NAME(const JmGemmParams p) { \
-    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p);                                  \
+// The second parameter: the dense activations' TMA descriptor (ignored by MoE kernels and with
+// -DJM_WG_NO_TMA; the host passes one anyway).
+#define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE)                        \
+  extern "C" __global__ void __launch_bounds__(256, (FW) == 1 ? 2 : 1)                                    \
+      NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p, &amap);                         \
   }

@@ -38,6 +38,35 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
+class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes (the kernels take it as a
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]  # __grid_constant__ parameter, 128-byte aligned)
+
+
+# CUtensorMapDataType / CUtensorMapSwizzle / CUtensorMapL2promotion values (cuda.h)
+TMAP_F16, TMAP_BF16 = 6, 9
+_TMAP_SWIZZLE_128B, _TMAP_L2_256B = 3, 3
+
+
+def tensor_map_2d(dtype_code: int, ptr: int, inner: int, outer: int, row_bytes: int, box_inner: int,
+                  box_outer: int) -> TensorMap:
+    """A TMA descriptor of a row-major [outer, inner] matrix of 2-byte elements at `ptr` (rows
+    `row_bytes` apart, a multiple of 16; ptr 16-byte aligned), copied in boxes of box_outer rows of
+    box_inner elements (box_inner * 2 = 128: the 128-byte swizzle layout the wgmma kernel's
+    descriptors read); rows past `outer` arrive as zeros."""
+    lib = _cuda()
+    if not hasattr(lib, "cuTensorMapEncodeTiled"):
+        raise LaunchError("the CUDA driver has no cuTensorMapEncodeTiled (needs a CUDA 12 driver)")
+    tmap = TensorMap()
+    dims = (ctypes.c_uint64 * 2)(inner, outer)
+    strides = (ctypes.c_uint64 * 1)(row_bytes)
+    box = (ctypes.c_uint32 * 2)(box_inner, box_outer)
+    estr = (ctypes.c_uint32 * 2)(1, 1)
+    _check(lib, lib.cuTensorMapEncodeTiled(ctypes.byref(tmap), dtype_code, 2, ctypes.c_void_p(ptr), dims, strides, box,
+                                           estr, 0, _TMAP_SWIZZLE_128B, _TMAP_L2_256B, 0),
+           f"cuTensorMapEncodeTiled([{outer}, {inner}] at 0x{ptr:x}, rows {row_bytes} B, box {box_outer}x{box_inner})")
+    return tmap
+
+
 _lib = None
 _lib_lock = threading.Lock()
 _PDL_ATTR = None  # pointer to the one CUlaunchAttribute "programmatic stream serialization = 1"
@@ -77,6 +106,11 @@ def _cuda():
                 if hasattr(lib, "cuLaunchKernelEx"):  # CUDA >= 11.8 drivers
                     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), vp, pp, pp]
                     lib.cuLaunchKernelEx.restype = ctypes.c_int
+                if hasattr(lib, "cuTensorMapEncodeTiled"):  # CUDA >= 12 drivers
+                    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+                    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.POINTER(TensorMap), i, u, vp, u64p, u64p, u32p, u32p,
+                                                           i, i, i, i]
+                    lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
                 if hasattr(lib, "cuOccupancyMaxActiveClusters"):
                     lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(i), vp, ctypes.POINTER(_LaunchConfig)]
                     lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
@@ -235,13 +269,17 @@ class Function:
         return n
 
     def launch(self, grid: int, threads: int, smem: int, stream: int, params: ctypes.Structure,
-               pdl: bool = False, cluster: int = 0) -> None:
+               pdl: bool = False, cluster: int = 0, extra: ctypes.Structure | None = None) -> None:
         """Launch on `stream`. pdl: allow programmatic dependent launch (sm_90): the kernel may
         start while the previous one in the stream finishes; it must call griddepcontrol.wait
         before reading anything that kernel wrote (ours do). cluster > 1: in thread-block clusters
-        of that many CTAs (sm_90; grid a multiple of it)."""
+        of that many CTAs (sm_90; grid a multiple of it). extra: the kernel's second parameter
+        (the wgmma kernel's tensor map)."""
         lib = _cuda()
-        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        if extra is None:
+            args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        else:
+            args = (ctypes.c_void_p * 2)(ctypes.addressof(params), ctypes.addressof(extra))
         # the device's primary context is current already unless another device's is (cuda:1
         # tensors while cuda:0 is current): push it only then
         cur = ctypes.c_void_p()

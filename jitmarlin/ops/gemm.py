@@ -671,6 +671,7 @@ class WgmmaLaunch:
     splits: int  # CTAs per tile along K; -1: stream-K (wgmma_stream_grid)
     ws: tuple[int, int]  # (floats, counters) to reserve when splits != 1 (at least wgmma_split_bound)
     pdl: bool
+    nt: int  # tokens per tile (the TMA box of the activations)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -702,7 +703,24 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index), K.wgmma_smem_bytes(fam, nt, fw, stages),
                        m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
-                       use_pdl(_cc(index)))
+                       use_pdl(_cc(index)), nt)
+
+
+_ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
+
+
+def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int) -> driver.TensorMap:
+    """The TMA descriptor of the activations a [m, k] (rows k elements apart) for the wgmma
+    kernel: boxes of nt tokens x 64 k in the 128-byte swizzle layout, rows past m as zeros."""
+    code = driver.TMAP_BF16 if a.dtype == torch.bfloat16 else driver.TMAP_F16
+    key = (a.data_ptr(), m, k, nt, code)
+    hit = _ACT_MAPS.get(key)
+    if hit is None:
+        if len(_ACT_MAPS) >= 256:
+            _ACT_MAPS.clear()
+        hit = _ACT_MAPS[key] = driver.tensor_map_2d(code, a.data_ptr(), k, m, 2 * k, 64, nt)
+    return hit
+
 
 
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
@@ -722,7 +740,8 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
         ws = workspace if workspace is not None else K.default_workspace(a.device)
         ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
-    wl.fn.launch(wl.grid, 256, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl)
+    wl.fn.launch(wl.grid, 256, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl,
+                 extra=wgmma_act_map(a, m, k, wl.nt))
 
 
 # After the act-order gather the wgmma kernel launches as a programmatic dependent only on problems
