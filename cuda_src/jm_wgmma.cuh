@@ -20,8 +20,9 @@
 // wgmma_body). MOE: an m tile is one expert's block of
 // NT = block-size rows of the sorted slot list (as the mma.sync MoE kernel: A rows gathered
 // through the slot ids, output row = slot, routing weight).
-// Pipeline: a STAGES-deep cp.async ring of 64-k stages holding activations, packed weights, and
-// the stage's group scales / zero points; one __syncthreads per stage. A warpgroup dequantizes
+// Pipeline: a STAGES-deep ring of 64-k stages holding activations, packed weights, and the
+// stage's group scales / zero points, filled by cp.async (dense tiles of 64 and 128 tokens: the
+// activations by TMA, one mbarrier per slot); one __syncthreads per stage. A warpgroup dequantizes
 // k16 step s+1 into another fragment buffer while the wgmma of the earlier steps run (NB buffers,
 // wgmma.wait_group NB - 1 before one is rewritten): the overlap the study of the fastest peer
 // (../shared/PERF_NOTES.md section 3) names as the lever it leaves.
@@ -54,16 +55,21 @@ struct alignas(128) JmTensorMap {
   unsigned long long opaque[16];
 };
 
-// Dense activations by TMA (-DJM_WG_NO_TMA: by cp.async, as before session 15): the box of NT
+// Dense activations by TMA (wg_tma; -DJM_WG_NO_TMA: by cp.async, as before session 15): the box of NT
 // tokens x 64 k at (k0, row0) lands in shared memory in the 128-byte swizzle layout the wgmma
 // descriptors read (rows past M as zeros), counted on `bar` in bytes. Written and read by the
 // async proxy only, so the per-stage proxy fence of the cp.async path goes (0-14%, NOTES.md
 // session 14).
+// Only for tiles of 64 and 128 tokens: H200 session 15 (probe_configs, route, cp.async -> TMA, us):
+// M=64 8192x28672 85.2 -> 80.6, 28672x8192 89.3 -> 76.9, 8192^2 30.2 -> 27.4, 14336x4096 29.0 ->
+// 26.7; M=256 257 -> 234, 240 -> 208, 67.2 -> 59.4, 62.2 -> 55.6; but the 32-token tiles lost 4-8%
+// (4096x28672 M=32 40.1 -> 42.8, 8192^2 25.1 -> 26.5, 4096^2 10.1 -> 10.5). MoE gathers its rows.
 #if defined(JM_WG_NO_TMA)
 constexpr bool kWgTma = false;
 #else
 constexpr bool kWgTma = true;
 #endif
+constexpr bool wg_tma(int nt, bool moe) { return kWgTma && !moe && nt >= 64; }
 JM_DEVICE void tma_load_2d(void* smem_dst, const JmTensorMap* map, int k0, int row0, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
@@ -299,7 +305,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   const int soff = (tid / kRowChunks) * p.n + strip0 * 64 + (tid % kRowChunks) * 8;
   const int zoff = (tid / kZRowChunks) * (p.n * BITS / 32) + strip0 * (2 * BITS) + (tid % kZRowChunks) * 4;
 
-  constexpr bool kTma = kWgTma && !MOE;  // MoE gathers its rows: cp.async
+  constexpr bool kTma = wg_tma(NT, MOE);
   auto fetch_acts = [&](int kt_local, int slot) {
     const int kt = kt0 + kt_local;
     uint8_t* st = smem + slot * S::kBytes;
@@ -699,7 +705,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
                                                                     act_bar, act_phase);
     return;
   }
-  if constexpr (kWgTma) {
+  if constexpr (wg_tma(NT, MOE)) {
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int s = 0; s < STAGES; s++) mbar_init(&act_bar[s], 1);
