@@ -68,6 +68,19 @@ def test_launch_config_structs_match_cuda_h(nvcc, tmp_path):
     assert int(lines[1]) == driver._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+def test_tensor_map_mirrors_match_cuda_h(nvcc, tmp_path):
+    """The wgmma kernel's TMA descriptor: the driver's ctypes TensorMap has CUtensorMap's size, and
+    the enum values driver.tensor_map_2d passes are cuda.h's."""
+    from jitmarlin.jit import driver
+
+    body = ('printf("%zu %d %d %d %d\\n", sizeof(CUtensorMap), (int)CU_TENSOR_MAP_DATA_TYPE_FLOAT16, '
+            '(int)CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (int)CU_TENSOR_MAP_SWIZZLE_128B, (int)CU_TENSOR_MAP_L2_PROMOTION_L2_256B);')
+    got = tuple(map(int, _run_host(nvcc, tmp_path, body, include="cuda.h").split()))
+    assert got == (ctypes.sizeof(driver.TensorMap), driver.TMAP_F16, driver.TMAP_BF16, driver._TMAP_SWIZZLE_128B,
+                   driver._TMAP_L2_256B)
+    assert ctypes.sizeof(driver.TensorMap) == 128
+
+
 def test_smem_formula_matches_kernel(nvcc, tmp_path):
     cases = []
     for bits, zp, g in itertools.product((4, 8), (False, True), (-1, 32, 64, 128, 256)):
