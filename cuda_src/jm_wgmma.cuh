@@ -768,8 +768,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
 }  // namespace jm
 
 // Two CTAs per SM with one strip per warpgroup (<= 128 registers), one with two.
-// The second parameter: the dense activations' TMA descriptor (ignored by MoE kernels and with
-// -DJM_WG_NO_TMA; the host passes one anyway).
+// The second parameter: the dense activations' TMA descriptor (read by the tiles wg_tma selects;
+// the host passes one to every wgmma kernel).
 #define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE)                        \
   extern "C" __global__ void __launch_bounds__(256, (FW) == 1 ? 2 : 1)                                    \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \

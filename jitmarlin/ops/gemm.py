@@ -722,7 +722,6 @@ def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int) -> driver.TensorMap:
     return hit
 
 
-
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
                  nt: int | None = None, fw: int | None = None, stages: int | None = None,
                  splits: int | None = None, workspace: Workspace | None = None, pdl: bool = True) -> None:
