@@ -79,7 +79,8 @@ def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
 
 def test_wgmma_smem_formula_matches_the_kernel(cuda_toolchain, tmp_path):
     """wgmma_smem_bytes (the launch's shared memory) equals the kernel's own stage size x stages,
-    checked by static_asserts that nvcc evaluates."""
+    and K.WGMMA_TMA_MIN_NT the kernel's choice of TMA tiles, checked by static_asserts that nvcc
+    evaluates."""
     import subprocess
 
     lines = ['#include "jm_wgmma.cuh"']
@@ -89,6 +90,11 @@ def test_wgmma_smem_formula_matches_the_kernel(cuda_toolchain, tmp_path):
             want = K.wgmma_smem_bytes(fam, nt, fw, st)
             lines.append(f"static_assert(jm::WgmmaStage<{bits}, {'true' if zp else 'false'}, {fam.group_blocks}, {nt}, "
                          f"{fw}>::kBytes * {st} + 1024 == {want}, \"{bits} {zp} {group} {nt} {fw} {st}\");")
+    # and which tiles read a tensor map (gemm.wgmma_act_map encodes one only for those)
+    for nt in (16, 32, 64, 128):
+        uses = nt >= K.WGMMA_TMA_MIN_NT
+        lines.append(f"static_assert(jm::wg_tma({nt}, false) == {'true' if uses else 'false'}, \"tma {nt}\");")
+    lines.append("static_assert(!jm::wg_tma(64, true) && !jm::wg_tma(128, true), \"tma moe\");")
     src = tmp_path / "smem_check.cu"
     src.write_text("\n".join(lines) + "\n")
     from jitmarlin.jit.spec import source_dir

@@ -275,6 +275,11 @@ WGMMA_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 1, 8), (32, 1, 8), (32, 
                                                    (128, 1, 4), (128, 2, 4))
 # MoE: the m tile is the expert block: 64 rows, or 128 (many tokens per expert; JITMARLIN_WGMMA=1)
 # with one strip per warpgroup (two spill registers in the MoE variant of some formats)
+# Dense tiles of at least this many tokens read their activations by TMA (jm_wgmma.cuh, wg_tma);
+# every wgmma kernel takes a tensor map as its second parameter, the others an unused empty one.
+WGMMA_TMA_MIN_NT = 64
+NO_TENSOR_MAP = driver.TensorMap()
+
 WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (32, 2, 8), (64, 1, 6), (64, 2, 4), (128, 1, 4))
 
 

@@ -711,7 +711,10 @@ _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reu
 
 def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int) -> driver.TensorMap:
     """The TMA descriptor of the activations a [m, k] (rows k elements apart) for the wgmma
-    kernel: boxes of nt tokens x 64 k in the 128-byte swizzle layout, rows past m as zeros."""
+    kernel: boxes of nt tokens x 64 k in the 128-byte swizzle layout, rows past m as zeros. Tiles
+    under K.WGMMA_TMA_MIN_NT tokens copy with cp.async and get the empty map (nothing encoded)."""
+    if nt < K.WGMMA_TMA_MIN_NT:
+        return K.NO_TENSOR_MAP
     code = driver.TMAP_BF16 if a.dtype == torch.bfloat16 else driver.TMAP_F16
     key = (a.data_ptr(), m, k, nt, code)
     hit = _ACT_MAPS.get(key)

@@ -16,10 +16,7 @@ import torch.nn.functional as F
 
 from . import _kernels as K
 from ._kernels import DTYPES, Family
-from ..jit.driver import TensorMap
 from .gemm import check_perm_values, launch_params, prepare_launch
-
-_NO_TENSOR_MAP = TensorMap()  # the wgmma kernel's second parameter, unused by MoE (rows gathered)
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
 # On sm_90 the wgmma MoE kernel (blocks of 64 or 128 rows) costs less than the mma.sync kernel's
@@ -308,7 +305,7 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     p.top_k, p.a_by_position = top_k, int(a_by_position)
     p.grid = -(-sorted_ids.numel() // block_size)  # m tiles, an upper bound (the kernel reads num_padded)
     fn.launch((n // (128 * fw)) * p.grid, 256, K.wgmma_smem_bytes(fam, nt, fw, stages),
-              K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)), extra=_NO_TENSOR_MAP)
+              K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)), extra=K.NO_TENSOR_MAP)
 
 
 def _moe_gemm_fake(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
