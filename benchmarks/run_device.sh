@@ -21,6 +21,8 @@ python3 -m jitmarlin info > "$OUT/info.txt" 2>&1; tail -5 "$OUT/info.txt"
 for st in $STAGES; do
   t0=$(date +%s)
   case $st in
+    cmd)   # CMD: any command line, run after the setup above (PYTHONPATH, cache dir, peers' wheels)
+           eval "${CMD:?cmd stage: set CMD}";;
     tests) # PYTEST_K: a -k expression (may hold spaces); PYTEST_ARGS: more words for pytest
            timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs --maxfail=40 tests/gpu ${PYTEST_K:+-k "$PYTEST_K"} \
              ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1

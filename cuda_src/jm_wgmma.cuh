@@ -1,6 +1,6 @@
 // jitmarlin — Hopper (sm_90a) GEMM for large M: warpgroup MMA with the weights in registers.
 //
-// Used for MoE blocks of 64 and 128 rows and for dense M in [17, 512) (jitmarlin/ops/gemm.py,
+// Used for MoE blocks of 32, 64 and 128 rows and for dense M in [9, 1024] (jitmarlin/ops/gemm.py,
 // use_wgmma_path; JITMARLIN_WGMMA=0 / 1 to never / always use it).
 //
 // Transposed product, as the small-M kernel's SWAP mode: D^T[features, tokens] = W^T A^T. The

@@ -165,9 +165,14 @@ def test_wgmma_route_rules(monkeypatch, setting):
         auto = [G.use_wgmma_path(m, n, k, fam, 0) for m, k, n in
                 ((256, 4096, 28672), (256, 28672, 8192), (192, 8192, 8192), (511, 8192, 28672),
                  (64, 4096, 28672), (128, 8192, 16384), (512, 8192, 28672), (64, 28672, 8192),
-                 (128, 8192, 8192), (256, 14336, 4096), (256, 4096, 4096), (4096, 8192, 28672))]
-        want_auto = {None: [True] * 6 + [False] + [True] * 4 + [False], "0": [False] * 12, "1": [True] * 12}[setting]
+                 (128, 8192, 8192), (256, 14336, 4096), (256, 4096, 4096), (4096, 8192, 28672),
+                 (1024, 8192, 28672), (1025, 8192, 8192))]
+        # session 16: up to M = 1024 (1536 ties, 2048 loses to dequantize + cuBLAS)
+        want_auto = {None: [True] * 11 + [False, True, False], "0": [False] * 14, "1": [True] * 14}[setting]
         assert auto == want_auto
+        bf8, f8 = K.Family("bf16", 8, False, 128), K.Family("f16", 8, False, 128)
+        big = [G.use_wgmma_path(m, 8192, 8192, f, 0) for m, f in ((512, bf8), (513, bf8), (1024, f8), (1024, K.Family("bf16", 4, False, 128)))]
+        assert big == {None: [True, False, True, True], "0": [False] * 4, "1": [True] * 4}[setting]  # bf16 x 8-bit: to 512
         small = [G.use_wgmma_path(m, n, k, fam, 0) for m, k, n in
                  ((33, 4096, 28672), (63, 28672, 8192), (32, 8192, 8192), (17, 4096, 4096), (32, 4096, 28672),
                   (17, 28672, 8192), (16, 4096, 4096))]
@@ -193,6 +198,8 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert [G.wgmma_strips(n, mt, 132) for n, mt in ((28672, 1), (28672, 2), (8192, 2), (8192, 8), (8064, 8))] \
             == [2, 2, 1, 2, 1]
         assert G.wgmma_config(64, 28672, 132) == (64, 2, 4) and G.wgmma_config(256, 8192, 132) == (128, 1, 4)
+        # 128-token tiles: one strip per warpgroup on every shape (session 16)
+        assert {G.wgmma_config(m, n, 132)[:2] for m in (65, 128, 256, 1024) for n in (4096, 8192, 28672)} == {(128, 1)}
         # 32-token tiles: two strips unless one spreads the work over more SMs (H200, session 13)
         assert [G.wgmma_config(32, n, 132, k)[:2] for k, n in
                 ((8192, 8192), (4096, 4096), (14336, 4096), (8192, 28672), (28672, 8192), (4096, 28672),
@@ -227,7 +234,7 @@ def test_wgmma_k_splits():
 
     for sms in (78, 114, 132):  # every split launch the heuristic makes fits the reserved bound
         for nt, fw, _ in K.WGMMA_CONFIGS:
-            for m in (17, 64, 100, 128, 256, 511):
+            for m in (17, 64, 100, 128, 256, 511, 1024):
                 for k in (1024, 4096, 14336, 28672):
                     for n in (1024, 4096, 8192, 28672):
                         if n % (128 * fw):

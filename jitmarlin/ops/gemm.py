@@ -426,7 +426,8 @@ def launch_params(launch: Launch, ws: Workspace, a: torch.Tensor, b: torch.Tenso
 # For large M the dense path dequantizes the weights once into fp16/bf16 and calls cuBLAS, whose
 # tensor-core GEMM beats an mma.sync kernel that re-dequantizes the weights for every m tile.
 def use_dequant_path(m: int, n: int, k: int) -> bool:
-    """Sweep result: dequantize + cuBLAS wins from M=512 everywhere, from M=256 unless K is large
+    """(Checked after use_wgmma_path, which takes M <= 1024 on sm_90.) Sweep result (mma.sync
+    kernels): dequantize + cuBLAS wins from M=512 everywhere, from M=256 unless K is large
     (then the fused kernel's L2 reuse still wins), and already from M=64 on small matrices."""
     return m >= 512 or (m >= 256 and k <= 8192) or (m >= 64 and k * n <= (1 << 24))
 
@@ -536,7 +537,14 @@ def wgmma_setting() -> str:
 # 27.8 us, 4096^2 10.4 vs 12.3, 4096x28672 37.3 vs 39.7) but not on 8192x28672 (71.1 vs 66.5), and
 # on 8-bit weights everywhere (28672x8192 70.5 vs 78.5, 4096x28672 39.5 vs 45.4, 8192x28672 level);
 # at M = 9-16 the 16-token tile only on 4096^2 (9.8 vs 11.0), 2-2.5x slower on the large shapes.
-WGMMA_AUTO_M = (17, 512)  # M range the automatic route sends to the wgmma kernel (M <= 32: see below)
+# Session 16 (TMA activations since session 15; probe_configs, route vs JITMARLIN_WGMMA=1, us): the
+# wgmma kernel now beats dequantize + cuBLAS at M=512 on all six benchmark shapes (8192x28672 555 ->
+# 477, 28672x8192 614 -> 433, 14336x4096 154 -> 99) and, with one strip per warpgroup, at M=1024
+# (853 vs 916, 820 vs 953, 8192^2 234 vs 244); at M=1536 they tie, at M=2048 dequantize + cuBLAS
+# wins (1630 vs 1746). bf16 with 8-bit weights: the wgmma kernel wins at M=512 (8192x28672 492 vs
+# 571) but not at M=1024 (975 vs 917, 8192^2 274 vs 254), so it stops at 512 there.
+WGMMA_AUTO_M = (17, 1025)  # M range the automatic route sends to the wgmma kernel (M <= 32: see below)
+WGMMA_BF16_U8_MAX_M = 512
 WGMMA_N32_MAX_KN = 1 << 27  # M in [17, 32], 4-bit weights: only where K*N <= this (8-bit: always)
 WGMMA_N16_M = (9, 16)  # M range of the 16-token tile (automatic route only) ...
 WGMMA_N16_MAX_KN = 1 << 24  # ... 4-bit weights, K*N <= this
@@ -562,7 +570,7 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     if m <= 32:
         wanted = fam.bits == 8 or k * n <= WGMMA_N32_MAX_KN
     else:
-        wanted = m < WGMMA_AUTO_M[1]
+        wanted = m < WGMMA_AUTO_M[1] and (m <= WGMMA_BF16_U8_MAX_M or fam.bits == 4 or fam.dtype != "bf16")
     return wgmma_allowed(fam, index, wanted)
 
 
@@ -584,9 +592,9 @@ def _wgmma_span(n: int, m_tiles: int, k: int, nt: int, fw: int, sms: int) -> flo
 
 def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, int, int]:
     """(token tile, strips per warpgroup, stages) for the wgmma kernel: the smallest of 16 / 32 /
-    64 token tiles holding M (16 only from 9 rows), else 128. Strips per warpgroup: from
-    wgmma_strips for 64 / 128-token tiles; for 32-token tiles two unless one strip spreads the
-    work over more SMs or ties it with 8 K splits or stream-K (_wgmma_span; H200: 4096^2,
+    64 token tiles holding M (16 only from 9 rows), else 128. Strips per warpgroup: one for
+    128-token tiles; from wgmma_strips for 64-token tiles; for 32-token tiles two unless one strip
+    spreads the work over more SMs or ties it with 8 K splits or stream-K (_wgmma_span; H200: 4096^2,
     14336x4096 and 8192x28672 take one, the other three benchmark shapes two); 16-token tiles one."""
     nt = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     if nt == 16:
@@ -601,6 +609,11 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
         # 8192x28672 / 4096x28672 / 4096x22016)
         tie_f2 = wgmma_splits(n // 256, k, nt, 2, sms) <= 4 and not wgmma_stream_grid(n // 128, k, nt, 1, sms)
         fw = 2 if n % 256 == 0 and (s2 < s1 or (s2 == s1 and tie_f2)) else 1
+    elif nt == 128:  # one strip: two CTAs per SM, 4 warps per scheduler. H200 session 16 (probe_configs,
+        # f1 vs f2, us): M=128 8192x28672 104.7 vs 115.7, 28672x8192 103.8 vs 114.4, 4096x28672 54.2 vs
+        # 60.7, 8192^2 37.5 vs 43.1; M=256 220 vs 230 (8192x28672), 60.4 vs 67.4 (8192^2); M=1024 853 vs
+        # 896, 820 vs 870, 435 vs 458, 234 vs 250, 188 vs 211 (14336x4096), 54.3 vs 60.3 (4096^2)
+        fw = 1
     else:
         fw = wgmma_strips(n, -(-m // nt), sms)
     for cfg in K.WGMMA_CONFIGS:
