@@ -522,6 +522,14 @@ for st in $STAGES; do
                --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 --configs route 2>&1 \
                | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s15e.log"
            done;;
+    s16c)  # the 128-token tile's ring depth (5 / 3 stages vs 4) and 64-token tiles with one strip vs the
+           # route, after the session-16 route (wgmma to M = 1024, 128-token tiles with one strip)
+           timeout 200 python3 benchmarks/probe_configs.py --settle 0.2 --m 64 --extra-wgmma 128-1-5,128-1-3 \
+             --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 \
+             --configs route,wgmma-n64-f1-s6,wgmma-n64-f2-s4,wgmma-n128-f1-s4 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s16c.log"
+           timeout 200 python3 benchmarks/probe_configs.py --settle 0.2 --m 128,256,1024 --extra-wgmma 128-1-5,128-1-3 \
+             --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 \
+             --configs route,wgmma-n128-f1-s5,wgmma-n128-f1-s3 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s16c.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

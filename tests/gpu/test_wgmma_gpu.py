@@ -1,4 +1,4 @@
-"""The sm_90a warpgroup-MMA GEMM (by default: MoE blocks of 64 and 128 rows, dense M in [64, 512)):
+"""The sm_90a warpgroup-MMA GEMM (by default: MoE blocks of 32, 64 and 128 rows, dense M in [9, 1024]):
 outputs vs x @ dequant(W) on every format the dense op takes and every compiled config, output
 buffers poisoned with NaN first; the routes through marlin_gemm (JITMARLIN_WGMMA=1 / 0 / unset) and
 the MoE layer (against the mma.sync MoE kernel). Runs only on compute capability 9.0."""
@@ -211,21 +211,21 @@ def test_route_through_the_op(monkeypatch):
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
             check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
         assert calls == want, (setting, calls)
-    monkeypatch.delenv("JITMARLIN_WGMMA")  # default: M in [33, 512) here
+    monkeypatch.delenv("JITMARLIN_WGMMA")  # default: M in [33, 1024] here
     K.env_flag.cache_clear()
     calls.clear()
     k, n = 4096, 28672
     packed, w = random_weights(k, n, 4, 128)
-    for m in (64, 256, 1024):
+    for m in (64, 256, 1024, 1025):
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
-    assert calls == [64, 256]
+    assert calls == [64, 256, 1024]  # (session 16: up to 1024; 1025 dequantizes for cuBLAS)
     calls.clear()
     packed, w = random_weights(4096, 4096, 4, 128)  # narrow: the K split fills the GPU
-    for m in (8, 9, 16, 17, 32, 63, 128, 511, 512):
+    for m in (8, 9, 16, 17, 32, 63, 128, 511, 512, 1024, 1025):
         a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
-    assert calls == [9, 16, 17, 32, 63, 128, 511]  # 16-token tiles from M = 9 on this small matrix
+    assert calls == [9, 16, 17, 32, 63, 128, 511, 512, 1024]  # 16-token tiles from M = 9 on this small matrix
     calls.clear()
     packed, w = random_weights(8192, 28672, 8, 128)  # 8-bit: 32-token tiles at M = 17-32
     for m in (16, 17, 32):
