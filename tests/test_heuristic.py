@@ -177,13 +177,13 @@ def test_wgmma_route_rules(monkeypatch, setting):
                  ((33, 4096, 28672), (63, 28672, 8192), (32, 8192, 8192), (17, 4096, 4096), (32, 4096, 28672),
                   (17, 28672, 8192), (16, 4096, 4096))]
         # M = 17-32 (32-token tiles): 4-bit where K*N <= 2^27; M = 9-16 (16-token tiles): automatic
-        # route only, 4-bit, K*N <= 2^24
+        # route only, K*N <= 2^24 (8-bit too since session 16)
         assert small == {None: [True] * 5 + [False, True], "0": [False] * 7, "1": [True] * 6 + [False]}[setting]
         fam8 = K.Family("f16", 8, False, 128)
         mid = [G.use_wgmma_path(m, n, k, f, 0) for m, k, n, f in
                ((32, 8192, 28672, fam8), (17, 28672, 8192, fam8), (16, 8192, 8192, fam), (9, 4096, 4096, fam),
                 (16, 4096, 4096, fam8), (8, 4096, 4096, fam), (32, 8192, 28672, fam))]
-        assert mid == {None: [True, True, False, True, False, False, False], "0": [False] * 7,
+        assert mid == {None: [True, True, False, True, True, False, False], "0": [False] * 7,
                        "1": [True, True, False, False, False, False, True]}[setting]
         for m, k, n in ((16, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
             assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile

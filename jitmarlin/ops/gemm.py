@@ -547,7 +547,9 @@ WGMMA_AUTO_M = (17, 1025)  # M range the automatic route sends to the wgmma kern
 WGMMA_BF16_U8_MAX_M = 512
 WGMMA_N32_MAX_KN = 1 << 27  # M in [17, 32], 4-bit weights: only where K*N <= this (8-bit: always)
 WGMMA_N16_M = (9, 16)  # M range of the 16-token tile (automatic route only) ...
-WGMMA_N16_MAX_KN = 1 << 24  # ... 4-bit weights, K*N <= this
+WGMMA_N16_MAX_KN = 1 << 24  # ... where K*N <= this (8-bit weights since session 16, H200 probe_configs,
+# 4096^2 M = 9 / 16: f16 9.7 / 9.8 us vs 13.0 / 13.1 on the mma.sync route, bf16 10.2 / 10.2 vs 13.9 /
+# 14.2; 8192^2 level, larger shapes 3-23% slower on the 16-token tile)
 
 
 def wgmma_allowed(fam: Family, index: int, wanted: bool) -> bool:
@@ -565,7 +567,7 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     if fam.moe or m < WGMMA_N16_M[0] or n % 128 or k % 64:
         return False
     if m < WGMMA_AUTO_M[0]:
-        wanted = m <= WGMMA_N16_M[1] and fam.bits == 4 and k * n <= WGMMA_N16_MAX_KN
+        wanted = m <= WGMMA_N16_M[1] and k * n <= WGMMA_N16_MAX_KN  # (8-bit too since session 16)
         return wanted and wgmma_setting() == "auto" and wgmma_allowed(fam, index, True)
     if m <= 32:
         wanted = fam.bits == 8 or k * n <= WGMMA_N32_MAX_KN
