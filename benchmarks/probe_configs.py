@@ -30,14 +30,17 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
-                    "(route: the heuristic's choice; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk]: the sm_90a kernel, -sk stream-K) "
+                    "(route: the heuristic's choice; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
+                    "stream-K, -w its wide form (four warpgroups of one strip; FW = 2 configs added by --extra-wgmma "
+                    "NT-2-S-w)) "
                     "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
     ap.add_argument("--extra-tiles", default="", help="comma-separated tile tags built into the families "
                     "for this run only (candidates outside the built-in lists), e.g. w16_k128_s5_bk")
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="weight bits (group 128)")
     ap.add_argument("--dtype", default="f16", choices=("f16", "bf16"), help="activation dtype")
     ap.add_argument("--extra-wgmma", default="", help="comma-separated NT-FW-STAGES wgmma configs built into the "
-                    "dense wgmma module for this run only, e.g. 64-2-8 (then usable as wgmma-n64-f2-s8)")
+                    "dense wgmma module for this run only, e.g. 64-2-8 (then usable as wgmma-n64-f2-s8); NT-2-STAGES-w: the "
+                    "wide form (four warpgroups of one strip), e.g. 128-2-6-w (then wgmma-n128-f2-s6-w)")
     ap.add_argument("--max-per-sm", type=int, default=0, help="pad every config's dynamic shared memory so that "
                     "at most this many CTAs fit on one SM (their grid and cluster placement follow): e.g. 2 "
                     "spreads 256 CTAs of a cluster tile over 128 SMs instead of packing them onto fewer")
@@ -48,7 +51,10 @@ def main() -> None:
     args = ap.parse_args()
     common.SETTLE_S = args.settle
     for cfg in (c for c in args.extra_wgmma.split(",") if c):  # before the first build (part of the cache key)
-        K.WGMMA_CONFIGS = K.WGMMA_CONFIGS + (tuple(int(x) for x in cfg.split("-")),)
+        if cfg.endswith("-w"):  # the wide form of a two-strip config (its plain form need not be built)
+            K.WGMMA_WIDE_CONFIGS = K.WGMMA_WIDE_CONFIGS + (tuple(int(x) for x in cfg[:-2].split("-")),)
+        else:
+            K.WGMMA_CONFIGS = K.WGMMA_CONFIGS + (tuple(int(x) for x in cfg.split("-")),)
     extra = tuple(K.Tile.from_tag(t) for t in args.extra_tiles.split(",") if t)
     if args.any_fit and extra:  # build the extra tiles even where tile_fits keeps them out (e.g. direct, 8-bit)
         fits = K.tile_fits
@@ -69,9 +75,11 @@ def main() -> None:
         for cfg in args.configs.split(","):
             if cfg == "route":  # what the heuristic picks
                 override = None
-            elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}]
-                parts = cfg.split("-")
-                override = ("wgmma",) + tuple(-1 if x == "sk" else int(x[1:]) for x in parts[1:])
+            elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]
+                parts = cfg.split("-")[1:]
+                wide = parts[-1] == "w"
+                nums = [-1 if x == "sk" else int(x[1:]) for x in (parts[:-1] if wide else parts)]
+                override = ("wgmma",) + tuple(nums + [None] * (4 - len(nums))) + (wide,)
             else:  # TAG-wN, or TAG-wN-gG: G CTAs (default: all that fit at once)
                 tag, w = cfg.rsplit("-w", 1)
                 w, _, g = w.partition("-g")

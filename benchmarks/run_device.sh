@@ -530,6 +530,18 @@ for st in $STAGES; do
            timeout 200 python3 benchmarks/probe_configs.py --settle 0.2 --m 128,256,1024 --extra-wgmma 128-1-5,128-1-3 \
              --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 \
              --configs route,wgmma-n128-f1-s5,wgmma-n128-f1-s3 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s16c.log";;
+    s17a)  # prepared in session 16 (branch prep-wgmma-wide, NOT run): the wide form of two-strip CTAs
+           # (four warpgroups of one strip, 512 threads: 16 warps per SM sharing one activation tile, no
+           # cluster) against the route (128-token tiles: two one-strip CTAs per SM), same run
+           timeout 240 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "wide_form" > "$OUT/s17a_tests.log" 2>&1
+           echo "== s17a tests rc=$?"; tail -3 "$OUT/s17a_tests.log"
+           S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
+           timeout 150 python3 benchmarks/probe_configs.py --settle 0.2 --m 33,64 --extra-wgmma 64-2-4-w,64-2-8-w \
+             --shapes $S6 --configs route,wgmma-n64-f2-s4-w,wgmma-n64-f2-s8-w 2>&1 | grep -v "^done\|^jitmarlin:" \
+             | tee -a "$OUT/s17a.log"
+           timeout 200 python3 benchmarks/probe_configs.py --settle 0.2 --m 128,256,1024 --extra-wgmma 128-2-4-w,128-2-6-w \
+             --shapes $S6 --configs route,wgmma-n128-f2-s4-w,wgmma-n128-f2-s6-w 2>&1 | grep -v "^done\|^jitmarlin:" \
+             | tee -a "$OUT/s17a.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

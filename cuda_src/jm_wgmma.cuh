@@ -197,14 +197,20 @@ struct WgPiece {
 
 // piece_of(): the piece's WgPiece, asked for only after the main loop (a split launch's is
 // recomputed from blockIdx there rather than held in registers through it)
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, typename PieceOf>
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
+          typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
                           const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, uint64_t* act_bar,
                           uint32_t& act_phase) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
   static_assert(FW == 1 || FW == 2, "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
-  using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW>;
+  // WGS warpgroups per CTA (2; 4 in the "wide" form: 512 threads, one strip each, sharing the
+  // activation tile of a two-strip CTA), FW strips each: the CTA's ring is that of WGS * FW / 2
+  // strips per "warpgroup pair", so the host's shared-memory and workspace formulas see FW * WGS / 2
+  static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE), "warpgroups per CTA");
+  constexpr int kThreads = 128 * WGS;
+  using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
   constexpr int kWordsPerK16 = 32 * BITS;  // packed words of one strip per 16 k
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -263,13 +269,13 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // ---- activation rows this thread copies: chunk c = (token r, 8 k j), r = 8 (c >> 6) + (c & 7),
   // j = (c >> 3) & 7, so a warp reads 64 contiguous bytes of 8 rows and writes 4 full 128-byte lines
   // (NT = 16: 128 chunks, copied by the first warpgroup)
-  constexpr int kActChunks = NT * 8, kActPerThread = (kActChunks + 255) / 256;
-  const bool act_copier = kActChunks >= 256 || tid < kActChunks;
+  constexpr int kActChunks = NT * 8, kActPerThread = (kActChunks + kThreads - 1) / kThreads;
+  const bool act_copier = kActChunks >= kThreads || tid < kActChunks;
   const T* arow[kActPerThread];
   bool avalid[kActPerThread];
 #pragma unroll
   for (int i = 0; i < kActPerThread; i++) {
-    const int c = (tid + 256 * i) % kActChunks, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
+    const int c = (tid + kThreads * i) % kActChunks, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
     int row = tok0 + r;
     bool valid;
     if constexpr (MOE) {  // A row of a (token, k) slot: its token, or its position when pre-gathered
@@ -290,12 +296,13 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // Per-thread copy offsets are computed once here; a stage adds only its k offset (a generic
   // strided copy loop compiled to ~150 instructions per stage, most of the kernel's issue slots).
   constexpr int kWChunks = S::kW / 16, kStripChunks = S::kStripBytes / 16;
-  static_assert(kWChunks % 256 == 0 && 256 % kStripChunks == 0 || kStripChunks % 256 == 0, "weight chunks per thread");
-  constexpr int kWPerThread = kWChunks / 256;
+  static_assert(kWChunks % kThreads == 0 && kThreads % kStripChunks == 0 || kStripChunks % kThreads == 0,
+                "weight chunks per thread");
+  constexpr int kWPerThread = kWChunks / kThreads;
   uint32_t woff[kWPerThread];  // words from bbase, at k = 0
 #pragma unroll
   for (int i = 0; i < kWPerThread; i++) {
-    const int c = tid + 256 * i, strip = c / kStripChunks, off = c - strip * kStripChunks;
+    const int c = tid + kThreads * i, strip = c / kStripChunks, off = c - strip * kStripChunks;
     woff[i] = static_cast<uint32_t>(strip * (p.k / 16) * kWordsPerK16 + off * 4);
   }
   const uint32_t asoff = static_cast<uint32_t>((8 * (tid >> 6) + (tid & 7)) * 128 + ((((tid >> 3) & 7) ^ (tid & 7)) << 4));
@@ -316,10 +323,10 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       }
       return;
     }
-    // activations: chunk c = tid + 256 i lands 32 rows (4096 bytes) after chunk tid
+    // activations: chunk c = tid + kThreads i lands kThreads / 8 rows (16 kThreads bytes) after chunk tid
 #pragma unroll
     for (int i = 0; i < kActPerThread; i++)
-      if (act_copier) cp_async16(st + asoff + 4096 * i, arow[i] + kt * 64, avalid[i]);
+      if (act_copier) cp_async16(st + asoff + 16 * kThreads * i, arow[i] + kt * 64, avalid[i]);
   };
   auto fetch_weights = [&](int kt_local, int slot) {
     const int kt = kt0 + kt_local;
@@ -327,7 +334,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     // weights: per strip, the 4 k16 of this stage are contiguous (S::kStripBytes)
     const uint32_t* wk = bbase + kt * 4 * kWordsPerK16;
 #pragma unroll
-    for (int i = 0; i < kWPerThread; i++) cp_async16(st + S::kAct + (tid + 256 * i) * 16, wk + woff[i]);
+    for (int i = 0; i < kWPerThread; i++) cp_async16(st + S::kAct + (tid + kThreads * i) * 16, wk + woff[i]);
     if constexpr (kGrouped) {
       const int grp0 = kt * 4 / GROUP_BLOCKS;
       if (s_copier) cp_async16(st + S::kAct + S::kW + tid * 16, sbase + static_cast<int64_t>(grp0) * p.n + soff);
@@ -604,14 +611,14 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     // Every piece stores its partial sums in a region of its own (thread-major float4s, so each
     // warp writes and reads 512 contiguous bytes); the last of the tile's pieces to arrive adds all
     // regions up in a fixed order: bit-identical results run to run, whoever arrives last.
-    constexpr int kRegion = 256 * FW * (NT / 2);  // floats per piece
+    constexpr int kRegion = kThreads * FW * (NT / 2);  // floats per piece
     __shared__ int s_last;
     float* mine = p.ws + static_cast<int64_t>(piece.region) * kRegion + tid * 4;
 #pragma unroll
     for (int j = 0; j < FW; j++) {
 #pragma unroll
       for (int q = 0; q < NT / 8; q++)
-        __stcg(reinterpret_cast<float4*>(mine + (j * (NT / 8) + q) * 1024),
+        __stcg(reinterpret_cast<float4*>(mine + (j * (NT / 8) + q) * 4 * kThreads),
                make_float4(d[j][4 * q], d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3]));
     }
     __threadfence();
@@ -634,10 +641,11 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         for (int q = q0; q < q0 + kChunk; q++) d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
         for (int sp = 0; sp < piece.arrivals; sp++) {
           const int region = piece.first + sp * piece.stride + (sp == 0 ? piece.first_extra : 0);
-          const float* src = p.ws + static_cast<int64_t>(region) * kRegion + tid * 4 + (j * (NT / 8) + q0) * 1024;
+          const float* src =
+              p.ws + static_cast<int64_t>(region) * kRegion + tid * 4 + (j * (NT / 8) + q0) * 4 * kThreads;
           float4 v[kChunk];
 #pragma unroll
-          for (int q = 0; q < kChunk; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + q * 1024));
+          for (int q = 0; q < kChunk; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + q * 4 * kThreads));
 #pragma unroll
           for (int q = 0; q < kChunk; q++) {
             d[j][4 * (q0 + q)] += v[q].x;
@@ -690,9 +698,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 //   the same work when the tiles do not divide the resident CTAs (4096x28672, 8192x28672: 112
 //   tiles of two strips on 132 SMs). A tile cut between CTAs is summed by the last piece to
 //   arrive; region of CTA c's piece: 2c for its first tile, 2c + 1 for its last.
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE>
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS>
 JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
-  constexpr int kStrips = 2 * FW;
+  constexpr int kStrips = WGS * FW;
   const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
   const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
   // TMA activations: one mbarrier per ring slot, its phase parity per slot in act_phase (bit s),
@@ -700,7 +708,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   __shared__ __align__(8) uint64_t act_bar[STAGES];
   uint32_t act_phase = 0;
   if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p, c / m_tiles, c % m_tiles, 0, ks,
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS>(p, c / m_tiles, c % m_tiles, 0, ks,
                                                                     []() { return WgPiece{1, 0, 0, 0, 0}; }, amap,
                                                                     act_bar, act_phase);
     return;
@@ -752,7 +760,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
       k_tiles = (split + 1) * ks / splits - kt0;
       next = u1;
     }
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS>(
         p, f_tile, m_tile, kt0, k_tiles, [&]() -> WgPiece {
           if (stream || splits == 1) return piece;
           // split pieces: region = the CTA, the tile's splits m_tiles regions apart
@@ -773,5 +781,12 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
 #define JM_WGMMA_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE)                        \
   extern "C" __global__ void __launch_bounds__(256, (FW) == 1 ? 2 : 1)                                    \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
-    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE>(p, &amap);                         \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, 2>(p, &amap);                      \
+  }
+// The "wide" form of a two-strip CTA (256 features x NT tokens, the host's FW = 2 shapes: same ring,
+// grid and workspace): four warpgroups of one strip each, 512 threads, 16 warps on one SM.
+#define JM_WGMMA_KERNEL_WIDE(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, STAGES)                            \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                                    \
+      NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, 1, STAGES, false, 4>(p, &amap);                     \
   }

@@ -186,6 +186,43 @@ def test_capture_of_a_new_split_shape_needs_no_growth():
     check_close(out2, a2.float() @ w2, 1e-3, "captured first")
 
 
+@pytest.fixture
+def wide_configs(monkeypatch):
+    """Build the wide (four-warpgroup) form of the two-strip 64/128-token configs for this test."""
+    monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ((64, 2, 4), (128, 2, 4)))
+    K.wgmma_build_spec.cache_clear()
+    G.wgmma_launch.cache_clear()
+    yield K.WGMMA_WIDE_CONFIGS
+    K.wgmma_build_spec.cache_clear()
+    G.wgmma_launch.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_wide_form(fmt, wide_configs):
+    """The wide form (512 threads, four warpgroups of one strip) of a two-strip config: whole tiles,
+    uneven K splits and stream-K, M with partial token tiles, bias; bit-identical to the two-warpgroup
+    kernel of the same config (the same arithmetic per strip), NaN-poisoned outputs, counters back
+    to zero; asking for a wide kernel that is not built is a clear error."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for k, n, ms in ((5120, 512, (17, 64, 100, 257)), (1024, 2048, (33, 128, 300))):
+        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=7)
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        for m in ms:
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = a.float() @ w + bias.float()
+            for nt, fw, st in wide_configs:
+                for splits in ((None, 3, -1) if nt == 64 else (None, 3)):
+                    cfg = (nt, fw, st, splits)
+                    wide = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
+                    check_close(wide, ref, tol, f"K={k} N={n} M={m} config={cfg} wide")
+                    assert torch.equal(wide, run(a, packed, m, n, k, dtype, cfg, bias=bias)), (k, n, m, cfg)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    with pytest.raises(ValueError, match="no wide"):
+        G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 1, 6, None, True)
+
+
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
 def test_shapes(k, n):
     packed, w = random_weights(k, n, 4, 128 if k % 128 == 0 else -1)
