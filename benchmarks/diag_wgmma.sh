@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JITMARLIN_CACHE_DIR=${JITMARLI
 SHAPES=${DIAG_SHAPES:-8192x28672}; MS=${DIAG_M:-256,1024}
 CFGS=${DIAG_CONFIGS:-wgmma-n128-f2-s4,wgmma-n128-f1-s4,wgmma-n64-f2-s4}
 for flags in "" -DJM_WG_NOLDS -DJM_WG_NODEQ -DJM_WG_NOMMA; do
-  JITMARLIN_QUIET=1 JITMARLIN_NVCC_FLAGS="$flags" timeout 120 python3 benchmarks/probe_configs.py --shapes "$SHAPES" \
+  JITMARLIN_QUIET=1 JITMARLIN_NVCC_FLAGS="$flags" timeout 120 python3 benchmarks/probe_configs.py --shapes "$SHAPES" --extra-wgmma 128-2-4 \
     --m "$MS" --configs "$CFGS" 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/diag_probe.log"
 done
 if [ "${DIAG_NCU:-1}" = 1 ]; then

@@ -155,7 +155,7 @@ for st in $STAGES; do
              > "$OUT/moe_torch_align.log" 2>&1; echo "moe bench (torch align/silu, JITMARLIN_MOE_KERNELS=0) rc=$?"; tail -12 "$OUT/moe_torch_align.log";;
     wgmma) # configs of the sm_90a kernel, and the whole benchmarks with it everywhere (JITMARLIN_WGMMA=1)
            timeout 200 python3 benchmarks/probe_configs.py --shapes ${WGMMA_SHAPES:-4096x4096,8192x28672,28672x8192} \
-             --m ${WGMMA_M:-64,256,1024} --configs ${WGMMA_CONFIGS:-wgmma-n64-f1-s6,wgmma-n64-f2-s4,wgmma-n128-f1-s4,wgmma-n128-f2-s4} \
+             --m ${WGMMA_M:-64,256,1024} --extra-wgmma 128-2-4 --configs ${WGMMA_CONFIGS:-wgmma-n64-f1-s6,wgmma-n64-f2-s4,wgmma-n128-f1-s4,wgmma-n128-f2-s4} \
              > "$OUT/wgmma_probe.log" 2>&1; echo "wgmma probe rc=$?"; grep -v "^done" "$OUT/wgmma_probe.log"
            JITMARLIN_WGMMA=1 timeout 240 python3 benchmarks/bench_gemm.py --m 64,256,1024 --peers humming --variants none \
              --json "$OUT/wgmma_bench.json" > "$OUT/wgmma_bench.log" 2>&1; echo "wgmma bench rc=$?"; grep -E "^\| [0-9]" "$OUT/wgmma_bench.log"
@@ -215,7 +215,7 @@ for st in $STAGES; do
              --configs wgmma-n64-f2-s4,wgmma-n64-f2-s8,wgmma-n64-f2-s12,wgmma-n64-f1-s6,wgmma-n64-f1-s8 \
              2>&1 | grep -v "^done" | tee "$OUT/s9c_m64.log"
            timeout 240 python3 benchmarks/probe_configs.py --shapes ${S9C_SHAPES:-4096x28672,8192x28672,28672x8192,8192x8192} \
-             --m 128,256 --extra-wgmma 128-2-8,128-1-5 \
+             --m 128,256 --extra-wgmma 128-2-4,128-2-8,128-1-5 \
              --configs wgmma-n128-f2-s4,wgmma-n128-f2-s8,wgmma-n128-f1-s4,wgmma-n128-f1-s5 \
              2>&1 | grep -v "^done" | tee "$OUT/s9c_m128.log"
            for w in "" 64-2-8 64-2-12 64-1-8,64-2-8 128-1-5 128-1-8; do
