@@ -188,8 +188,10 @@ def test_capture_of_a_new_split_shape_needs_no_growth():
 
 @pytest.fixture
 def wide_configs(monkeypatch):
-    """Build the wide (four-warpgroup) form of the two-strip 64/128-token configs for this test."""
+    """Build the wide (four-warpgroup) form of the two-strip 64/128-token configs for this test, and
+    their two-warpgroup form (128-token tiles: not in the built set since session 16)."""
     monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ((64, 2, 4), (128, 2, 4)))
+    monkeypatch.setattr(K, "WGMMA_CONFIGS", tuple(dict.fromkeys(K.WGMMA_CONFIGS + K.WGMMA_WIDE_CONFIGS)))
     K.wgmma_build_spec.cache_clear()
     G.wgmma_launch.cache_clear()
     yield K.WGMMA_WIDE_CONFIGS
