@@ -537,10 +537,10 @@ for st in $STAGES; do
            echo "== s17a tests rc=$?"; tail -3 "$OUT/s17a_tests.log"
            S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
            timeout 150 python3 benchmarks/probe_configs.py --settle 0.2 --m 33,64 --extra-wgmma 64-2-4-w,64-2-8-w \
-             --shapes $S6 --configs route,wgmma-n64-f2-s4-w,wgmma-n64-f2-s8-w 2>&1 | grep -v "^done\|^jitmarlin:" \
+             --shapes $S6 --configs route,wgmma-n64-f2-s4,wgmma-n64-f2-s4-w,wgmma-n64-f2-s8-w 2>&1 | grep -v "^done\|^jitmarlin:" \
              | tee -a "$OUT/s17a.log"
-           timeout 200 python3 benchmarks/probe_configs.py --settle 0.2 --m 128,256,1024 --extra-wgmma 128-2-4-w,128-2-6-w \
-             --shapes $S6 --configs route,wgmma-n128-f2-s4-w,wgmma-n128-f2-s6-w 2>&1 | grep -v "^done\|^jitmarlin:" \
+           timeout 240 python3 benchmarks/probe_configs.py --settle 0.2 --m 128,256,1024 --extra-wgmma 128-2-4,128-2-4-w,128-2-6-w \
+             --shapes $S6 --configs route,wgmma-n128-f2-s4,wgmma-n128-f2-s4-w,wgmma-n128-f2-s6-w 2>&1 | grep -v "^done\|^jitmarlin:" \
              | tee -a "$OUT/s17a.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
