@@ -506,9 +506,17 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     }
   }
   float (&d)[FW][NT / 2] = dacc[0];
-  auto issue = [&](const uint32_t (&a)[FW][4], uint32_t st_addr, int s) {
+  // The B descriptor of k16 step s of the stage at st_addr: step s starts 32 s bytes into each row,
+  // i.e. 2 s in the descriptor's 16-byte address field, which holds shared addresses (< 256 KB) without
+  // carrying out of it; so one descriptor per stage, plus 2 s per step (the per-step encode cost ~7
+  // uniform-datapath instructions per step: SASS of session 16). -DJM_WG_DESC_PER_STEP: encode per step.
+  auto issue = [&](const uint32_t (&a)[FW][4], uint64_t desc_st, uint32_t st_addr, int s) {
     wgmma_fence();
-    const uint64_t desc = wgmma_desc_sw128(st_addr + s * 32);  // k16 step s: 32 bytes into each row
+#if defined(JM_WG_DESC_PER_STEP)
+    const uint64_t desc = wgmma_desc_sw128(st_addr + s * 32);
+#else
+    const uint64_t desc = desc_st + static_cast<uint64_t>(2 * s);
+#endif
 #pragma unroll
     for (int j = 0; j < FW; j++) {
 #if defined(JM_WG_NOMMA)  // diagnostic (wrong results): no tensor work; keep the fragments alive
@@ -559,6 +567,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   if (tid == 0) JM_TL(2, globaltimer());
 
   const uint32_t smem_base = smem_addr(smem);  // 1024-byte aligned
+  const uint64_t desc_base = wgmma_desc_sw128(smem_base);  // slot 0, step 0 (the others: + offsets)
   // NB fragment buffers: step s dequantizes into buffer s % NB while up to NB - 1 earlier steps'
   // wgmma still run (wait_group NB - 1 before a buffer is rewritten). Four when the registers allow
   // (a whole stage in flight), else two.
@@ -571,9 +580,10 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   for (int kt = 0; kt < k_tiles; kt++) {
     const uint8_t* st = smem + slot * S::kBytes;
     const uint32_t st_addr = smem_base + slot * S::kBytes;
+    const uint64_t desc_st = desc_base + static_cast<uint64_t>(slot * (S::kBytes >> 4));
 #pragma unroll
     for (int s = 0; s < 4; s++) {
-      issue(abuf[s % NB], st_addr, s);
+      issue(abuf[s % NB], desc_st, st_addr, s);
       wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
       if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
     }
