@@ -541,7 +541,12 @@ for st in $STAGES; do
              | tee -a "$OUT/s17a.log"
            timeout 240 python3 benchmarks/probe_configs.py --settle 0.2 --m 128,256,1024 --extra-wgmma 128-2-4,128-2-4-w,128-2-6-w \
              --shapes $S6 --configs route,wgmma-n128-f2-s4,wgmma-n128-f2-s4-w,wgmma-n128-f2-s6-w 2>&1 | grep -v "^done\|^jitmarlin:" \
-             | tee -a "$OUT/s17a.log";;
+             | tee -a "$OUT/s17a.log"
+           # the B descriptor once per stage (default on the branch) vs per k16 step, the routes
+           for f in "" "-DJM_WG_DESC_PER_STEP"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py --settle 0.2 --m 32,64,256,1024 \
+               --shapes $S6 --configs route 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s17a.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
