@@ -554,3 +554,10 @@ for st in $STAGES; do
   esac
   echo "stage $st took $(( $(date +%s) - t0 )) s"
 done
+# The device tool returns at most 8 files from $OUT (session 16 lost tests.log that way): past 8, the
+# logs travel as one archive, all_logs.tgz (tar xzf it; gpu.txt stays beside it).
+n=$(find "$OUT" -type f | wc -l)
+if [ "$n" -gt 8 ]; then
+  tar czf /tmp/jm-all-logs.tgz -C "$OUT" . && find "$OUT" -type f ! -name gpu.txt -delete \
+    && mv /tmp/jm-all-logs.tgz "$OUT/all_logs.tgz" && echo "run_device: $n files under \$OUT bundled into all_logs.tgz"
+fi
