@@ -13,6 +13,8 @@
                       of 8 / 16 rows (gemm.MOE_DIRECT_O3, gemm.MOE_W16_O3)
     --wgmma NT-FW-S,..  wgmma MoE configs (block rows, strips per warpgroup, ring stages) built for this
                       run and taken before the built-in ones of the same (rows, strips), e.g. 64-2-8
+    --fw 1|2          strips per warpgroup of the wgmma MoE kernel for blocks of 32 / 64 rows instead of
+                      gemm.wgmma_strips (moe.MOE_WGMMA_FW)
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
 """
@@ -45,6 +47,8 @@ def main() -> None:
     ap.add_argument("--wgmma", default="")
     ap.add_argument("--tile", default="")
     ap.add_argument("--no-occ", action="store_true")
+    ap.add_argument("--fw", type=int, default=None, choices=(1, 2),
+                    help="strips per warpgroup of the wgmma MoE kernel for blocks of 32 / 64 (default: the rule)")
 
     args = ap.parse_args()
     if args.small_kn is not None:
@@ -71,11 +75,14 @@ def main() -> None:
         use0 = M._use_wgmma_moe
         M._use_wgmma_moe = lambda bs, n, k, fam, index: (bs in blocks and n % 128 == 0 and k % 64 == 0) or use0(
             bs, n, k, fam, index)
+    if args.fw is not None:
+        M.MOE_WGMMA_FW = args.fw
     if args.torch_sum:
         M.topk_sum = lambda c3, t, k: c3.view(t, k, -1).sum(1)
     tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "
            f"sum={'torch' if args.torch_sum else 'ours'}" + (f" wgmma={args.wgmma}" if extra else "")
-           + (f" tile={args.tile}" if args.tile else "") + (" no-occ" if args.no_occ else ""))
+           + (f" tile={args.tile}" if args.tile else "") + (" no-occ" if args.no_occ else "")
+           + (f" fw={args.fw}" if args.fw else ""))
     for name, t, ours, _ in bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]):
         us = common.time_graph(lambda _i: ours(), 1, calls=10)
         print(f"[{tag}] {name} T={t}: {us:.1f} us", flush=True)

@@ -547,6 +547,18 @@ for st in $STAGES; do
              JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py --settle 0.2 --m 32,64,256,1024 \
                --shapes $S6 --configs route 2>&1 | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s17a.log"
            done;;
+    s17b)  # MoE blocks of 32 / 64 rows with one or two strips per warpgroup (dense 128-token tiles gained
+           # 5-43% from one strip in session 16), and the dense M=1 -> M=16 delta split by diagnostic
+           # builds (fixup protocol skipped; weights streamed, nothing computed)
+           for fw in "" 1 2; do
+             timeout 120 python3 benchmarks/probe_moe_tiles.py --tokens 16,32,64,128,256 ${fw:+--fw $fw} 2>&1 \
+               | grep -v "^jitmarlin:" | sed "s/^/[fw=${fw:-rule}] /" | tee -a "$OUT/s17b.log"
+           done
+           for f in "" -DJM_NO_FIXUP -DJM_STREAM_ONLY; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 120 python3 benchmarks/probe_configs.py --settle 0.2 --m 1,8,9,16 \
+               --shapes 8192x8192,4096x28672,14336x4096 --configs route 2>&1 | grep -v "^done\|^jitmarlin:" \
+               | tee -a "$OUT/s17b.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

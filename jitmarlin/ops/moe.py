@@ -282,6 +282,9 @@ def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
     return wanted and n % 128 == 0 and k % 64 == 0 and wgmma_allowed(fam, index, True)
 
 
+MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strips per warpgroup for blocks of 32 / 64
+
+
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
                       top_k, block_size, a_by_position, index, fw: int | None = None) -> None:
     from ..jit import driver
@@ -290,7 +293,7 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     if block_size == WGMMA_BLOCK:  # compiled with one strip per warpgroup only
         fw = 1
     elif fw is None:  # (blocks: an upper bound of the expert blocks)
-        fw = wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
+        fw = MOE_WGMMA_FW or wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
     nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
     fn = K.get_wgmma_kernel(fam, nt, fw, stages, index)
     p = K.GemmParams()
