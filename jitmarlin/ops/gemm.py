@@ -790,21 +790,17 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     dequant(b): the gather kernel runs first. plan_override (for tuning): a (tile, warps) pair for
     the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
     index = K.cuda_index(a.device)
+    if perm is not None:  # every route reads the gathered copy
+        a = gather_columns(a, perm, m, k, fam)
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
-        if perm is not None:
-            a = gather_columns(a, perm, m, k, fam)
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace,
                      pdl=perm is None or wgmma_pdl_after_gather(n, k))
         return
     if plan_override is None and use_wgmma_path(m, n, k, fam, index):
-        if perm is not None:
-            a = gather_columns(a, perm, m, k, fam)
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace,
                      pdl=perm is None or wgmma_pdl_after_gather(n, k))
         return
     if plan_override == "dequant" or (plan_override is None and use_dequant_path(m, n, k)):
-        if perm is not None:
-            a = gather_columns(a, perm, m, k, fam)
         wt = dequantize_weights(b, scales, zeros, fam, n, k)
         a2, o2 = a.reshape(m, k), out.view(m, n)
         if bias is not None:
@@ -829,8 +825,6 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
         if len(plan_override) > 2 and plan_override[2] > 0 and not tile.cluster:
             grid = min(plan_override[2], tile_count(plan, m, n, k))
             launch = dataclasses.replace(launch, grid=grid, ws_floats=K.workspace_floats(grid, nwarps, tile))
-    if perm is not None:
-        a = gather_columns(a, perm, m, k, fam)
     ws = workspace if workspace is not None else K.default_workspace(a.device)
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
     p.bias = bias.data_ptr() if bias is not None else None
