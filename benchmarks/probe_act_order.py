@@ -80,7 +80,8 @@ def main() -> None:
                                                              out, m, n, k, fam), len(copies))
             gather = common.time_graph(lambda i: G.gather_columns(a, p32, m, k, fam), len(copies))
             plan = G.select_plan(m, n, k, fam, G.device_info(0).smem_per_block, G.device_info(0).cc)
-            route = ("wgmma-n%d-f%d-s%d" % G.wgmma_config(m, n, G.driver.device(0).sm_count, k)
+            rc = G.wgmma_route_config(m, n, k, G.driver.device(0).sm_count)
+            route = ("wgmma-n%d-f%d-s%d" % rc[:3] + ("-w" if rc[3] else "")
                      if G.use_wgmma_path(m, n, k, fam, 0) else f"{plan.tile.tag()}-w{plan.nwarps}")
             print(f"[{tag}] {k}x{n} M={m}: layer {layer:.1f} us, gemm on gathered A {gemm:.1f}, gather alone "
                   f"{gather:.1f} ({route})", flush=True)

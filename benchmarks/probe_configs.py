@@ -52,9 +52,9 @@ def main() -> None:
     common.SETTLE_S = args.settle
     for cfg in (c for c in args.extra_wgmma.split(",") if c):  # before the first build (part of the cache key)
         if cfg.endswith("-w"):  # the wide form of a two-strip config (its plain form need not be built)
-            K.WGMMA_WIDE_CONFIGS = K.WGMMA_WIDE_CONFIGS + (tuple(int(x) for x in cfg[:-2].split("-")),)
+            K.WGMMA_WIDE_CONFIGS = tuple(dict.fromkeys(K.WGMMA_WIDE_CONFIGS + (tuple(int(x) for x in cfg[:-2].split("-")),)))
         else:
-            K.WGMMA_CONFIGS = K.WGMMA_CONFIGS + (tuple(int(x) for x in cfg.split("-")),)
+            K.WGMMA_CONFIGS = tuple(dict.fromkeys(K.WGMMA_CONFIGS + (tuple(int(x) for x in cfg.split("-")),)))
     extra = tuple(K.Tile.from_tag(t) for t in args.extra_tiles.split(",") if t)
     if args.any_fit and extra:  # build the extra tiles even where tile_fits keeps them out (e.g. direct, 8-bit)
         fits = K.tile_fits

@@ -77,6 +77,8 @@ def main() -> None:
             bs, n, k, fam, index)
     if args.fw is not None:
         M.MOE_WGMMA_FW = args.fw
+        if args.fw == 2:  # blocks of 32 with two strips: not in the built set since session 17
+            K.WGMMA_MOE_CONFIGS = tuple(dict.fromkeys(K.WGMMA_MOE_CONFIGS + ((32, 2, 8),)))
     if args.torch_sum:
         M.topk_sum = lambda c3, t, k: c3.view(t, k, -1).sum(1)
     tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "

@@ -61,7 +61,7 @@ def chain(k: int, n: int, m: int, calls: int, override=None):
         cfg = tuple(override[1:]) if override else ()
         wl = G.wgmma_launch(m, n, k, fam, index, *cfg)
         grid = wl.grid
-        tag = "wgmma-n%d-f%d-s%d" % (cfg[:3] if cfg else G.wgmma_config(m, n, G.driver.device(index).sm_count, k))
+        tag = "wgmma-n%d-f%d-s%d" % (cfg[:3] if cfg else (wl.nt, wl.fw, wl.stages)) + ("-w" if wl.threads == 512 else "")
     else:
         if override:  # the launch launch_gemm makes for it (its grid sizes the timeline buffers)
             tile, w = override

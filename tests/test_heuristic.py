@@ -209,6 +209,16 @@ def test_wgmma_route_rules(monkeypatch, setting):
         with pytest.raises(ValueError, match="needs K"):
             G.wgmma_config(32, 8192, 132)
         assert G.wgmma_config(16, 4096, 132, 4096) == (16, 1, 8) and G.wgmma_config(9, 4096, 132)[:2] == (16, 1)
+        # the wide two-strip 128-token kernel: M > 128 on problems above K*N = 2^26, dense, N % 256 == 0
+        # (session 17); else the config above, in its two-warpgroup form
+        wide = [(k, n, m) for k, n in ((4096, 4096), (14336, 4096), (8192, 8192), (4096, 28672), (8192, 28672),
+                                       (28672, 8192), (8192, 8320)) for m in (64, 128, 129, 256, 1024)
+                if G.wgmma_route_config(m, n, k, 132)[3]]
+        assert wide == [(k, n, m) for k, n in ((4096, 28672), (8192, 28672), (28672, 8192)) for m in (129, 256, 1024)]
+        assert G.wgmma_route_config(256, 28672, 8192, 132) == (128, 2, 4, True)
+        assert G.wgmma_route_config(256, 8192, 8192, 132) == G.wgmma_config(256, 8192, 132, 8192) + (False,)
+        assert not G.wgmma_route_config(256, 28672, 8192, 132, moe=True)[3]
+        assert G.WGMMA_WIDE_ROUTE in K.WGMMA_WIDE_CONFIGS  # built by default
     finally:
         K.env_flag.cache_clear()
 

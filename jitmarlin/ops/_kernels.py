@@ -284,10 +284,13 @@ NO_TENSOR_MAP = driver.TensorMap()
 
 # Two-strip dense configs (NT, 2, STAGES) also built in the "wide" form: four warpgroups of one
 # strip each (512 threads, the same ring, grid and workspace; jm_wgmma.cuh JM_WGMMA_KERNEL_WIDE).
-# Empty by default (a probe adds to it: benchmarks/probe_configs.py --extra-wgmma NT-2-STAGES-w).
-WGMMA_WIDE_CONFIGS: tuple[tuple[int, int, int], ...] = ()
+# (128, 2, 4): the route for M > 128 on large problems since session 17 (gemm.wgmma_route_config);
+# probes add more (benchmarks/probe_configs.py --extra-wgmma NT-2-STAGES-w).
+WGMMA_WIDE_CONFIGS: tuple[tuple[int, int, int], ...] = ((128, 2, 4),)
 
-WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (32, 2, 8), (64, 1, 6), (64, 2, 4), (128, 1, 4))
+# (32, 2, 8) left the MoE list in session 17: blocks of 32 rows take one strip (moe._launch_wgmma_moe;
+# probe_moe_tiles.py --fw 2 builds it back)
+WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (64, 2, 4), (128, 1, 4))
 
 
 def wgmma_kernel_name(fam: Family, nt: int, fw: int, stages: int, wide: bool = False) -> str:

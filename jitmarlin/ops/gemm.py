@@ -624,6 +624,26 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
     raise AssertionError((nt, fw))
 
 
+# The wide form of the two-strip 128-token config (four warpgroups of one strip, 512 threads, one
+# CTA per SM sharing each activation tile) where M > 128 and K*N > 2^26. H200 session 17 (s17a,
+# probe_configs, wide vs route = two one-strip CTAs per SM, us): M=256 8192x28672 208.7 vs 220.2,
+# 28672x8192 190.5 vs 196.3, 4096x28672 107.0 vs 106.2; M=1024 822 vs 846, 788 vs 813, 388 vs 437;
+# it loses on 8192^2 (M=256 62.3 vs 60.0, M=1024 225 vs 213) and at M=128 (14336x4096 52.1 vs 34.5).
+WGMMA_WIDE_ROUTE = (128, 2, 4)
+WGMMA_WIDE_MIN_M = 129
+WGMMA_WIDE_MIN_KN = (1 << 26) + 1
+
+
+def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> tuple[int, int, int, bool]:
+    """(token tile, strips per warpgroup, stages, wide) of the automatic route: wgmma_config, or the
+    wide two-strip 128-token kernel (dense, N % 256 == 0, built: K.WGMMA_WIDE_CONFIGS) on large
+    problems."""
+    if (not moe and m >= WGMMA_WIDE_MIN_M and k * n >= WGMMA_WIDE_MIN_KN and n % 256 == 0
+            and WGMMA_WIDE_ROUTE in K.WGMMA_WIDE_CONFIGS):
+        return WGMMA_WIDE_ROUTE + (True,)
+    return wgmma_config(m, n, sms, k) + (False,)
+
+
 WGMMA_SPLIT_MIN_STAGES = 16  # a K split keeps at least this many 64-k stages (pipeline fill)
 
 
@@ -688,6 +708,8 @@ class WgmmaLaunch:
     pdl: bool
     nt: int  # tokens per tile (the TMA box of the activations)
     threads: int = 256  # 512: the wide form (four warpgroups of one strip)
+    fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
+    stages: int = 4
 
 
 @functools.lru_cache(maxsize=4096)
@@ -699,7 +721,8 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
     sms = driver.device(index).sm_count
     if nt is None or fw is None or stages is None:
-        nt, fw, stages = wgmma_config(m, n, sms, k)
+        nt, fw, stages, auto_wide = wgmma_route_config(m, n, k, sms, fam.moe)
+        wide = wide or auto_wide
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
@@ -722,7 +745,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
                          f"(built: {K.WGMMA_WIDE_CONFIGS}, dense only)")
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide), K.wgmma_smem_bytes(fam, nt, fw, stages),
                        m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
-                       use_pdl(_cc(index)), nt, 512 if wide else 256)
+                       use_pdl(_cc(index)), nt, 512 if wide else 256, fw, stages)
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
@@ -750,7 +773,8 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
                  pdl: bool = True) -> None:
     """pdl=False: a plain launch even where programmatic dependent launch is on (after the act-order
     gather on small problems: launch_gemm, wgmma_pdl_after_gather). wide: the four-warpgroup form of
-    a two-strip config (probe only: K.WGMMA_WIDE_CONFIGS)."""
+    a two-strip config (K.WGMMA_WIDE_CONFIGS; the automatic config takes it where
+    wgmma_route_config says)."""
     wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits, wide)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()

@@ -292,8 +292,15 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
 
     if block_size == WGMMA_BLOCK:  # compiled with one strip per warpgroup only
         fw = 1
-    elif fw is None:  # (blocks: an upper bound of the expert blocks)
-        fw = MOE_WGMMA_FW or wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
+    elif fw is None and MOE_WGMMA_FW:
+        fw = MOE_WGMMA_FW
+    elif fw is None and block_size == 32:
+        # one strip (two CTAs per SM) for blocks of 32 rows. H200 session 17 (probe_moe_tiles, us, one vs
+        # two strips): E=64 128 / 256 tokens 165.9 / 195.9 vs 203.7 / 234.7, Mixtral 64 tokens 413.1 vs 419.7
+        fw = 1
+    elif fw is None:  # blocks of 64 (blocks: an upper bound of the expert blocks); session 17: Mixtral 128 /
+        # 256 tokens with one strip 467 / 700 us, with two 477 / 668, with this rule 477 / 683
+        fw = wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
     nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
     fn = K.get_wgmma_kernel(fam, nt, fw, stages, index)
     p = K.GemmParams()
