@@ -197,7 +197,9 @@ def test_wgmma_route_rules(monkeypatch, setting):
                  (2048, 1408, 8.0))] == [setting != "0", False, False, setting != "0", setting != "0", False]
         assert [G.wgmma_strips(n, mt, 132) for n, mt in ((28672, 1), (28672, 2), (8192, 2), (8192, 8), (8064, 8))] \
             == [2, 2, 1, 2, 1]
-        assert G.wgmma_config(64, 28672, 132) == (64, 2, 4) and G.wgmma_config(256, 8192, 132) == (128, 1, 4)
+        assert G.wgmma_config(64, 28672, 132, 8192) == (64, 1, 6) and G.wgmma_config(256, 8192, 132) == (128, 1, 4)
+        # 64-token tiles: one strip on every shape (session 17; wgmma_strips is the MoE rule only)
+        assert {G.wgmma_config(m, n, 132, 4096)[:2] for m in (33, 48, 64) for n in (4096, 8192, 22016, 28672)} == {(64, 1)}
         # 128-token tiles: one strip per warpgroup on every shape (session 16)
         assert {G.wgmma_config(m, n, 132)[:2] for m in (65, 128, 256, 1024) for n in (4096, 8192, 28672)} == {(128, 1)}
         # 32-token tiles: two strips unless one spreads the work over more SMs (H200, session 13)

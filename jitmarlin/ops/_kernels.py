@@ -273,8 +273,9 @@ def get_moe_util_kernel(name: str, device_index: int, cc: tuple[int, int]) -> dr
 # 16- and 32-token tiles (m64n16k16 / m64n32k16) serve M = 9-32 without padding to 64 tokens.
 # (128, 2, 4) left the list in session 16: 128-token tiles run one strip per warpgroup everywhere
 # (gemm.wgmma_config); probes build it with --extra-wgmma 128-2-4.
-WGMMA_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 1, 8), (32, 1, 8), (32, 2, 8), (64, 1, 6), (64, 2, 4),
-                                                   (128, 1, 4))
+# (64, 2, 4) left it in session 17: dense 64-token tiles take one strip too (--extra-wgmma 64-2-4 for probes;
+# MoE blocks of 64 keep it).
+WGMMA_CONFIGS: tuple[tuple[int, int, int], ...] = ((16, 1, 8), (32, 1, 8), (32, 2, 8), (64, 1, 6), (128, 1, 4))
 # MoE: the m tile is the expert block: 64 rows, or 128 (many tokens per expert; JITMARLIN_WGMMA=1)
 # with one strip per warpgroup (two spill registers in the MoE variant of some formats)
 # Dense tiles of at least this many tokens read their activations by TMA (jm_wgmma.cuh, wg_tma);

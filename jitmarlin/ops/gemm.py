@@ -578,7 +578,8 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
 
 def wgmma_strips(n: int, m_tiles: int, sms: int) -> int:
     """Two 64-feature strips per warpgroup (256 features per CTA) when that still gives about
-    three quarters of the SMs a CTA; else one (and two CTAs per SM)."""
+    three quarters of the SMs a CTA; else one (and two CTAs per SM). MoE blocks of 64 rows only
+    since session 17 (dense 64-token tiles take one strip: wgmma_config)."""
     return 2 if n % 256 == 0 and (n // 256) * m_tiles * 4 >= 3 * sms else 1
 
 
@@ -595,7 +596,8 @@ def _wgmma_span(n: int, m_tiles: int, k: int, nt: int, fw: int, sms: int) -> flo
 def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, int, int]:
     """(token tile, strips per warpgroup, stages) for the wgmma kernel: the smallest of 16 / 32 /
     64 token tiles holding M (16 only from 9 rows), else 128. Strips per warpgroup: one for
-    128-token tiles; from wgmma_strips for 64-token tiles; for 32-token tiles two unless one strip
+    64- and 128-token tiles (the route may take the wide two-strip kernel: wgmma_route_config);
+    for 32-token tiles two unless one strip
     spreads the work over more SMs or ties it with 8 K splits or stream-K (_wgmma_span; H200: 4096^2,
     14336x4096 and 8192x28672 take one, the other three benchmark shapes two); 16-token tiles one."""
     nt = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
@@ -616,8 +618,11 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
         # 60.7, 8192^2 37.5 vs 43.1; M=256 220 vs 230 (8192x28672), 60.4 vs 67.4 (8192^2); M=1024 853 vs
         # 896, 820 vs 870, 435 vs 458, 234 vs 250, 188 vs 211 (14336x4096), 54.3 vs 60.3 (4096^2)
         fw = 1
-    else:
-        fw = wgmma_strips(n, -(-m // nt), sms)
+    else:  # 64 tokens: one strip (two CTAs per SM). H200 session 17 (probe_configs, us, one strip vs
+        # wgmma_strips' two on the N=28672 shapes, the only ones where it gave two): M = 33 / 48 / 64
+        # 8192x28672 76.0 / 76.3 / 77.1 vs 80.0 / 80.8 / 81.2, 4096x28672 40.9 / 41.1 / 41.6 vs 44.2 /
+        # 44.5 / 44.6; 8-bit M=64 83.5 vs 86.5, 43.6 vs 46.7
+        fw = 1
     for cfg in K.WGMMA_CONFIGS:
         if cfg[:2] == (nt, fw):
             return cfg
