@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ..ops import marlin_gemm
-from ..ops.gemm import _gemm_cuda
+from ..ops import gemm as _gemm
+from ..ops.gemm import FastGemm, _gemm_cuda
 from ..quant.awq import repack_awq
 from ..quant.gptq import _check_bits, check_kernel_shape, pack_grouped, repack_gptq
 from ..quant.packed import Packed, pack
@@ -184,7 +185,15 @@ class MarlinLinear(nn.Module):
         x = x.contiguous()
         if type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling():
             # plain eager: call the op's CUDA implementation directly (the same code, minus the
-            # dispatcher's few microseconds per call, which add up in eager prefill loops)
+            # dispatcher's few microseconds per call, which add up in eager prefill loops), through
+            # this layer's cache of checked launches where it applies (ops.gemm.gemm_fast)
+            if self.perm is None:
+                fast = self.__dict__.get("_jm_fast")
+                if fast is None:
+                    fast = self.__dict__["_jm_fast"] = FastGemm()
+                out = _gemm.gemm_fast(fast, x, self.qweight, self.scales, self.qzeros, self.bias)
+                if out is not None:
+                    return out
             return _gemm_cuda(x, self.qweight, self.scales, self.qzeros, self.bias, self.perm)
         return marlin_gemm(x, self.qweight, self.scales, self.qzeros, self.bias, perm=self.perm)
 

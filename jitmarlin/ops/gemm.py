@@ -885,6 +885,112 @@ def _gemm_cuda(a, b, scales, zeros, bias, perm=None, workspace: Workspace | None
     return out
 
 
+# ---- the eager fast path of one layer (MarlinLinear.forward) ----
+# An eager call's host time was ~25-35 us (H200 session 17: W4 Llama-7B prefill at batch 1 and
+# 128 tokens host-bound at 23.9 ms against fp16's 19.6; host profile of a mocked launch: argument
+# checks ~10 us, route choice + parameter struct ~10 us). A layer's weights are the same tensors on
+# every call, so what depends only on them (the checks, the family) and on M (the route, kernel,
+# grid, the parameter struct with its static fields) is kept per layer; a call checks its
+# activations, sets the two pointers that change and launches. Anything else (act-order, the
+# dequantize + cuBLAS route, a new or moved weight tensor, an input the checks would reject) takes
+# the general path, which raises the same errors as before.
+FAST_MAX_M_ENTRIES = 16  # M values a layer remembers (decode and a few prefill lengths)
+
+
+class FastGemm:
+    """Per-layer cache of validated launches (see above); owned by the layer. It holds no tensor:
+    its key is the weights' addresses, shapes and dtype, so a moved, replaced or freed weight
+    tensor (`.to()`, a new buffer, a deep copy) never matches and the entries are rebuilt."""
+
+    __slots__ = ("key", "n", "k", "fam", "dtype", "device_index", "by_m")
+
+    def __init__(self):
+        self.key: tuple = ()
+        self.by_m: dict = {}
+
+    def __reduce__(self):  # copies and pickles of a layer start empty (the entries hold raw pointers)
+        return (FastGemm, ())
+
+
+@dataclass
+class _FastEntry:
+    fn: driver.Function
+    grid: int
+    threads: int
+    smem: int
+    params: K.GemmParams
+    pdl: bool
+    cluster: int
+    nt: int  # wgmma: the activation box's token count (0: mma.sync, no tensor map)
+    uses_ws: bool
+
+
+def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zeros, bias, a) -> _FastEntry | None:
+    """The launch the general path (launch_gemm without a perm) makes for M = m, with its static
+    parameters filled in; None for the dequantize + cuBLAS route."""
+    ws = K.default_workspace(a.device)
+    if use_wgmma_path(m, n, k, fam, index):
+        wl = wgmma_launch(m, n, k, fam, index)
+        p = K.GemmParams()
+        p.b, p.s = b.data_ptr(), scales.data_ptr()
+        p.z = zeros.data_ptr() if zeros is not None else None
+        p.bias = bias.data_ptr() if bias is not None else None
+        p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+        p.grid = wl.m_tiles
+        p.k_splits = wl.splits
+        if wl.splits != 1:
+            ws.ensure(*wl.ws)
+        return _FastEntry(wl.fn, wl.grid, wl.threads, wl.smem, p, wl.pdl, 0, wl.nt, wl.splits != 1)
+    if use_dequant_path(m, n, k):
+        return None
+    launch = prepare_launch(m, m, n, k, fam, index)
+    out = a.new_empty(0)  # launch_params reads its pointer; the call sets the real one
+    p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)
+    p.bias = bias.data_ptr() if bias is not None else None
+    return _FastEntry(launch.fn, launch.grid, launch.plan.tile.threads(launch.plan.nwarps), launch.plan.smem, p,
+                      launch.pdl, launch.plan.tile.cluster, 0, True)
+
+
+def gemm_fast(cache: FastGemm, a: torch.Tensor, b, scales, zeros, bias) -> torch.Tensor | None:
+    """C = a @ dequant(b) (+ bias) through the layer's cache, or None where the general path must
+    run (the caller then calls _gemm_cuda). a: a CUDA tensor, not act-order."""
+    key = (b.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else 0,
+           bias.data_ptr() if bias is not None else 0, b.shape, scales.shape, scales.dtype)
+    if key != cache.key:
+        _, n, k, fam = check_args(a, b, scales, zeros, bias)  # (raises for bad weights or inputs)
+        cache.key, cache.by_m = key, {}
+        cache.n, cache.k, cache.fam, cache.dtype = n, k, fam, a.dtype
+        cache.device_index = a.get_device()
+    k = cache.k
+    if (a.dtype is not cache.dtype or a.dim() == 0 or a.shape[-1] != k or not a.is_contiguous()
+            or a.get_device() != cache.device_index or a.data_ptr() % 16):
+        return None  # the general path checks (and raises) as usual
+    m = a.numel() // k
+    if m == 0:
+        return None
+    entry = cache.by_m.get(m, False)
+    if entry is False:
+        if len(cache.by_m) >= FAST_MAX_M_ENTRIES:
+            cache.by_m.clear()
+        entry = cache.by_m[m] = _fast_entry(m, cache.n, k, cache.fam, cache.device_index, b, scales, zeros, bias, a)
+    if entry is None:
+        return None
+    n = cache.n
+    out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
+    p = entry.params
+    p.a, p.c = a.data_ptr(), out.data_ptr()
+    if entry.uses_ws:  # the shared workspace's buffers are replaced when a launch needs more
+        ws = K.default_workspace(a.device)
+        p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
+    stream = K.current_stream_handle(a.device)
+    if entry.nt:
+        entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl,
+                        extra=wgmma_act_map(a, m, k, entry.nt))
+    else:
+        entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl, cluster=entry.cluster)
+    return out
+
+
 def _gemm_cpu(a, b, scales, zeros, bias, perm=None):
     check_args(a, b, scales, zeros, bias)
     raise ValueError(f"jitmarlin.ops.marlin_gemm runs on CUDA tensors; the activations are on {a.device}")

@@ -1,0 +1,154 @@
+"""The eager fast path of MarlinLinear (ops.gemm.gemm_fast) makes exactly the launches of the
+general path (launch_gemm), on the CPU: the driver, the device queries and the kernels are
+replaced by recorders, so every route's grid, block, shared memory, flags and parameter struct are
+compared field by field. Also: when it must fall back, and that it never keeps stale pointers."""
+
+import copy
+import ctypes
+import functools
+import pickle
+
+import pytest
+import torch
+
+from jitmarlin.jit import driver
+from jitmarlin.ops import _kernels as K
+from jitmarlin.ops import gemm as G
+from jitmarlin.quant import pack_weights, permute_scales
+from jitmarlin.quant.layout import pack_zeros
+
+
+class _Recorder:
+    def __init__(self, log, name):
+        self.log, self.name, self.num_regs = log, name, 100
+
+    def launch(self, grid, threads, smem, stream, params, pdl=False, cluster=0, extra=None):
+        p = K.GemmParams.from_buffer_copy(params)
+        c = p.c
+        p.c = 0  # the output is a fresh tensor on every call
+        self.log.append((self.name, grid, threads, smem, stream, bytes(p), bool(pdl), cluster, extra, c))
+
+    def occupancy(self, threads, smem):
+        return 2
+
+    def max_active_clusters(self, threads, smem, cluster):
+        return 16
+
+
+class _Dev:
+    sm_count = 132
+    smem_per_block_optin = 232448
+
+
+class _WS:
+    def __init__(self):
+        self.ws = torch.zeros(64)
+        self.counters = torch.zeros(64, dtype=torch.int32)
+        self.ensured = []
+
+    def ensure(self, floats, slots):
+        self.ensured.append((floats, slots))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """An sm_90 device of 132 SMs that exists only on paper; every launch is recorded."""
+    log = []
+    ws = _WS()
+    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: (9, 0)))
+    monkeypatch.setattr(driver, "device", lambda index: _Dev())
+    monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
+    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False: _Recorder(
+        log, K.wgmma_kernel_name(fam, nt, fw, st, wide)))
+    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, cc: _Recorder(log, tile.tag()))
+    monkeypatch.setattr(K, "default_workspace", lambda device: ws)
+    monkeypatch.setattr(K, "current_stream_handle", lambda device: 1234)
+    monkeypatch.setattr(K, "cuda_index", lambda device: 0)
+    monkeypatch.setattr(driver, "tensor_map_2d", lambda *args: args)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    G.wgmma_launch.cache_clear()
+    G.prepare_launch.cache_clear()
+    yield log, ws
+    G.wgmma_launch.cache_clear()
+    G.prepare_launch.cache_clear()
+
+
+def _weights(k, n, bits=4, group=128, zp=False, bias=False, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (k, n), generator=g, dtype=torch.int32)
+    groups = 1 if group == -1 else k // group
+    s = permute_scales((torch.rand(groups, n, generator=g) * 0.01 + 0.001).to(dtype))
+    z = pack_zeros(torch.randint(0, 1 << bits, (groups, n), generator=g, dtype=torch.int32), bits) if zp else None
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return pack_weights(q, bits), s, z, b
+
+
+@pytest.mark.parametrize("bits,group,zp,bias,dtype", [(4, 128, False, False, torch.float16),
+                                                      (4, 64, True, True, torch.bfloat16),
+                                                      (8, -1, False, True, torch.float16)])
+def test_fast_path_makes_the_general_paths_launches(recorded, bits, group, zp, bias, dtype):
+    log, ws = recorded
+    kernels = set()
+    for k, n in ((4096, 4096), (4096, 28672), (14336, 4096)):
+        b, s, z, bb = _weights(k, n, bits, group, zp, bias, dtype)
+        cache = G.FastGemm()
+        for m in (1, 7, 9, 16, 17, 32, 33, 64, 100, 128, 256, 1024, 1):
+            a = torch.randn(m, k).to(dtype)
+            log.clear()
+            _, nn_, kk, fam = G.check_args(a, b, s, z, bb)
+            out = torch.empty(m, n, dtype=dtype)
+            G.launch_gemm(a, b, s, z, bb, out, m, nn_, kk, fam)
+            slow = list(log)
+            log.clear()
+            fast_out = G.gemm_fast(cache, a, b, s, z, bb)
+            assert fast_out is not None and fast_out.shape == (m, n) and fast_out.dtype == dtype
+            assert len(slow) == 1 and len(log) == 1, (m, slow, log)
+            assert log[0][:-1] == slow[0][:-1], (k, n, m, slow[0][0])  # all but the output's address
+            assert log[0][-1] == fast_out.data_ptr()
+            kernels.add(log[0][0])
+    assert ws.ensured  # split launches reserved their workspace
+    # every kind of route was compared: mma.sync tiles, and the wgmma kernel's 16/32/64/128-token
+    # and wide forms
+    assert any(not name.startswith("jm_wgmma") for name in kernels), kernels
+    for part in ("_n16_", "_n32_", "_n64_", "_n128_f1", "_wide"):
+        assert any(part in name for name in kernels), (part, kernels)
+
+
+def test_fast_path_falls_back_where_it_must(recorded):
+    log, _ = recorded
+    k, n = 4096, 4096
+    b, s, z, bb = _weights(k, n)
+    cache = G.FastGemm()
+    assert G.gemm_fast(cache, torch.randn(1025, k).half(), b, s, z, bb) is None  # dequantize + cuBLAS
+    assert G.gemm_fast(cache, torch.randn(0, k).half(), b, s, z, bb) is None  # no rows
+    assert G.gemm_fast(cache, torch.randn(4, k).bfloat16(), b, s, z, bb) is None  # wrong dtype: the
+    assert G.gemm_fast(cache, torch.randn(k, 4).half().t(), b, s, z, bb) is None  # general path raises
+    assert G.gemm_fast(cache, torch.randn(4, k + 16).half(), b, s, z, bb) is None
+    unaligned = torch.randn(4 * k + 1).half()[1:].view(4, k)
+    assert G.gemm_fast(cache, unaligned, b, s, z, bb) is None
+    with pytest.raises(TypeError, match="scales must have the activation dtype"):
+        G.gemm_fast(G.FastGemm(), torch.randn(4, k).bfloat16(), b, s, z, bb)  # first call: full checks
+    assert G.gemm_fast(cache, torch.randn(3, 2, k).half(), b, s, z, bb).shape == (3, 2, n)  # leading dims
+
+
+def test_fast_path_never_keeps_stale_pointers(recorded):
+    log, _ = recorded
+    k, n = 4096, 8192
+    b, s, z, bb = _weights(k, n)
+    cache = G.FastGemm()
+    a = torch.randn(16, k).half()
+    G.gemm_fast(cache, a, b, s, z, bb)
+    first = K.GemmParams.from_buffer(bytearray(log[-1][5]))
+    assert (first.b, first.s) == (b.data_ptr(), s.data_ptr())
+    b2, s2 = b.clone(), s.clone()  # the layer's weights moved (.to(), a new buffer)
+    G.gemm_fast(cache, a, b2, s2, z, bb)
+    second = K.GemmParams.from_buffer(bytearray(log[-1][5]))
+    assert (second.b, second.s) == (b2.data_ptr(), s2.data_ptr())
+    b.copy_(b2)  # in place: same address, new values - the cached launch stays right
+    G.gemm_fast(cache, a, b, s, z, bb)
+    third = K.GemmParams.from_buffer(bytearray(log[-1][5]))
+    assert (third.b, third.s) == (b.data_ptr(), s.data_ptr())
+    # copies and pickles of a used cache start empty (its entries hold raw pointers)
+    for clone in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert isinstance(clone, G.FastGemm) and clone.key == () and clone.by_m == {}
+    assert ctypes.sizeof(K.GemmParams) == len(log[-1][5])
