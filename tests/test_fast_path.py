@@ -58,8 +58,8 @@ def recorded(monkeypatch):
     monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: (9, 0)))
     monkeypatch.setattr(driver, "device", lambda index: _Dev())
     monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
-    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False: _Recorder(
-        log, K.wgmma_kernel_name(fam, nt, fw, st, wide)))
+    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, *form: _Recorder(
+        log, K.wgmma_kernel_name(fam, nt, fw, st, *form)))  # form: wide (and later variants)
     monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, cc: _Recorder(log, tile.tag()))
     monkeypatch.setattr(K, "default_workspace", lambda device: ws)
     monkeypatch.setattr(K, "current_stream_handle", lambda device: 1234)
