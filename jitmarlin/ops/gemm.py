@@ -977,7 +977,7 @@ def gemm_fast(cache: FastGemm, a: torch.Tensor, b, scales, zeros, bias) -> torch
         return None
     n = cache.n
     out = torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
-    p = entry.params
+    p = K.GemmParams.from_buffer_copy(entry.params)  # a copy per call: layers may be called from several threads
     p.a, p.c = a.data_ptr(), out.data_ptr()
     if entry.uses_ws:  # the shared workspace's buffers are replaced when a launch needs more
         ws = K.default_workspace(a.device)
