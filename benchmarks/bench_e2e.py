@@ -319,8 +319,9 @@ class Decoder:
     given). step() unmasks position pos, runs the model, writes the argmax to tok and advances
     pos, so replaying it continues the sequence."""
 
-    def __init__(self, model, api: ModelAPI, ids: torch.Tensor, decode_len: int):
+    def __init__(self, model, api: ModelAPI, ids: torch.Tensor, decode_len: int, forward=None):
         self.model, self.api = model, api
+        self.forward = forward if forward is not None else model  # the step's model call (--compile: compiled)
         dev = ids.device
         self.batch, self.prompt = ids.shape
         self.length = -(-(self.prompt + decode_len) // 16) * 16  # 16-aligned mask rows for the SDPA kernels
@@ -351,7 +352,7 @@ class Decoder:
 
     def step(self) -> torch.Tensor:
         self.mask.index_fill_(3, self.pos, 0.0)
-        out = self.model(input_ids=self.tok, attention_mask=self.mask, position_ids=self.posid, use_cache=True,
+        out = self.forward(input_ids=self.tok, attention_mask=self.mask, position_ids=self.posid, use_cache=True,
                          **self.api.with_cache(self.cache, self.pos))
         logits = out.logits[:, -1, :]  # [B, V]
         self.tok.copy_(logits.argmax(-1).view(-1, 1))
@@ -410,6 +411,20 @@ def check_steps(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float
     return diff, compared
 
 
+def compiled_forward(model):
+    """The model's forward through torch.compile (inductor, static shapes) for --compile: the
+    decode step's norms, rotary embedding, residual adds and SiLU-mul become a few fused kernels
+    for every variant alike (jitmarlin's GEMMs are one opaque custom op each). One compiled
+    wrapper per case; dynamo's recompile limit is raised so that cases and variants (new shapes,
+    new module objects) never fall back to eager silently."""
+    import torch._dynamo as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo.config, name):
+            setattr(dynamo.config, name, max(getattr(dynamo.config, name), 256))
+    return torch.compile(model, dynamic=False)
+
+
 def measure_case(model, api: ModelAPI, spec: ModelSpec, batch: int, prefill: int, decode: int, args,
                  device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(args.seed * 7919 + batch * 104729 + prefill)
@@ -427,7 +442,12 @@ def measure_case(model, api: ModelAPI, spec: ModelSpec, batch: int, prefill: int
     t_prefill = statistics.median(time_call(prefill_once, device) for _ in range(args.prefill_reps))
 
     # ---- decode: StaticCache, greedy, decode steps timed on their own
-    dec = Decoder(model, api, ids, decode)
+    forward = compiled_forward(model) if args.compile else None
+    dec = Decoder(model, api, ids, decode, forward)
+    if forward is not None:  # compile (and settle) on the current stream before any capture
+        for _ in range(min(2, decode)):
+            dec.step()
+        _sync(device)
     mode, note, diff, graph = "eager", "", None, None
     want_graph = device.type == "cuda" and args.decode_mode in ("auto", "graph")
     if want_graph:
@@ -457,6 +477,8 @@ def measure_case(model, api: ModelAPI, spec: ModelSpec, batch: int, prefill: int
             one_step()
 
     t_decode = time_call(decode_all, device)
+    if args.compile:
+        mode = f"compile+{mode}"
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"batch": batch, "prefill_len": prefill, "decode_len": decode,
             "prefill_tok_s": batch * prefill / t_prefill, "prefill_ms": t_prefill * 1e3,
@@ -584,6 +606,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed prefill forwards per case before timing")
     ap.add_argument("--decode-mode", choices=("auto", "graph", "eager"), default="auto",
                     help="auto: CUDA graph where it captures and checks, else eager (CPU: eager)")
+    ap.add_argument("--compile", action="store_true",
+                    help="decode steps through torch.compile (inductor) for every variant, then the CUDA graph as "
+                         "usual (mode compile+graph); prefill stays eager")
     ap.add_argument("--time-budget", type=float, default=480.0, help="seconds after which no new case starts "
                     "(0: no limit); cases not run are listed")
     ap.add_argument("--seed", type=int, default=0)

@@ -594,6 +594,11 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/bench_e2e.py --models llama --variants fp16,w4,w4-fused --batches 1,8 \
              --prefill 128,512,1024 --decode 128 --json "$OUT/s18b_e2e.json" > "$OUT/s18b_e2e.log" 2>&1
            echo "== s18b e2e rc=$?"; grep -A30 "^Ratios" "$OUT/s18b_e2e.log" | head -24;;
+    s18c)  # session 18: the e2e decode with torch.compile for every variant (fp16 too), then the CUDA graph
+           timeout ${E2E_TIMEOUT:-540} python3 benchmarks/bench_e2e.py --models llama --variants fp16,w4,w4-fused \
+             --batches ${E2E_BATCHES:-1,8} --prefill ${E2E_PREFILL:-128} --decode 128 --compile --time-budget 480 \
+             --json "$OUT/s18c_e2e.json" > "$OUT/s18c_e2e.log" 2>&1
+           echo "== s18c e2e rc=$?"; grep -v "^W1\|^jitmarlin:" "$OUT/s18c_e2e.log" | grep -A30 "B=\|^Ratios" | head -60;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

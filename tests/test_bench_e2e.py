@@ -135,6 +135,28 @@ def test_decoder_matches_cache_free_greedy(bench, key):
         assert (shifted - logits[0]).abs().max() / logits[0].abs().max() > 5e-2
 
 
+def test_compiled_decoder_matches_eager(bench):
+    """--compile: the decode step through torch.compile (inductor; on the CPU here) gives the
+    eager step's logits and tokens, step after step, and its parse flag is off by default."""
+    spec = bench.SMOKE_SPECS["llama"]
+    model = bench.build_model(spec, torch.device("cpu"), seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(10)
+        api = bench.ModelAPI(model)
+        ids = torch.randint(0, spec.vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+        compiled = bench.Decoder(model, api, ids, 5, bench.compiled_forward(model))
+        assert compiled.forward is not model
+        eager = bench.Decoder(model, api, ids, 5)
+        for i in range(5):
+            got, ref = compiled.step().float(), eager.step().float()
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-2, (i, err)
+            assert torch.equal(compiled.tok, eager.tok), i
+    assert bench.parse_args([]).compile is False and bench.parse_args(["--compile"]).compile is True
+
+
 def test_cases_and_arguments(bench):
     args = bench.parse_args([])
     assert bench.cases_for(args) == [(128, 32), (128, 128), (128, 256), (128, 1024), (512, 128), (1024, 128),
