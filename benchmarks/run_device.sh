@@ -566,7 +566,10 @@ for st in $STAGES; do
              > "$OUT/s18a_tests.log" 2>&1
            echo "== s18a tests rc=$?"; tail -3 "$OUT/s18a_tests.log"
            S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
-           X=64-1-6-p,64-1-8-p,64-2-8-w-p,128-1-4-p,128-2-4-w-p,128-2-6-w-p
+           X=16-1-8-p,32-1-8-p,32-2-8-p,64-1-6-p,64-1-8-p,64-2-8-w-p,128-1-4-p,128-2-4-w-p,128-2-6-w-p
+           timeout 150 python3 benchmarks/probe_configs.py --settle 0.2 --m 9,16,17,32 --extra-wgmma $X --shapes $S6 \
+             --configs route,wgmma-n16-f1-s8-p,wgmma-n32-f1-s8-p,wgmma-n32-f2-s8-p 2>&1 \
+             | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s18a.log"
            timeout 150 python3 benchmarks/probe_configs.py --settle 0.2 --m 33,64 --extra-wgmma $X --shapes $S6 \
              --configs route,wgmma-n64-f1-s6-p,wgmma-n64-f1-s8-p,wgmma-n64-f2-s8-w-p 2>&1 \
              | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s18a.log"

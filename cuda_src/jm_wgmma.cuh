@@ -230,7 +230,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // activation tile of a two-strip CTA), FW strips each: the CTA's ring is that of WGS * FW / 2
   // strips per "warpgroup pair", so the host's shared-memory and workspace formulas see FW * WGS / 2
   static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE), "warpgroups per CTA");
-  static_assert(!PROD || wg_tma(NT, MOE), "the producer form: dense tiles with TMA activations");
+  static_assert(!PROD || !MOE, "the producer form: dense tiles (activations by TMA at every token tile)");
   constexpr int kThreads = 128 * WGS;  // the compute threads (the producer warp comes after them)
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
   constexpr int kWordsPerK16 = 32 * BITS;  // packed words of one strip per 16 k
@@ -822,7 +822,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
         p, c / m_tiles, c % m_tiles, 0, ks, []() { return WgPiece{1, 0, 0, 0, 0}; }, amap, ring);
     return;
   }
-  if constexpr (wg_tma(NT, MOE)) {
+  if constexpr (wg_tma(NT, MOE) || PROD) {
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int s = 0; s < STAGES; s++) {
@@ -907,7 +907,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
     jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, 1, STAGES, false, 4>(p, &amap);                     \
   }
-// The producer form (dense, 64/128-token tiles): WGS compute warpgroups of FW strips (WGS = 4: the
+// The producer form (dense; its activations by TMA at every token tile, 16 and 32 too): WGS compute
+// warpgroups of FW strips (WGS = 4: the
 // wide form, FW = 1) and one producer warp, 128 WGS + 32 threads (see WgRing). Its register cap is
 // given directly (__launch_bounds__ would round the 288 / 544 threads so that ptxas capped them at
 // 94-96 registers and spilled): 112 for two CTAs of 288 threads per SM, 120 for one of 544, 224 for

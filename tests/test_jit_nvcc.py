@@ -81,12 +81,12 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
     """The producer form (probe-only, K.WGMMA_PROD_CONFIGS) of the 64- and 128-token and the wide
     configs compiles for sm_90a without spills under its register caps (8-bit with zero points:
     the largest dequantization)."""
-    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((64, 1, 6, False), (128, 1, 4, False), (128, 2, 4, True)))
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 8, False), (64, 1, 6, False), (128, 2, 4, True)))
     K.wgmma_build_spec.cache_clear()
     try:
         spec = K.wgmma_build_spec(K.Family("bf16", 8, True, 64), (9, 0))
         prod = [(name, src) for name, src in spec.sources if name.endswith("_prod")]
-        assert [name.split("_", 5)[-1] for name, _ in prod] == ["n64_f1_s6_prod", "n128_f1_s4_prod",
+        assert [name.split("_", 5)[-1] for name, _ in prod] == ["n32_f1_s8_prod", "n64_f1_s6_prod",
                                                                "n128_f2_s4_wide_prod"]
         assert "JM_WGMMA_KERNEL_PROD(" in prod[2][1] and prod[2][1].rstrip().endswith(", 128, 1, 4, 4)")
         mod = get_module(spec)

@@ -290,7 +290,7 @@ NO_TENSOR_MAP = driver.TensorMap()
 WGMMA_WIDE_CONFIGS: tuple[tuple[int, int, int], ...] = ((128, 2, 4),)
 
 # The producer form (jm_wgmma.cuh, WgRing / JM_WGMMA_KERNEL_PROD): (NT, FW, STAGES, WIDE) dense configs
-# of 64 or 128 tokens also built with a producer warp that issues every copy (TMA activations, bulk
+# (any token tile: its activations come by TMA) also built with a producer warp that issues every copy (TMA activations, bulk
 # weights, scales, zero points) while the compute warpgroups only compute; WIDE: the four-warpgroup
 # form of a two-strip config. Empty by default: a probe adds to it (probe_configs.py --extra-wgmma
 # NT-FW-STAGES-p or NT-2-STAGES-w-p; config wgmma-n64-f1-s6-p).

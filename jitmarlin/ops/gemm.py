@@ -761,11 +761,12 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
 
 
-def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int) -> driver.TensorMap:
+def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int, tma: bool | None = None) -> driver.TensorMap:
     """The TMA descriptor of the activations a [m, k] (rows k elements apart) for the wgmma
     kernel: boxes of nt tokens x 64 k in the 128-byte swizzle layout, rows past m as zeros. Tiles
-    under K.WGMMA_TMA_MIN_NT tokens copy with cp.async and get the empty map (nothing encoded)."""
-    if nt < K.WGMMA_TMA_MIN_NT:
+    under K.WGMMA_TMA_MIN_NT tokens copy with cp.async and get the empty map (nothing encoded),
+    unless `tma` (the producer form reads every token tile by TMA)."""
+    if not (nt >= K.WGMMA_TMA_MIN_NT if tma is None else tma):
         return K.NO_TENSOR_MAP
     code = driver.TMAP_BF16 if a.dtype == torch.bfloat16 else driver.TMAP_F16
     key = (a.data_ptr(), m, k, nt, code)
@@ -798,7 +799,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
         ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
     wl.fn.launch(wl.grid, wl.threads, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl,
-                 extra=wgmma_act_map(a, m, k, wl.nt))
+                 extra=wgmma_act_map(a, m, k, wl.nt, True if wl.threads % 256 else None))
 
 
 # After the act-order gather the wgmma kernel launches as a programmatic dependent only on problems

@@ -227,10 +227,11 @@ def test_wide_form(fmt, wide_configs):
 
 @pytest.fixture
 def prod_configs(monkeypatch):
-    """Build the producer form (a producer warp issues every copy; K.WGMMA_PROD_CONFIGS) of three
-    configs for this test: 64-token one strip (stream-K capable), 128-token one strip, and the wide
-    two-strip 128-token kernel."""
-    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((64, 1, 6, False), (128, 1, 4, False), (128, 2, 4, True)))
+    """Build the producer form (a producer warp issues every copy, the activations by TMA at every
+    token tile; K.WGMMA_PROD_CONFIGS) of the 16- and 32-token (one and two strips), 64-token and
+    128-token one-strip configs and the wide two-strip 128-token kernel for this test."""
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8, False), (32, 1, 8, False), (32, 2, 8, False),
+                                                  (64, 1, 6, False), (128, 1, 4, False), (128, 2, 4, True)))
     K.wgmma_build_spec.cache_clear()
     G.wgmma_launch.cache_clear()
     yield K.WGMMA_PROD_CONFIGS
@@ -242,11 +243,11 @@ def prod_configs(monkeypatch):
 def test_producer_form(fmt, prod_configs):
     """The producer form is bit-identical to the plain kernel of the same config (the same
     arithmetic per strip, the same split-K order): whole tiles, uneven K splits, stream-K with pieces
-    crossing tiles (64-token tiles), M with partial token tiles (TMA fills rows past M with zeros),
+    crossing tiles (16- to 64-token tiles), M with partial token tiles (TMA fills rows past M with zeros),
     bias; NaN-poisoned outputs; counters back to zero; an unbuilt producer config is a clear error."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
-    for k, n, ms in ((5120, 512, (64, 100, 257)), (1024, 28672, (33, 200))):
+    for k, n, ms in ((5120, 512, (9, 64, 100, 257)), (1024, 28672, (33, 200))):
         packed, w = random_weights(k, n, bits, group, zp, dtype, seed=9)
         bias = torch.randn(n, device="cuda", dtype=dtype)
         for m in ms:
@@ -255,7 +256,7 @@ def test_producer_form(fmt, prod_configs):
             for nt, fw, st, wide in prod_configs:
                 if nt < m // 4 or (k == 1024 and nt == 128 and m < 100):
                     continue
-                for splits in ((None, 3, -1) if nt == 64 else (None, 3)):
+                for splits in ((None, 3, -1) if nt <= 64 else (None, 3)):
                     cfg = (nt, fw, st, splits, wide)
                     prod = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
                     check_close(prod, ref, tol, f"K={k} N={n} M={m} config={cfg} producer form")
