@@ -210,8 +210,6 @@ struct WgPiece {
   int arrivals, region, first, stride, first_extra;
 };
 
-// piece_of(): the piece's WgPiece, asked for only after the main loop (a split launch's is
-// recomputed from blockIdx there rather than held in registers through it)
 // Named barrier 1 over the compute warps (the producer form's producer warp is not in it; the
 // plain form's compute warps are the whole CTA).
 template <int kThreads>
@@ -219,6 +217,8 @@ JM_DEVICE void compute_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
 }
 
+// piece_of(): the piece's WgPiece, asked for only after the main loop (a split launch's is
+// recomputed from blockIdx there rather than held in registers through it)
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
           bool PROD, typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
@@ -908,8 +908,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
     jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, 1, STAGES, false, 4>(p, &amap);                     \
   }
 // The producer form (dense; its activations by TMA at every token tile, 16 and 32 too): WGS compute
-// warpgroups of FW strips (WGS = 4: the
-// wide form, FW = 1) and one producer warp, 128 WGS + 32 threads (see WgRing). Its register cap is
+// warpgroups of FW strips (WGS = 4: the wide form, FW = 1) and one producer warp, 128 WGS + 32
+// threads (see WgRing). Its register cap is
 // given directly (__launch_bounds__ would round the 288 / 544 threads so that ptxas capped them at
 // 94-96 registers and spilled): 112 for two CTAs of 288 threads per SM, 120 for one of 544, 224 for
 // one of 288.
