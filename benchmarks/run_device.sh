@@ -559,7 +559,7 @@ for st in $STAGES; do
                --shapes 8192x8192,4096x28672,14336x4096 --configs route 2>&1 | grep -v "^done\|^jitmarlin:" \
                | tee -a "$OUT/s17b.log"
            done;;
-    s18a)  # prepared in session 17 (branch prep-wgmma-producer, NOT run): the wgmma kernel's producer form
+    s18a)  # prepared in session 17 (branch prep-wgmma-producer, NOT run; merge it first): the wgmma kernel's producer form
            # (a producer warp issues every copy - TMA activations, bulk weights / scales / zero points - on
            # one full barrier per slot; the compute warps only wait, compute and free slots per warp)
            timeout 200 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "producer_form or wide_form" \
@@ -581,6 +581,19 @@ for st in $STAGES; do
              --settle 0.2 --m 64,1024 --extra-wgmma $X --shapes 8192x28672,8192x8192 \
              --configs route,wgmma-n64-f1-s6-p,wgmma-n64-f2-s8-w-p,wgmma-n128-f2-s4-w-p 2>&1 \
              | grep -v "^done\|^jitmarlin:" | sed "s/^/[data only] /" | tee -a "$OUT/s18a.log";;
+    s18b)  # prepared in session 17 (branch prep-host-fastpath, NOT run; merge it first): MarlinLinear's eager fast path
+           # (a per-layer cache of checked launches): the GPU tests of the layer, models and op, the host
+           # time per eager call fast vs general vs nn.Linear, then the e2e Llama subset (prefill at
+           # 128-512 tokens was host-bound)
+           timeout 300 python3 -m pytest -q -rs tests/gpu -k "linear or model or gemm or graph or compile" \
+             > "$OUT/s18b_tests.log" 2>&1
+           echo "== s18b tests rc=$?"; tail -3 "$OUT/s18b_tests.log"
+           timeout 120 python3 benchmarks/probe_host.py --m 1,16,128,512 2>&1 | grep -v "^jitmarlin:" | tee -a "$OUT/s18b.log"
+           timeout 120 python3 benchmarks/probe_host.py --shape 4096x22016 --m 1,128 2>&1 | grep -v "^jitmarlin:" \
+             | tee -a "$OUT/s18b.log"
+           timeout 240 python3 benchmarks/bench_e2e.py --models llama --variants fp16,w4,w4-fused --batches 1,8 \
+             --prefill 128,512,1024 --decode 128 --json "$OUT/s18b_e2e.json" > "$OUT/s18b_e2e.log" 2>&1
+           echo "== s18b e2e rc=$?"; grep -A30 "^Ratios" "$OUT/s18b_e2e.log" | head -24;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
