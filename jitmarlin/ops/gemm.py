@@ -613,15 +613,13 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
         # 8192x28672 / 4096x28672 / 4096x22016)
         tie_f2 = wgmma_splits(n // 256, k, nt, 2, sms) <= 4 and not wgmma_stream_grid(n // 128, k, nt, 1, sms)
         fw = 2 if n % 256 == 0 and (s2 < s1 or (s2 == s1 and tie_f2)) else 1
-    elif nt == 128:  # one strip: two CTAs per SM, 4 warps per scheduler. H200 session 16 (probe_configs,
-        # f1 vs f2, us): M=128 8192x28672 104.7 vs 115.7, 28672x8192 103.8 vs 114.4, 4096x28672 54.2 vs
-        # 60.7, 8192^2 37.5 vs 43.1; M=256 220 vs 230 (8192x28672), 60.4 vs 67.4 (8192^2); M=1024 853 vs
-        # 896, 820 vs 870, 435 vs 458, 234 vs 250, 188 vs 211 (14336x4096), 54.3 vs 60.3 (4096^2)
-        fw = 1
-    else:  # 64 tokens: one strip (two CTAs per SM). H200 session 17 (probe_configs, us, one strip vs
-        # wgmma_strips' two on the N=28672 shapes, the only ones where it gave two): M = 33 / 48 / 64
-        # 8192x28672 76.0 / 76.3 / 77.1 vs 80.0 / 80.8 / 81.2, 4096x28672 40.9 / 41.1 / 41.6 vs 44.2 /
-        # 44.5 / 44.6; 8-bit M=64 83.5 vs 86.5, 43.6 vs 46.7
+    else:  # 64 and 128 tokens: one strip, two CTAs per SM (4 warps per scheduler). H200 (probe_configs,
+        # us, one vs two strips): session 16, 128 tokens: M=128 8192x28672 104.7 vs 115.7, 28672x8192
+        # 103.8 vs 114.4, 4096x28672 54.2 vs 60.7, 8192^2 37.5 vs 43.1; M=256 220 vs 230 (8192x28672),
+        # 60.4 vs 67.4 (8192^2); M=1024 853 vs 896, 820 vs 870, 435 vs 458, 234 vs 250, 188 vs 211
+        # (14336x4096), 54.3 vs 60.3 (4096^2). Session 17, 64 tokens (wgmma_strips gave two only on the
+        # N=28672 shapes): M = 33 / 48 / 64 8192x28672 76.0 / 76.3 / 77.1 vs 80.0 / 80.8 / 81.2,
+        # 4096x28672 40.9 / 41.1 / 41.6 vs 44.2 / 44.5 / 44.6; 8-bit M=64 83.5 vs 86.5, 43.6 vs 46.7
         fw = 1
     for cfg in K.WGMMA_CONFIGS:
         if cfg[:2] == (nt, fw):
@@ -636,14 +634,14 @@ def wgmma_config(m: int, n: int, sms: int, k: int | None = None) -> tuple[int, i
 # it loses on 8192^2 (M=256 62.3 vs 60.0, M=1024 225 vs 213) and at M=128 (14336x4096 52.1 vs 34.5).
 WGMMA_WIDE_ROUTE = (128, 2, 4)
 WGMMA_WIDE_MIN_M = 129
-WGMMA_WIDE_MIN_KN = (1 << 26) + 1
+WGMMA_WIDE_ABOVE_KN = 1 << 26  # K*N strictly above this
 
 
 def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> tuple[int, int, int, bool]:
     """(token tile, strips per warpgroup, stages, wide) of the automatic route: wgmma_config, or the
     wide two-strip 128-token kernel (dense, N % 256 == 0, built: K.WGMMA_WIDE_CONFIGS) on large
     problems."""
-    if (not moe and m >= WGMMA_WIDE_MIN_M and k * n >= WGMMA_WIDE_MIN_KN and n % 256 == 0
+    if (not moe and m >= WGMMA_WIDE_MIN_M and k * n > WGMMA_WIDE_ABOVE_KN and n % 256 == 0
             and WGMMA_WIDE_ROUTE in K.WGMMA_WIDE_CONFIGS):
         return WGMMA_WIDE_ROUTE + (True,)
     return wgmma_config(m, n, sms, k) + (False,)
