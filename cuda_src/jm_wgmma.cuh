@@ -73,8 +73,9 @@ constexpr bool wg_tma(int nt, bool moe) { return kWgTma && !moe && nt >= 64; }
 
 // The ring's barriers and phases, kept across a CTA's pieces (stream-K runs several tiles through
 // one ring). act: per slot, the TMA activation box landed (the plain form, one arrival + bytes).
-// The producer form (PROD, session 17 prep): a 32-thread producer warp besides the compute
-// warpgroups issues every copy of a stage — the activation box by TMA, one bulk copy per strip of
+// The producer form (PROD; session 17 a producer warp, session 18 a producer warpgroup with
+// setmaxnreg, since a 288-thread CTA lost an SM's second CTA to the register file): one thread of
+// the producer warpgroup issues every copy of a stage — the activation box by TMA, one bulk copy per strip of
 // packed weights and per group row of scales / zero points — on the slot's `full` barrier (one
 // expect_tx arrival per stage, counted down in bytes), and waits on the slot's `empty` barrier (one
 // arrival per compute warp once its wgmma on the slot are complete) before refilling it. The compute
@@ -220,7 +221,7 @@ JM_DEVICE void compute_sync() {
 // piece_of(): the piece's WgPiece, asked for only after the main loop (a split launch's is
 // recomputed from blockIdx there rather than held in registers through it)
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
-          bool PROD, typename PieceOf>
+          bool PROD, int ROLE, typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
                           const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, WgRing& ring) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
@@ -229,7 +230,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // WGS warpgroups per CTA (2; 4 in the "wide" form: 512 threads, one strip each, sharing the
   // activation tile of a two-strip CTA), FW strips each: the CTA's ring is that of WGS * FW / 2
   // strips per "warpgroup pair", so the host's shared-memory and workspace formulas see FW * WGS / 2
-  static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE), "warpgroups per CTA");
+  static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE) || (WGS == 1 && FW == 2 && PROD), "warpgroups per CTA");
   static_assert(!PROD || !MOE, "the producer form: dense tiles (activations by TMA at every token tile)");
   constexpr int kThreads = 128 * WGS;  // the compute threads (the producer warp comes after them)
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
@@ -315,9 +316,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   const T* sbase = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
   const uint32_t* zbase = HAS_ZP ? static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride : nullptr;
 
-  if constexpr (PROD) {
-    if (wg == WGS) {  // the producer warp: lane 0 issues every copy of the piece's stages
-      if (lane == 0) {
+  if constexpr (PROD && ROLE == 1) {
+    {  // the producer warpgroup: one lane issues every copy of the piece's stages
+      if (tid == kThreads) {  // warp 0 of the producer warpgroup, one lane
         constexpr uint32_t kStageTx = S::kAct + S::kW + S::kS + S::kZ;  // bytes a stage's copies bring
         auto issue_weights = [&](int i, int slot) {
           if ((ring.filled >> slot) & 1u) {  // every compute warp is done with the slot's last stage
@@ -678,10 +679,12 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       issue(abuf[s % NB], desc_st, st_addr, s);
       wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
       // ... so from step NB - 2 on every step of stage kt - 1 is (the producer form frees its slot)
-      if (s == NB - 2 && kt > 0) release(slot == 0 ? STAGES - 1 : slot - 1);
       if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
     }
-    // here every step of stage kt - 1 is done (this thread's warpgroup)
+    // here every step of stage kt - 1 is done (this thread's warpgroup): the producer form frees
+    // its slot (outside the step loop: an mbarrier arrival between wgmma issue and wait made
+    // ptxas serialize the wgmma, C7513)
+    if (PROD && kt > 0) release(slot == 0 ? STAGES - 1 : slot - 1);
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     if (kt + 1 < k_tiles) {
       if constexpr (PROD) {
@@ -807,36 +810,15 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 //   the same work when the tiles do not divide the resident CTAs (4096x28672, 8192x28672: 112
 //   tiles of two strips on 132 SMs). A tile cut between CTAs is summed by the last piece to
 //   arrive; region of CTA c's piece: 2c for its first tile, 2c + 1 for its last.
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
-          bool PROD = false>
-JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
+// The dense piece loop (see wgmma_body); ROLE: 0 every thread (plain form), 1 the producer
+// warpgroup, 2 the compute warpgroups of the producer form.
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, int WGS, bool PROD,
+          int ROLE>
+JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRing& ring) {
+  constexpr bool MOE = false;
   constexpr int kStrips = WGS * FW;
   const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
   const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
-  // TMA activations: one mbarrier per ring slot, its phase parity per slot in act_phase (bit s),
-  // kept across the CTA's pieces (stream-K runs several tiles through the same ring)
-  __shared__ __align__(8) uint64_t act_bar[STAGES], full_bar[PROD ? STAGES : 1], empty_bar[PROD ? STAGES : 1];
-  WgRing ring{act_bar, full_bar, empty_bar, 0u, 0u, 0u, 0u};
-  if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, false>(
-        p, c / m_tiles, c % m_tiles, 0, ks, []() { return WgPiece{1, 0, 0, 0, 0}; }, amap, ring);
-    return;
-  }
-  if constexpr (wg_tma(NT, MOE) || PROD) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int s = 0; s < STAGES; s++) {
-        if constexpr (PROD) {
-          mbar_init(&full_bar[s], 1);  // the producer's expect_tx arrival (and the bytes)
-          mbar_init(&empty_bar[s], 4 * WGS);  // one arrival per compute warp
-        } else {
-          mbar_init(&act_bar[s], 1);
-        }
-      }
-      mbar_fence_init();
-    }
-    __syncthreads();
-  }
   // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)
   const bool stream = NT <= 64 && p.k_splits < 0;
   const int splits = p.k_splits < 1 ? 1 : p.k_splits;
@@ -877,7 +859,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
       k_tiles = (split + 1) * ks / splits - kt0;
       next = u1;
     }
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, PROD>(
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, PROD, ROLE>(
         p, f_tile, m_tile, kt0, k_tiles, [&]() -> WgPiece {
           if (stream || splits == 1) return piece;
           // split pieces: region = the CTA, the tile's splits m_tiles regions apart
@@ -887,6 +869,59 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
         },
         amap, ring);
     u = next;
+  }
+}
+// The producer form's registers: launched with __launch_bounds__(128 (WGS + 1), MINB), so each
+// thread starts with R = 65536 / (128 (WGS + 1) MINB) rounded down to 8; the producer warpgroup
+// drops to kWgProdRegs and the WGS compute warpgroups share what it frees (CTA pool, PTX ISA).
+constexpr int kWgProdRegs = 40;
+constexpr int wg_launch_regs(int wgs, int minb) { return (65536 / (128 * (wgs + 1) * minb)) / 8 * 8 > 255 ? 248 : (65536 / (128 * (wgs + 1) * minb)) / 8 * 8; }
+constexpr int wg_consumer_regs(int wgs, int minb) {
+  return (wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8 > 240
+             ? 240 : (wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8;
+}
+
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
+          bool PROD = false, int MINB = 1>
+JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
+  constexpr int kStrips = WGS * FW;
+  const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
+  const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
+  // TMA activations: one mbarrier per ring slot, its phase parity per slot in act_phase (bit s),
+  // kept across the CTA's pieces (stream-K runs several tiles through the same ring)
+  __shared__ __align__(8) uint64_t act_bar[STAGES], full_bar[PROD ? STAGES : 1], empty_bar[PROD ? STAGES : 1];
+  WgRing ring{act_bar, full_bar, empty_bar, 0u, 0u, 0u, 0u};
+  if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, false, 0>(
+        p, c / m_tiles, c % m_tiles, 0, ks, []() { return WgPiece{1, 0, 0, 0, 0}; }, amap, ring);
+    return;
+  }
+  if constexpr (wg_tma(NT, MOE) || PROD) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; s++) {
+        if constexpr (PROD) {
+          mbar_init(&full_bar[s], 1);  // the producer's expect_tx arrival (and the bytes)
+          mbar_init(&empty_bar[s], 4 * WGS);  // one arrival per compute warp
+        } else {
+          mbar_init(&act_bar[s], 1);
+        }
+      }
+      mbar_fence_init();
+    }
+    __syncthreads();
+  }
+  if constexpr (PROD) {  // the producer warpgroup gives its registers to the compute warpgroups; the
+    // two roles never share code after it (ptxas then keeps one register budget per branch)
+    if (threadIdx.x >= 128 * WGS) {
+      setmaxnreg_dec<kWgProdRegs>();
+      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1>(p, amap, ring);
+    } else {
+      setmaxnreg_inc<wg_consumer_regs(WGS, MINB)>();
+      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2>(p, amap, ring);
+    }
+  } else if constexpr (!MOE) {
+    wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, false, 0>(p, amap, ring);
   }
 }
 
@@ -908,13 +943,11 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
     jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, 1, STAGES, false, 4>(p, &amap);                     \
   }
 // The producer form (dense; its activations by TMA at every token tile, 16 and 32 too): WGS compute
-// warpgroups of FW strips (WGS = 4: the wide form, FW = 1) and one producer warp, 128 WGS + 32
-// threads (see WgRing). Its register cap is
-// given directly (__launch_bounds__ would round the 288 / 544 threads so that ptxas capped them at
-// 94-96 registers and spilled): 112 for two CTAs of 288 threads per SM, 120 for one of 544, 224 for
-// one of 288.
-#define JM_WGMMA_KERNEL_PROD(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS)                    \
-  extern "C" __global__ void __maxnreg__((WGS) == 4 ? 120 : (FW) == 1 ? 112 : 224)                       \
+// warpgroups of FW strips and one producer warpgroup, 128 (WGS + 1) threads, MINB CTAs per SM; the
+// producer warpgroup drops to kWgProdRegs registers and the compute warpgroups take the rest
+// (setmaxnreg, wgmma_body). Built: WGS = 1, FW = 2 (the host's 128-feature configs), MINB = 2.
+#define JM_WGMMA_KERNEL_PROD(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, MINB)              \
+  extern "C" __global__ void __launch_bounds__(128 * ((WGS) + 1), MINB)                                  \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
-    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, false, WGS, true>(p, &amap);            \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, false, WGS, true, MINB>(p, &amap);      \
   }

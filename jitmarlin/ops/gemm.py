@@ -753,7 +753,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod),
                        K.wgmma_smem_bytes(fam, nt, fw, stages), m_tiles, grid, splits,
                        (max(floats, wgmma_split_bound(sms)), counters), use_pdl(_cc(index)), nt,
-                       (512 if wide else 256) + (32 if prod else 0), fw, stages)
+                       (640 if wide else 256) if prod else (512 if wide else 256), fw, stages)
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
