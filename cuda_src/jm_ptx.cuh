@@ -190,6 +190,20 @@ JM_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
+// Warpgroup register reallocation (sm_90a; PTX ISA "setmaxnreg"): every warp of a warpgroup
+// executes the same one; .dec returns registers to the CTA's pool, .inc waits until the pool has
+// them. Used by the producer form: the copy-issuing warpgroup keeps few, the compute ones take them.
+template <int N>
+JM_DEVICE void setmaxnreg_dec() {
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg: a multiple of 8 in [24, 256]");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+JM_DEVICE void setmaxnreg_inc() {
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg: a multiple of 8 in [24, 256]");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 // Global -> shared copy of `bytes` (multiple of 16, both addresses 16-byte aligned) by the bulk
 // copy engine; completion is counted on `bar` in bytes. One thread issues it, no registers hold
 // the data, and the issuing warp does not wait.

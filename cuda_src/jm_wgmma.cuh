@@ -70,6 +70,22 @@ constexpr bool kWgTma = false;
 constexpr bool kWgTma = true;
 #endif
 constexpr bool wg_tma(int nt, bool moe) { return kWgTma && !moe && nt >= 64; }
+
+// The ring's barriers and phases, kept across a CTA's pieces (stream-K runs several tiles through
+// one ring). act: per slot, the TMA activation box landed (the plain form, one arrival + bytes).
+// The producer form (PROD; session 17 a producer warp, session 18 a producer warpgroup with
+// setmaxnreg, since a 288-thread CTA lost an SM's second CTA to the register file): one thread of
+// the producer warpgroup issues every copy of a stage — the activation box by TMA, one bulk copy per strip of
+// packed weights and per group row of scales / zero points — on the slot's `full` barrier (one
+// expect_tx arrival per stage, counted down in bytes), and waits on the slot's `empty` barrier (one
+// arrival per compute warp once its wgmma on the slot are complete) before refilling it. The compute
+// warps never copy and never meet at a CTA-wide barrier inside the main loop.
+struct WgRing {
+  uint64_t* act;
+  uint64_t* full;
+  uint64_t* empty;
+  uint32_t act_phase, full_phase, empty_phase, filled;  // bit s: parity to wait for next / slot filled once
+};
 JM_DEVICE void tma_load_2d(void* smem_dst, const JmTensorMap* map, int k0, int row0, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
@@ -195,21 +211,28 @@ struct WgPiece {
   int arrivals, region, first, stride, first_extra;
 };
 
+// Named barrier 1 over the compute warps (the producer form's producer warp is not in it; the
+// plain form's compute warps are the whole CTA).
+template <int kThreads>
+JM_DEVICE void compute_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+}
+
 // piece_of(): the piece's WgPiece, asked for only after the main loop (a split launch's is
 // recomputed from blockIdx there rather than held in registers through it)
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
-          typename PieceOf>
+          bool PROD, int ROLE, typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
-                          const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, uint64_t* act_bar,
-                          uint32_t& act_phase) {
+                          const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, WgRing& ring) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
   static_assert(FW == 1 || FW == 2, "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
   // WGS warpgroups per CTA (2; 4 in the "wide" form: 512 threads, one strip each, sharing the
   // activation tile of a two-strip CTA), FW strips each: the CTA's ring is that of WGS * FW / 2
   // strips per "warpgroup pair", so the host's shared-memory and workspace formulas see FW * WGS / 2
-  static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE), "warpgroups per CTA");
-  constexpr int kThreads = 128 * WGS;
+  static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE) || (WGS == 1 && FW == 2 && PROD), "warpgroups per CTA");
+  static_assert(!PROD || !MOE, "the producer form: dense tiles (activations by TMA at every token tile)");
+  constexpr int kThreads = 128 * WGS;  // the compute threads (the producer warp comes after them)
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
   constexpr int kWordsPerK16 = 32 * BITS;  // packed words of one strip per 16 k
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
@@ -293,6 +316,59 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   const T* sbase = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
   const uint32_t* zbase = HAS_ZP ? static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride : nullptr;
 
+  if constexpr (PROD && ROLE == 1) {
+    {  // the producer warpgroup: one lane issues every copy of the piece's stages
+      if (tid == kThreads) {  // warp 0 of the producer warpgroup, one lane
+        constexpr uint32_t kStageTx = S::kAct + S::kW + S::kS + S::kZ;  // bytes a stage's copies bring
+        auto issue_weights = [&](int i, int slot) {
+          if ((ring.filled >> slot) & 1u) {  // every compute warp is done with the slot's last stage
+            mbar_wait(&ring.empty[slot], (ring.empty_phase >> slot) & 1u);
+            ring.empty_phase ^= 1u << slot;
+          }
+          ring.filled |= 1u << slot;
+          uint8_t* st = smem + slot * S::kBytes;
+          const int kt = kt0 + i;
+          mbar_arrive_expect_tx(&ring.full[slot], kStageTx);
+#pragma unroll
+          for (int j = 0; j < S::kStrips; j++)  // a strip's 4 k16 of the stage are contiguous
+            bulk_copy_g2s(st + S::kAct + j * S::kStripBytes,
+                          bbase + static_cast<int64_t>(j) * (p.k / 16) * kWordsPerK16 + kt * 4 * kWordsPerK16,
+                          S::kStripBytes, &ring.full[slot]);
+          if constexpr (kGrouped) {
+            const int grp0 = kt * 4 / GROUP_BLOCKS;
+#pragma unroll
+            for (int r = 0; r < S::kRows; r++) {
+              bulk_copy_g2s(st + S::kAct + S::kW + r * (S::kStrips * 64 * 2),
+                            sbase + static_cast<int64_t>(grp0 + r) * p.n + strip0 * 64, S::kStrips * 64 * 2,
+                            &ring.full[slot]);
+              if constexpr (HAS_ZP)
+                bulk_copy_g2s(st + S::kAct + S::kW + S::kS + r * (S::kStrips * 64 * BITS / 8),
+                              zbase + static_cast<int64_t>(grp0 + r) * (p.n * BITS / 32) + strip0 * (2 * BITS),
+                              S::kStrips * 64 * BITS / 8, &ring.full[slot]);
+            }
+          }
+        };
+        auto issue_acts = [&](int i, int slot) {
+          tma_load_2d(smem + slot * S::kBytes, amap, (kt0 + i) * 64, tok0, &ring.full[slot]);
+        };
+        // the weights of the first fills before waiting for the previous kernel (they never depend
+        // on it), the activations after
+        const int pre = k_tiles < STAGES ? k_tiles : STAGES;
+        for (int i = 0; i < pre; i++) issue_weights(i, i);
+        griddep_wait();
+        griddep_launch_dependents();
+        for (int i = 0; i < pre; i++) issue_acts(i, i);
+        int slot = pre % STAGES;
+        for (int i = pre; i < k_tiles; i++) {
+          issue_weights(i, slot);
+          issue_acts(i, slot);
+          slot = slot + 1 == STAGES ? 0 : slot + 1;
+        }
+      }
+      return;  // (the TMA and bulk copies complete on the barriers whether or not the warp lives)
+    }
+  }
+
   // Per-thread copy offsets are computed once here; a stage adds only its k offset (a generic
   // strided copy loop compiled to ~150 instructions per stage, most of the kernel's issue slots).
   constexpr int kWChunks = S::kW / 16, kStripChunks = S::kStripBytes / 16;
@@ -318,8 +394,8 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     uint8_t* st = smem + slot * S::kBytes;
     if constexpr (kTma) {
       if (tid == 0) {
-        mbar_arrive_expect_tx(&act_bar[slot], S::kAct);
-        tma_load_2d(st, amap, kt * 64, tok0, &act_bar[slot]);
+        mbar_arrive_expect_tx(&ring.act[slot], S::kAct);
+        tma_load_2d(st, amap, kt * 64, tok0, &ring.act[slot]);
       }
       return;
     }
@@ -528,7 +604,10 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     wgmma_commit();
   };
 
-  if constexpr (kEarlyWeights) {
+  if constexpr (PROD) {
+    griddep_wait();  // (before the outputs and the workspace are written)
+    griddep_launch_dependents();
+  } else if constexpr (kEarlyWeights) {
     // one copy group per stage as below; the first also holds every early weight copy, and it
     // completes before any later group is waited for
 #pragma unroll
@@ -552,18 +631,32 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // the activations of the stage in `slot` have landed (TMA; the cp.async path waits for its
   // copy groups, then fences them for the async proxy that wgmma reads with)
   auto wait_acts = [&](int slot) {
-    if constexpr (kTma) {
-      mbar_wait(&act_bar[slot], (act_phase >> slot) & 1u);
-      act_phase ^= 1u << slot;
+    if constexpr (PROD) {  // every copy of the stage (one barrier)
+      mbar_wait(&ring.full[slot], (ring.full_phase >> slot) & 1u);
+      ring.full_phase ^= 1u << slot;
+    } else if constexpr (kTma) {
+      mbar_wait(&ring.act[slot], (ring.act_phase >> slot) & 1u);
+      ring.act_phase ^= 1u << slot;
     } else {
 #ifndef JM_WG_NO_PROXY_FENCE  // diagnostic only (formally racy): what the proxy fence costs
       fence_proxy_async_smem();  // the cp.async bytes are read by wgmma (async proxy)
 #endif
     }
   };
-  cp_async_wait<STAGES - 2>();
-  wait_acts(0);
-  __syncthreads();
+  // this warp's wgmma on `slot` are complete: the producer may refill it
+  auto release = [&](int slot) {
+    if constexpr (PROD) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&ring.empty[slot]);
+    }
+  };
+  if constexpr (PROD) {
+    wait_acts(0);
+  } else {
+    cp_async_wait<STAGES - 2>();
+    wait_acts(0);
+    __syncthreads();
+  }
   if (tid == 0) JM_TL(2, globaltimer());
 
   const uint32_t smem_base = smem_addr(smem);  // 1024-byte aligned
@@ -585,17 +678,25 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     for (int s = 0; s < 4; s++) {
       issue(abuf[s % NB], desc_st, st_addr, s);
       wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
+      // ... so from step NB - 2 on every step of stage kt - 1 is (the producer form frees its slot)
       if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
     }
-    // here every step of stage kt - 1 is done (this thread's warpgroup)
+    // here every step of stage kt - 1 is done (this thread's warpgroup): the producer form frees
+    // its slot (outside the step loop: an mbarrier arrival between wgmma issue and wait made
+    // ptxas serialize the wgmma, C7513)
+    if (PROD && kt > 0) release(slot == 0 ? STAGES - 1 : slot - 1);
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     if (kt + 1 < k_tiles) {
-      cp_async_wait<STAGES - 3>();  // stage kt + 1 is in (this thread's copies)
-      wait_acts(slot);
-      __syncthreads();  // ... every thread's; and no warpgroup still reads stage kt - 1's slot
-      const int nk = kt + STAGES - 1;
-      if (nk < k_tiles) fetch(nk, (slot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
-      cp_async_commit();
+      if constexpr (PROD) {
+        wait_acts(slot);  // stage kt + 1 is in (the producer refills the slots itself)
+      } else {
+        cp_async_wait<STAGES - 3>();  // stage kt + 1 is in (this thread's copies)
+        wait_acts(slot);
+        __syncthreads();  // ... every thread's; and no warpgroup still reads stage kt - 1's slot
+        const int nk = kt + STAGES - 1;
+        if (nk < k_tiles) fetch(nk, (slot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
+        cp_async_commit();
+      }
       preload(smem + slot * S::kBytes);
       load_groups(smem + slot * S::kBytes);
       dequant(smem + slot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
@@ -603,6 +704,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
+  release(slot == 0 ? STAGES - 1 : slot - 1);  // the piece's last stage
 #ifdef JM_TIMELINE
   tl_last = globaltimer();
   if (tid == 0) JM_TL(3, tl_last);
@@ -632,10 +734,10 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
                make_float4(d[j][4 * q], d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3]));
     }
     __threadfence();
-    __syncthreads();
+    if constexpr (PROD) compute_sync<kThreads>(); else __syncthreads();
     const int unit = f_tile * m_tiles + m_tile;
     if (tid == 0) s_last = atomicAdd(p.counters + unit, 1) == piece.arrivals - 1;
-    __syncthreads();
+    if constexpr (PROD) compute_sync<kThreads>(); else __syncthreads();
     if (!s_last) {
       tl_end();
       return;
@@ -708,29 +810,15 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 //   the same work when the tiles do not divide the resident CTAs (4096x28672, 8192x28672: 112
 //   tiles of two strips on 132 SMs). A tile cut between CTAs is summed by the last piece to
 //   arrive; region of CTA c's piece: 2c for its first tile, 2c + 1 for its last.
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS>
-JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
+// The dense piece loop (see wgmma_body); ROLE: 0 every thread (plain form), 1 the producer
+// warpgroup, 2 the compute warpgroups of the producer form.
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, int WGS, bool PROD,
+          int ROLE>
+JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRing& ring) {
+  constexpr bool MOE = false;
   constexpr int kStrips = WGS * FW;
   const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
   const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
-  // TMA activations: one mbarrier per ring slot, its phase parity per slot in act_phase (bit s),
-  // kept across the CTA's pieces (stream-K runs several tiles through the same ring)
-  __shared__ __align__(8) uint64_t act_bar[STAGES];
-  uint32_t act_phase = 0;
-  if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS>(p, c / m_tiles, c % m_tiles, 0, ks,
-                                                                    []() { return WgPiece{1, 0, 0, 0, 0}; }, amap,
-                                                                    act_bar, act_phase);
-    return;
-  }
-  if constexpr (wg_tma(NT, MOE)) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int s = 0; s < STAGES; s++) mbar_init(&act_bar[s], 1);
-      mbar_fence_init();
-    }
-    __syncthreads();
-  }
   // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)
   const bool stream = NT <= 64 && p.k_splits < 0;
   const int splits = p.k_splits < 1 ? 1 : p.k_splits;
@@ -760,7 +848,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
         piece = WgPiece{c_last - c_first + 1, 2 * c + (u0 >= x ? 0 : 1), 2 * c_first, 2,
                         c_first * W / G >= x ? 0 : 1};
       }
-      if (u != u0) __syncthreads();  // every warp is past the previous piece's last stage
+      if (!PROD && u != u0) __syncthreads();  // every warp is past the previous piece's last stage
+      // (the producer form: the producer waits for each slot's `empty` barrier instead)
     } else {
       const int per_f = m_tiles * splits;
       f_tile = c / per_f;
@@ -770,7 +859,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
       k_tiles = (split + 1) * ks / splits - kt0;
       next = u1;
     }
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS>(
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, PROD, ROLE>(
         p, f_tile, m_tile, kt0, k_tiles, [&]() -> WgPiece {
           if (stream || splits == 1) return piece;
           // split pieces: region = the CTA, the tile's splits m_tiles regions apart
@@ -778,8 +867,61 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
           const int mt = (cc - ft * per_f) % p.grid;
           return WgPiece{splits, cc, ft * per_f + mt, p.grid, 0};
         },
-        amap, act_bar, act_phase);
+        amap, ring);
     u = next;
+  }
+}
+// The producer form's registers: launched with __launch_bounds__(128 (WGS + 1), MINB), so each
+// thread starts with R = 65536 / (128 (WGS + 1) MINB) rounded down to 8; the producer warpgroup
+// drops to kWgProdRegs and the WGS compute warpgroups share what it frees (CTA pool, PTX ISA).
+constexpr int kWgProdRegs = 40;
+constexpr int wg_launch_regs(int wgs, int minb) { return (65536 / (128 * (wgs + 1) * minb)) / 8 * 8 > 255 ? 248 : (65536 / (128 * (wgs + 1) * minb)) / 8 * 8; }
+constexpr int wg_consumer_regs(int wgs, int minb) {
+  return (wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8 > 240
+             ? 240 : (wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8;
+}
+
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
+          bool PROD = false, int MINB = 1>
+JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
+  constexpr int kStrips = WGS * FW;
+  const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
+  const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
+  // TMA activations: one mbarrier per ring slot, its phase parity per slot in act_phase (bit s),
+  // kept across the CTA's pieces (stream-K runs several tiles through the same ring)
+  __shared__ __align__(8) uint64_t act_bar[STAGES], full_bar[PROD ? STAGES : 1], empty_bar[PROD ? STAGES : 1];
+  WgRing ring{act_bar, full_bar, empty_bar, 0u, 0u, 0u, 0u};
+  if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, false, 0>(
+        p, c / m_tiles, c % m_tiles, 0, ks, []() { return WgPiece{1, 0, 0, 0, 0}; }, amap, ring);
+    return;
+  }
+  if constexpr (wg_tma(NT, MOE) || PROD) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; s++) {
+        if constexpr (PROD) {
+          mbar_init(&full_bar[s], 1);  // the producer's expect_tx arrival (and the bytes)
+          mbar_init(&empty_bar[s], 4 * WGS);  // one arrival per compute warp
+        } else {
+          mbar_init(&act_bar[s], 1);
+        }
+      }
+      mbar_fence_init();
+    }
+    __syncthreads();
+  }
+  if constexpr (PROD) {  // the producer warpgroup gives its registers to the compute warpgroups; the
+    // two roles never share code after it (ptxas then keeps one register budget per branch)
+    if (threadIdx.x >= 128 * WGS) {
+      setmaxnreg_dec<kWgProdRegs>();
+      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1>(p, amap, ring);
+    } else {
+      setmaxnreg_inc<wg_consumer_regs(WGS, MINB)>();
+      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2>(p, amap, ring);
+    }
+  } else if constexpr (!MOE) {
+    wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, false, 0>(p, amap, ring);
   }
 }
 
@@ -799,4 +941,13 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   extern "C" __global__ void __launch_bounds__(512, 1)                                                    \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
     jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, 1, STAGES, false, 4>(p, &amap);                     \
+  }
+// The producer form (dense; its activations by TMA at every token tile, 16 and 32 too): WGS compute
+// warpgroups of FW strips and one producer warpgroup, 128 (WGS + 1) threads, MINB CTAs per SM; the
+// producer warpgroup drops to kWgProdRegs registers and the compute warpgroups take the rest
+// (setmaxnreg, wgmma_body). Built: WGS = 1, FW = 2 (the host's 128-feature configs), MINB = 2.
+#define JM_WGMMA_KERNEL_PROD(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, MINB)              \
+  extern "C" __global__ void __launch_bounds__(128 * ((WGS) + 1), MINB)                                  \
+      NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, false, WGS, true, MINB>(p, &amap);      \
   }

@@ -77,6 +77,35 @@ def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
         K.wgmma_build_spec(FAMILY, (8, 0))
 
 
+def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch):
+    """The producer form (probe-only, K.WGMMA_PROD_CONFIGS: a producer warpgroup + one compute
+    warpgroup of two strips, setmaxnreg) of the 16- to 128-token configs compiles for sm_90a without
+    spills, with its register reallocation kept and its wgmma not serialized (ptxas C7507 / C751x;
+    8-bit with zero points: the largest dequantization)."""
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8, False), (32, 1, 8, False), (64, 1, 6, False)))
+    K.wgmma_build_spec.cache_clear()
+    try:
+        for fam in (K.Family("bf16", 8, True, 64), K.Family("f16", 4, False, 128)):
+            spec = K.wgmma_build_spec(fam, (9, 0))
+            prod = [(name, src) for name, src in spec.sources if name.endswith("_prod")]
+            assert [name.split("_", 5)[-1] for name, _ in prod] == ["n16_f1_s8_prod", "n32_f1_s8_prod",
+                                                                   "n64_f1_s6_prod"]
+            assert "JM_WGMMA_KERNEL_PROD(" in prod[2][1] and prod[2][1].rstrip().endswith(", 64, 2, 6, 1, 2)")
+            mod = get_module(spec)
+            for name, _ in prod:
+                info = mod.meta["ptxas"][name]
+                assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+            log = (mod.path / "build.log").read_text()
+            for code in ("C7507", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515"):
+                assert code not in log, [line for line in log.splitlines() if code in line]
+    finally:
+        K.wgmma_build_spec.cache_clear()
+    with pytest.raises(ValueError, match="FW must be 1"):
+        monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 2, 8, False),))
+        K.wgmma_build_spec(K.Family("f16", 4, False, 128), (9, 0))
+    K.wgmma_build_spec.cache_clear()
+
+
 def test_wgmma_smem_formula_matches_the_kernel(cuda_toolchain, tmp_path):
     """wgmma_smem_bytes (the launch's shared memory) equals the kernel's own stage size x stages,
     and K.WGMMA_TMA_MIN_NT the kernel's choice of TMA tiles, checked by static_asserts that nvcc

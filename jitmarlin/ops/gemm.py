@@ -710,14 +710,15 @@ class WgmmaLaunch:
     ws: tuple[int, int]  # (floats, counters) to reserve when splits != 1 (at least wgmma_split_bound)
     pdl: bool
     nt: int  # tokens per tile (the TMA box of the activations)
-    threads: int = 256  # 512: the wide form (four warpgroups of one strip)
+    threads: int = 256  # 512: the wide form (four warpgroups of one strip); + 32: the producer form
     fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
     stages: int = 4
 
 
 @functools.lru_cache(maxsize=4096)
 def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None = None, fw: int | None = None,
-                 stages: int | None = None, splits: int | None = None, wide: bool = False) -> WgmmaLaunch:
+                 stages: int | None = None, splits: int | None = None, wide: bool = False,
+                 prod: bool = False) -> WgmmaLaunch:
     """Config, kernel and grid of the wgmma kernel for (M, N, K) (memoized: the eager launch path
     runs this once per shape, not per call)."""
     if n % 128 or k % 64:
@@ -743,22 +744,27 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     else:
         grid = f_tiles * m_tiles * splits
         floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
-    if wide and ((nt, fw, stages) not in K.WGMMA_WIDE_CONFIGS or fam.moe):
+    if prod and ((nt, fw, stages, wide) not in K.WGMMA_PROD_CONFIGS or fam.moe):
+        raise ValueError(f"no producer-form wgmma kernel for NT={nt}, FW={fw}, stages={stages}, wide={wide} "
+                         f"(built: {K.WGMMA_PROD_CONFIGS}, dense only)")
+    if wide and not prod and ((nt, fw, stages) not in K.WGMMA_WIDE_CONFIGS or fam.moe):
         raise ValueError(f"no wide (four-warpgroup) wgmma kernel for NT={nt}, FW={fw}, stages={stages} "
                          f"(built: {K.WGMMA_WIDE_CONFIGS}, dense only)")
-    return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide), K.wgmma_smem_bytes(fam, nt, fw, stages),
-                       m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
-                       use_pdl(_cc(index)), nt, 512 if wide else 256, fw, stages)
+    return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod),
+                       K.wgmma_smem_bytes(fam, nt, fw, stages), m_tiles, grid, splits,
+                       (max(floats, wgmma_split_bound(sms)), counters), use_pdl(_cc(index)), nt,
+                       (640 if wide else 256) if prod else (512 if wide else 256), fw, stages)
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
 
 
-def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int) -> driver.TensorMap:
+def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int, tma: bool | None = None) -> driver.TensorMap:
     """The TMA descriptor of the activations a [m, k] (rows k elements apart) for the wgmma
     kernel: boxes of nt tokens x 64 k in the 128-byte swizzle layout, rows past m as zeros. Tiles
-    under K.WGMMA_TMA_MIN_NT tokens copy with cp.async and get the empty map (nothing encoded)."""
-    if nt < K.WGMMA_TMA_MIN_NT:
+    under K.WGMMA_TMA_MIN_NT tokens copy with cp.async and get the empty map (nothing encoded),
+    unless `tma` (the producer form reads every token tile by TMA)."""
+    if not (nt >= K.WGMMA_TMA_MIN_NT if tma is None else tma):
         return K.NO_TENSOR_MAP
     code = driver.TMAP_BF16 if a.dtype == torch.bfloat16 else driver.TMAP_F16
     key = (a.data_ptr(), m, k, nt, code)
@@ -772,13 +778,13 @@ def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int) -> driver.TensorMap:
 
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
                  nt: int | None = None, fw: int | None = None, stages: int | None = None,
-                 splits: int | None = None, wide: bool = False, *, workspace: Workspace | None = None,
-                 pdl: bool = True) -> None:
+                 splits: int | None = None, wide: bool = False, prod: bool = False, *,
+                 workspace: Workspace | None = None, pdl: bool = True) -> None:
     """pdl=False: a plain launch even where programmatic dependent launch is on (after the act-order
     gather on small problems: launch_gemm, wgmma_pdl_after_gather). wide: the four-warpgroup form of
     a two-strip config (K.WGMMA_WIDE_CONFIGS; the automatic config takes it where
-    wgmma_route_config says)."""
-    wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits, wide)
+    wgmma_route_config says). prod: its producer form (K.WGMMA_PROD_CONFIGS, probes only)."""
+    wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits, wide, prod)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
     p.z = zeros.data_ptr() if zeros is not None else None
@@ -791,7 +797,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
         ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
     wl.fn.launch(wl.grid, wl.threads, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl,
-                 extra=wgmma_act_map(a, m, k, wl.nt))
+                 extra=wgmma_act_map(a, m, k, wl.nt, True if wl.threads % 256 else None))
 
 
 # After the act-order gather the wgmma kernel launches as a programmatic dependent only on problems

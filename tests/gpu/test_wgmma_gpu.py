@@ -225,6 +225,47 @@ def test_wide_form(fmt, wide_configs):
         G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 1, 6, None, True)
 
 
+@pytest.fixture
+def prod_configs(monkeypatch):
+    """Build the producer form (a producer warpgroup issues every copy, the activations by TMA at
+    every token tile, one compute warpgroup of two strips; K.WGMMA_PROD_CONFIGS) of the 16-, 32- and
+    64-token configs for this test."""
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8, False), (32, 1, 8, False), (64, 1, 6, False)))
+    K.wgmma_build_spec.cache_clear()
+    G.wgmma_launch.cache_clear()
+    yield K.WGMMA_PROD_CONFIGS
+    K.wgmma_build_spec.cache_clear()
+    G.wgmma_launch.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_producer_form(fmt, prod_configs):
+    """The producer form is bit-identical to the plain kernel of the same config (the same
+    arithmetic per strip, the same split-K order): whole tiles, uneven K splits, stream-K with pieces
+    crossing tiles (16- to 64-token tiles), M with partial token tiles (TMA fills rows past M with zeros),
+    bias; NaN-poisoned outputs; counters back to zero; an unbuilt producer config is a clear error."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for k, n, ms in ((5120, 512, (9, 64, 100, 257)), (1024, 28672, (33, 200))):
+        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=9)
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        for m in ms:
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = a.float() @ w + bias.float()
+            for nt, fw, st, wide in prod_configs:
+                if nt < m // 4 or (k == 1024 and nt == 128 and m < 100):
+                    continue
+                for splits in ((None, 3, -1) if nt <= 64 else (None, 3)):
+                    cfg = (nt, fw, st, splits, wide)
+                    prod = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
+                    check_close(prod, ref, tol, f"K={k} N={n} M={m} config={cfg} producer form")
+                    assert torch.equal(prod, run(a, packed, m, n, k, dtype, cfg, bias=bias)), (k, n, m, cfg)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    with pytest.raises(ValueError, match="no producer-form"):
+        G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 2, 4, None, False, True)
+
+
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
 def test_shapes(k, n):
     packed, w = random_weights(k, n, 4, 128 if k % 128 == 0 else -1)
