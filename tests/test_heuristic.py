@@ -221,6 +221,14 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert G.wgmma_route_config(256, 8192, 8192, 132) == G.wgmma_config(256, 8192, 132, 8192) + (False,)
         assert not G.wgmma_route_config(256, 28672, 8192, 132, moe=True)[3]
         assert G.WGMMA_WIDE_ROUTE in K.WGMMA_WIDE_CONFIGS  # built by default
+        # the producer form of the routed 64-token config: problems above K*N = 2^26, dense (session 18)
+        prod = [(k, n, m) for k, n in ((4096, 4096), (14336, 4096), (8192, 8192), (4096, 28672), (8192, 28672),
+                                       (28672, 8192), (8192, 8320)) for m in (16, 32, 33, 64, 65, 128)
+                if G.wgmma_route_prod(n, k, G.wgmma_route_config(m, n, k, 132))]
+        assert prod == [(k, n, m) for k, n in ((4096, 28672), (8192, 28672), (28672, 8192), (8192, 8320))
+                        for m in (33, 64)]
+        assert (64, 1, 6, False) in K.WGMMA_PROD_CONFIGS  # built by default
+        assert not G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), moe=True)
     finally:
         K.env_flag.cache_clear()
 

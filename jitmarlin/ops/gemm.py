@@ -647,6 +647,19 @@ def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> t
     return wgmma_config(m, n, sms, k) + (False,)
 
 
+# The producer form (jm_wgmma.cuh: a producer warpgroup with setmaxnreg + one compute warpgroup of
+# two strips, two CTAs per SM; K.WGMMA_PROD_CONFIGS) of the routed (64, 1, 6) config. H200, session
+# 18 (benchmarks/NOTES.md), M=64 µs plain -> producer: f16 4-bit 8192x28672 78.2 -> 74.3, 28672x8192
+# 76.2 -> 72.5, 4096x28672 41.8 -> 39.5; 8-bit 88.3 -> 82.0, 85.5 -> 79.7, 44.7 -> 40.8; bf16 2-3%
+# faster; 8192^2 level (26.6 / 26.9), 14336x4096 and 4096^2 slower (25.5 / 27.1, 12.2 / 13.4).
+WGMMA_PROD_ABOVE_KN = 1 << 26  # K*N strictly above this
+
+
+def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], moe: bool = False) -> bool:
+    """Whether the automatic route runs config `cfg` = (NT, FW, stages, wide) in its producer form."""
+    return (not moe and k * n > WGMMA_PROD_ABOVE_KN and cfg in K.WGMMA_PROD_CONFIGS)
+
+
 WGMMA_SPLIT_MIN_STAGES = 16  # a K split keeps at least this many 64-k stages (pipeline fill)
 
 
@@ -710,9 +723,10 @@ class WgmmaLaunch:
     ws: tuple[int, int]  # (floats, counters) to reserve when splits != 1 (at least wgmma_split_bound)
     pdl: bool
     nt: int  # tokens per tile (the TMA box of the activations)
-    threads: int = 256  # 512: the wide form (four warpgroups of one strip); + 32: the producer form
+    threads: int = 256  # 512: the wide form (four warpgroups of one strip)
     fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
     stages: int = 4
+    prod: bool = False  # the producer form (its activations by TMA at every token tile)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -727,6 +741,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     if nt is None or fw is None or stages is None:
         nt, fw, stages, auto_wide = wgmma_route_config(m, n, k, sms, fam.moe)
         wide = wide or auto_wide
+        prod = prod or wgmma_route_prod(n, k, (nt, fw, stages, wide), fam.moe)
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
@@ -753,7 +768,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod),
                        K.wgmma_smem_bytes(fam, nt, fw, stages), m_tiles, grid, splits,
                        (max(floats, wgmma_split_bound(sms)), counters), use_pdl(_cc(index)), nt,
-                       (640 if wide else 256) if prod else (512 if wide else 256), fw, stages)
+                       512 if wide else 256, fw, stages, prod)
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
@@ -783,7 +798,8 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
     """pdl=False: a plain launch even where programmatic dependent launch is on (after the act-order
     gather on small problems: launch_gemm, wgmma_pdl_after_gather). wide: the four-warpgroup form of
     a two-strip config (K.WGMMA_WIDE_CONFIGS; the automatic config takes it where
-    wgmma_route_config says). prod: its producer form (K.WGMMA_PROD_CONFIGS, probes only)."""
+    wgmma_route_config says). prod: its producer form (K.WGMMA_PROD_CONFIGS; the automatic config
+    takes it where wgmma_route_prod says)."""
     wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits, wide, prod)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
@@ -797,7 +813,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
         ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
     wl.fn.launch(wl.grid, wl.threads, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl,
-                 extra=wgmma_act_map(a, m, k, wl.nt, True if wl.threads % 256 else None))
+                 extra=wgmma_act_map(a, m, k, wl.nt, True if wl.prod else None))
 
 
 # After the act-order gather the wgmma kernel launches as a programmatic dependent only on problems
@@ -927,6 +943,7 @@ class _FastEntry:
     cluster: int
     nt: int  # wgmma: the activation box's token count (0: mma.sync, no tensor map)
     uses_ws: bool
+    tma: bool | None = None  # wgmma_act_map's `tma` (True: the producer form)
 
 
 def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zeros, bias, a) -> _FastEntry | None:
@@ -944,7 +961,8 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
         p.k_splits = wl.splits
         if wl.splits != 1:
             ws.ensure(*wl.ws)
-        return _FastEntry(wl.fn, wl.grid, wl.threads, wl.smem, p, wl.pdl, 0, wl.nt, wl.splits != 1)
+        return _FastEntry(wl.fn, wl.grid, wl.threads, wl.smem, p, wl.pdl, 0, wl.nt, wl.splits != 1,
+                          True if wl.prod else None)
     if use_dequant_path(m, n, k):
         return None
     launch = prepare_launch(m, m, n, k, fam, index)
@@ -989,7 +1007,7 @@ def gemm_fast(cache: FastGemm, a: torch.Tensor, b, scales, zeros, bias) -> torch
     stream = K.current_stream_handle(a.device)
     if entry.nt:
         entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl,
-                        extra=wgmma_act_map(a, m, k, entry.nt))
+                        extra=wgmma_act_map(a, m, k, entry.nt, entry.tma))
     else:
         entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl, cluster=entry.cluster)
     return out

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import os
+
 import pytest
 import torch
 
@@ -225,12 +227,16 @@ def test_wide_form(fmt, wide_configs):
         G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 1, 6, None, True)
 
 
+PROD_TEST_CONFIGS = [tuple(int(v) for v in c.split("-")) + (False,)
+                     for c in os.environ.get("JM_PROD_TEST_CONFIGS", "64-1-6").split(",")]
+
+
 @pytest.fixture
 def prod_configs(monkeypatch):
     """Build the producer form (a producer warpgroup issues every copy, the activations by TMA at
     every token tile, one compute warpgroup of two strips; K.WGMMA_PROD_CONFIGS) of the 16-, 32- and
     64-token configs for this test."""
-    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8, False), (32, 1, 8, False), (64, 1, 6, False)))
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", tuple(PROD_TEST_CONFIGS))
     K.wgmma_build_spec.cache_clear()
     G.wgmma_launch.cache_clear()
     yield K.WGMMA_PROD_CONFIGS
@@ -264,6 +270,22 @@ def test_producer_form(fmt, prod_configs):
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
     with pytest.raises(ValueError, match="no producer-form"):
         G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 2, 4, None, False, True)
+
+
+def test_producer_form_route():
+    """The automatic config takes the producer form of (64, 1, 6) on large problems only, and that
+    launch is what the public op runs there (checked against the reference at M = 33 and 64)."""
+    fam = K.Family("f16", 4, False, 128)
+    for m, n, k, want in ((64, 28672, 8192, True), (33, 8192, 28672, True), (64, 8192, 8192, False),
+                          (64, 4096, 4096, False), (16, 28672, 8192, False), (256, 28672, 8192, False)):
+        wl = G.wgmma_launch(m, n, k, fam, 0)
+        assert wl.prod is want and (not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (64, 1, 6, 256)), (m, n, k)
+    k, n = 8192, 8320  # K*N above 2^26, N not a multiple of 256
+    packed, w = random_weights(k, n, 4, 128, False, torch.float16, seed=3)
+    for m in (33, 64):
+        assert G.wgmma_launch(m, n, k, fam, 0).prod
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m} routed producer")
 
 
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
