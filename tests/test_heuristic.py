@@ -176,14 +176,14 @@ def test_wgmma_route_rules(monkeypatch, setting):
         small = [G.use_wgmma_path(m, n, k, fam, 0) for m, k, n in
                  ((33, 4096, 28672), (63, 28672, 8192), (32, 8192, 8192), (17, 4096, 4096), (32, 4096, 28672),
                   (17, 28672, 8192), (16, 4096, 4096))]
-        # M = 17-32 (32-token tiles): 4-bit where K*N <= 2^27; M = 9-16 (16-token tiles): automatic
-        # route only, K*N <= 2^24 (8-bit too since session 16)
-        assert small == {None: [True] * 5 + [False, True], "0": [False] * 7, "1": [True] * 6 + [False]}[setting]
+        # M = 17-32 (32-token tiles): 4-bit where K*N <= 2^27 (above: the producer form, session 18);
+        # M = 9-16 (16-token tiles): automatic route only, K*N <= 2^24 (8-bit too since session 16)
+        assert small == {None: [True] * 7, "0": [False] * 7, "1": [True] * 6 + [False]}[setting]
         fam8 = K.Family("f16", 8, False, 128)
         mid = [G.use_wgmma_path(m, n, k, f, 0) for m, k, n, f in
                ((32, 8192, 28672, fam8), (17, 28672, 8192, fam8), (16, 8192, 8192, fam), (9, 4096, 4096, fam),
                 (16, 4096, 4096, fam8), (8, 4096, 4096, fam), (32, 8192, 28672, fam))]
-        assert mid == {None: [True, True, False, True, True, False, False], "0": [False] * 7,
+        assert mid == {None: [True, True, False, True, True, False, True], "0": [False] * 7,
                        "1": [True, True, False, False, False, False, True]}[setting]
         for m, k, n in ((16, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
             assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile
@@ -221,14 +221,22 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert G.wgmma_route_config(256, 8192, 8192, 132) == G.wgmma_config(256, 8192, 132, 8192) + (False,)
         assert not G.wgmma_route_config(256, 28672, 8192, 132, moe=True)[3]
         assert G.WGMMA_WIDE_ROUTE in K.WGMMA_WIDE_CONFIGS  # built by default
-        # the producer form of the routed 64-token config: problems above K*N = 2^26, dense (session 18)
-        prod = [(k, n, m) for k, n in ((4096, 4096), (14336, 4096), (8192, 8192), (4096, 28672), (8192, 28672),
-                                       (28672, 8192), (8192, 8320)) for m in (16, 32, 33, 64, 65, 128)
-                if G.wgmma_route_prod(n, k, G.wgmma_route_config(m, n, k, 132))]
-        assert prod == [(k, n, m) for k, n in ((4096, 28672), (8192, 28672), (28672, 8192), (8192, 8320))
-                        for m in (33, 64)]
-        assert (64, 1, 6, False) in K.WGMMA_PROD_CONFIGS  # built by default
-        assert not G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), moe=True)
+        # the producer form (session 18): the routed 64-token config above K*N = 2^26, and (32, 1, 8)
+        # for 4-bit 32-token tiles from K*N = 2^26 on; dense only
+        f4, f8 = K.Family("f16", 4, False, 128), K.Family("f16", 8, False, 128)
+        shapes = ((4096, 4096), (14336, 4096), (8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192),
+                  (8192, 8320))
+        prod = {(k, n, m): G.wgmma_route_prod(n, k, G.wgmma_route_config(m, n, k, 132), f4)
+                for k, n in shapes for m in (16, 17, 32, 33, 64, 65, 128)}
+        big = ((8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192), (8192, 8320))
+        assert {key for key, v in prod.items() if v} == {(k, n, m) for k, n in big for m in (17, 32)} | {
+            (k, n, m) for k, n in big[1:] for m in (33, 64)}
+        assert all(v == (32, 1, 8, False) for (k, n, m), v in prod.items() if v and m <= 32)
+        assert all(v == (64, 1, 6, False) for (k, n, m), v in prod.items() if v and m > 32)
+        assert set(K.WGMMA_PROD_CONFIGS) == {(32, 1, 8, False), (64, 1, 6, False)}  # built by default
+        assert G.wgmma_route_prod(28672, 8192, (32, 2, 8, False), f8) is None  # 8-bit 32-token tiles: plain
+        assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), f8) == (64, 1, 6, False)
+        assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), K.Family("f16", 4, False, 128, moe=True)) is None
     finally:
         K.env_flag.cache_clear()
 

@@ -293,9 +293,9 @@ WGMMA_WIDE_CONFIGS: tuple[tuple[int, int, int], ...] = ((128, 2, 4),)
 # configs also built with a producer warpgroup that issues every copy (TMA activations at any token
 # tile, bulk weights, scales, zero points) and gives its registers (setmaxnreg) to one compute
 # warpgroup of two strips; two CTAs per SM. FW = 1, not wide (the wide form's compute warpgroups
-# would get 104-112 registers: ptxas serialized its wgmma). (64, 1, 6): routed on large problems
-# (gemm.wgmma_route_prod); probes add others (probe_configs.py --extra-wgmma NT-1-STAGES-p).
-WGMMA_PROD_CONFIGS: tuple[tuple[int, int, int, bool], ...] = ((64, 1, 6, False),)
+# would get 104-112 registers: ptxas serialized its wgmma). (32, 1, 8) and (64, 1, 6): routed on
+# large problems (gemm.wgmma_route_prod); probes add others (probe_configs.py --extra-wgmma NT-1-STAGES-p).
+WGMMA_PROD_CONFIGS: tuple[tuple[int, int, int, bool], ...] = ((32, 1, 8, False), (64, 1, 6, False))
 
 # (32, 2, 8) left the MoE list in session 17: blocks of 32 rows take one strip (moe._launch_wgmma_moe;
 # probe_moe_tiles.py --fw 2 builds it back)

@@ -569,8 +569,9 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     if m < WGMMA_AUTO_M[0]:
         wanted = m <= WGMMA_N16_M[1] and k * n <= WGMMA_N16_MAX_KN  # (8-bit too since session 16)
         return wanted and wgmma_setting() == "auto" and wgmma_allowed(fam, index, True)
-    if m <= 32:
-        wanted = fam.bits == 8 or k * n <= WGMMA_N32_MAX_KN
+    if m <= 32:  # (above WGMMA_N32_MAX_KN: only the 32-token producer form, wgmma_route_prod)
+        wanted = (fam.bits == 8 or k * n <= WGMMA_N32_MAX_KN
+                  or wgmma_route_prod(n, k, (32, 1, 8, False), fam) is not None)
     else:
         wanted = m < WGMMA_AUTO_M[1] and (m <= WGMMA_BF16_U8_MAX_M or fam.bits == 4 or fam.dtype != "bf16")
     return wgmma_allowed(fam, index, wanted)
@@ -648,16 +649,30 @@ def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> t
 
 
 # The producer form (jm_wgmma.cuh: a producer warpgroup with setmaxnreg + one compute warpgroup of
-# two strips, two CTAs per SM; K.WGMMA_PROD_CONFIGS) of the routed (64, 1, 6) config. H200, session
-# 18 (benchmarks/NOTES.md), M=64 µs plain -> producer: f16 4-bit 8192x28672 78.2 -> 74.3, 28672x8192
-# 76.2 -> 72.5, 4096x28672 41.8 -> 39.5; 8-bit 88.3 -> 82.0, 85.5 -> 79.7, 44.7 -> 40.8; bf16 2-3%
-# faster; 8192^2 level (26.6 / 26.9), 14336x4096 and 4096^2 slower (25.5 / 27.1, 12.2 / 13.4).
-WGMMA_PROD_ABOVE_KN = 1 << 26  # K*N strictly above this
+# two strips, two CTAs per SM; K.WGMMA_PROD_CONFIGS). H200, session 18 (benchmarks/NOTES.md), µs:
+# - the routed (64, 1, 6) config at M = 33-64, plain -> producer: f16 4-bit 8192x28672 76.5 -> 71.6
+#   (M=48), 28672x8192 74.8 -> 70.3, 4096x28672 41.2 -> 39.4; 8-bit M=64 88.3 -> 82.0, 85.5 -> 79.7,
+#   44.7 -> 40.8; bf16 2-3% faster; 8192^2, 14336x4096, 4096^2 level or slower (kept plain).
+# - 32-token tiles at M = 17-32, 4-bit, route -> (32, 1, 8) producer: 8192x28672 65.9 -> 64.7
+#   (M=32), 28672x8192 67.5 -> 63.6, 4096x28672 39.0 -> 36.1, 8192^2 25.0 -> 23.3 (the route was the
+#   mma.sync 32-row kernel above K*N = 2^27, the plain wgmma kernel below).
+# (16, 1, 8) in the producer form lost to the route at M = 9-16 (8192x28672 59.0 vs 42.6): not routed.
+WGMMA_PROD_ABOVE_KN = 1 << 26  # 64-token tiles: K*N strictly above this
+WGMMA_PROD_N32_MIN_KN = 1 << 26  # 32-token tiles (4-bit): K*N at least this
+WGMMA_PROD_N32 = (32, 1, 8, False)
 
 
-def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], moe: bool = False) -> bool:
-    """Whether the automatic route runs config `cfg` = (NT, FW, stages, wide) in its producer form."""
-    return (not moe and k * n > WGMMA_PROD_ABOVE_KN and cfg in K.WGMMA_PROD_CONFIGS)
+def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family) -> tuple | None:
+    """The producer-form config (NT, FW, stages, wide) the automatic route runs instead of `cfg`
+    (wgmma_route_config's), or None."""
+    if fam.moe:
+        return None
+    if cfg[0] == 64 and k * n > WGMMA_PROD_ABOVE_KN and cfg in K.WGMMA_PROD_CONFIGS:
+        return cfg
+    if (cfg[0] == 32 and fam.bits == 4 and k * n >= WGMMA_PROD_N32_MIN_KN and n % 128 == 0
+            and WGMMA_PROD_N32 in K.WGMMA_PROD_CONFIGS):
+        return WGMMA_PROD_N32
+    return None
 
 
 WGMMA_SPLIT_MIN_STAGES = 16  # a K split keeps at least this many 64-k stages (pipeline fill)
@@ -741,7 +756,10 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     if nt is None or fw is None or stages is None:
         nt, fw, stages, auto_wide = wgmma_route_config(m, n, k, sms, fam.moe)
         wide = wide or auto_wide
-        prod = prod or wgmma_route_prod(n, k, (nt, fw, stages, wide), fam.moe)
+        routed = wgmma_route_prod(n, k, (nt, fw, stages, wide), fam)
+        if routed is not None:
+            nt, fw, stages, wide = routed
+            prod = True
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)

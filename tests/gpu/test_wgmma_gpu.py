@@ -228,7 +228,7 @@ def test_wide_form(fmt, wide_configs):
 
 
 PROD_TEST_CONFIGS = [tuple(int(v) for v in c.split("-")) + (False,)
-                     for c in os.environ.get("JM_PROD_TEST_CONFIGS", "64-1-6").split(",")]
+                     for c in os.environ.get("JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6").split(",")]
 
 
 @pytest.fixture
@@ -273,17 +273,21 @@ def test_producer_form(fmt, prod_configs):
 
 
 def test_producer_form_route():
-    """The automatic config takes the producer form of (64, 1, 6) on large problems only, and that
-    launch is what the public op runs there (checked against the reference at M = 33 and 64)."""
+    """The automatic config takes the producer form of (64, 1, 6) at M = 33-64 and of (32, 1, 8) at
+    M = 17-32 (4-bit) on large problems only, and that launch is what the public op runs there
+    (checked against the reference)."""
     fam = K.Family("f16", 4, False, 128)
-    for m, n, k, want in ((64, 28672, 8192, True), (33, 8192, 28672, True), (64, 8192, 8192, False),
-                          (64, 4096, 4096, False), (16, 28672, 8192, False), (256, 28672, 8192, False)):
+    for m, n, k, want in ((64, 28672, 8192, 64), (33, 8192, 28672, 64), (64, 8192, 8192, 0), (64, 4096, 4096, 0),
+                          (32, 28672, 8192, 32), (17, 8192, 8192, 32), (17, 4096, 4096, 0), (16, 28672, 8192, 0),
+                          (256, 28672, 8192, 0)):
         wl = G.wgmma_launch(m, n, k, fam, 0)
-        assert wl.prod is want and (not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (64, 1, 6, 256)), (m, n, k)
+        assert wl.prod is bool(want), (m, n, k)
+        assert not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (want, 1, 6 if want == 64 else 8, 256), (m, n, k)
+    assert not G.wgmma_launch(32, 28672, 8192, K.Family("f16", 8, False, 128), 0).prod
     k, n = 8192, 8320  # K*N above 2^26, N not a multiple of 256
     packed, w = random_weights(k, n, 4, 128, False, torch.float16, seed=3)
-    for m in (33, 64):
-        assert G.wgmma_launch(m, n, k, fam, 0).prod
+    for m in (17, 32, 33, 64):
+        assert G.wgmma_launch(m, n, k, fam, 0).prod and G.use_wgmma_path(m, n, k, fam, 0)
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m} routed producer")
 
