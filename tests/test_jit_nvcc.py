@@ -78,10 +78,10 @@ def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
 
 
 def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch):
-    """The producer form (probe-only, K.WGMMA_PROD_CONFIGS: a producer warpgroup + one compute
-    warpgroup of two strips, setmaxnreg) of the 16- to 128-token configs compiles for sm_90a without
-    spills, with its register reallocation kept and its wgmma not serialized (ptxas C7507 / C751x;
-    8-bit with zero points: the largest dequantization)."""
+    """The producer form (K.WGMMA_PROD_CONFIGS: a producer warpgroup + one compute warpgroup of two
+    strips, setmaxnreg) of the 16- to 64-token configs compiles for sm_90a without spills, with its
+    register reallocation kept and its wgmma not serialized (ptxas C7507 / C751x; 8-bit with zero
+    points: the largest dequantization)."""
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8, False), (32, 1, 8, False), (64, 1, 6, False)))
     K.wgmma_build_spec.cache_clear()
     try:
