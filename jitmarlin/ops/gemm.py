@@ -809,6 +809,19 @@ def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int, tma: bool | None = N
     return hit
 
 
+def _wgmma_params(wl: WgmmaLaunch, m: int, n: int, k: int, b, scales, zeros, bias) -> K.GemmParams:
+    """A wgmma launch's parameter struct with every field but the activations, the output and the
+    workspace (set per call)."""
+    p = K.GemmParams()
+    p.b, p.s = b.data_ptr(), scales.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.bias = bias.data_ptr() if bias is not None else None
+    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+    p.grid = wl.m_tiles
+    p.k_splits = wl.splits
+    return p
+
+
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
                  nt: int | None = None, fw: int | None = None, stages: int | None = None,
                  splits: int | None = None, wide: bool = False, prod: bool = False, *,
@@ -819,13 +832,8 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
     wgmma_route_config says). prod: its producer form (K.WGMMA_PROD_CONFIGS; the automatic config
     takes it where wgmma_route_prod says)."""
     wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits, wide, prod)
-    p = K.GemmParams()
-    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
-    p.z = zeros.data_ptr() if zeros is not None else None
-    p.bias = bias.data_ptr() if bias is not None else None
-    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
-    p.grid = wl.m_tiles
-    p.k_splits = wl.splits
+    p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)
+    p.a, p.c = a.data_ptr(), out.data_ptr()
     if wl.splits != 1:
         ws = workspace if workspace is not None else K.default_workspace(a.device)
         ws.ensure(*wl.ws)
@@ -970,13 +978,7 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
     ws = K.default_workspace(a.device)
     if use_wgmma_path(m, n, k, fam, index):
         wl = wgmma_launch(m, n, k, fam, index)
-        p = K.GemmParams()
-        p.b, p.s = b.data_ptr(), scales.data_ptr()
-        p.z = zeros.data_ptr() if zeros is not None else None
-        p.bias = bias.data_ptr() if bias is not None else None
-        p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
-        p.grid = wl.m_tiles
-        p.k_splits = wl.splits
+        p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)
         if wl.splits != 1:
             ws.ensure(*wl.ws)
         return _FastEntry(wl.fn, wl.grid, wl.threads, wl.smem, p, wl.pdl, 0, wl.nt, wl.splits != 1,

@@ -194,11 +194,25 @@ def wide_configs(monkeypatch):
     their two-warpgroup form (128-token tiles: not in the built set since session 16)."""
     monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ((64, 2, 4), (128, 2, 4)))
     monkeypatch.setattr(K, "WGMMA_CONFIGS", tuple(dict.fromkeys(K.WGMMA_CONFIGS + K.WGMMA_WIDE_CONFIGS)))
+    yield from _rebuilt(K.WGMMA_WIDE_CONFIGS)
+
+
+def _rebuilt(configs):
+    """Fixture body: the build specs and launches recomputed for the patched config lists, and again
+    after the test (monkeypatch restores the lists)."""
     K.wgmma_build_spec.cache_clear()
     G.wgmma_launch.cache_clear()
-    yield K.WGMMA_WIDE_CONFIGS
+    yield configs
     K.wgmma_build_spec.cache_clear()
     G.wgmma_launch.cache_clear()
+
+
+def _check_form(a, packed, m, n, k, dtype, cfg, bias, ref, tol, label):
+    """Config `cfg` in its other form (the flag appended to cfg: wide or producer) matches the
+    reference and equals the plain form bit for bit."""
+    other = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
+    check_close(other, ref, tol, f"K={k} N={n} M={m} config={cfg} {label}")
+    assert torch.equal(other, run(a, packed, m, n, k, dtype, cfg, bias=bias)), (k, n, m, cfg)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
@@ -217,10 +231,7 @@ def test_wide_form(fmt, wide_configs):
             ref = a.float() @ w + bias.float()
             for nt, fw, st in wide_configs:
                 for splits in ((None, 3, -1) if nt == 64 else (None, 3)):
-                    cfg = (nt, fw, st, splits)
-                    wide = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
-                    check_close(wide, ref, tol, f"K={k} N={n} M={m} config={cfg} wide")
-                    assert torch.equal(wide, run(a, packed, m, n, k, dtype, cfg, bias=bias)), (k, n, m, cfg)
+                    _check_form(a, packed, m, n, k, dtype, (nt, fw, st, splits), bias, ref, tol, "wide")
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
     with pytest.raises(ValueError, match="no wide"):
@@ -237,11 +248,7 @@ def prod_configs(monkeypatch):
     every token tile, one compute warpgroup of two strips; K.WGMMA_PROD_CONFIGS) of the 16-, 32- and
     64-token configs for this test."""
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", tuple(PROD_TEST_CONFIGS))
-    K.wgmma_build_spec.cache_clear()
-    G.wgmma_launch.cache_clear()
-    yield K.WGMMA_PROD_CONFIGS
-    K.wgmma_build_spec.cache_clear()
-    G.wgmma_launch.cache_clear()
+    yield from _rebuilt(K.WGMMA_PROD_CONFIGS)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
@@ -262,10 +269,7 @@ def test_producer_form(fmt, prod_configs):
                 if nt < m // 4 or (k == 1024 and nt == 128 and m < 100):
                     continue
                 for splits in ((None, 3, -1) if nt <= 64 else (None, 3)):
-                    cfg = (nt, fw, st, splits, wide)
-                    prod = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
-                    check_close(prod, ref, tol, f"K={k} N={n} M={m} config={cfg} producer form")
-                    assert torch.equal(prod, run(a, packed, m, n, k, dtype, cfg, bias=bias)), (k, n, m, cfg)
+                    _check_form(a, packed, m, n, k, dtype, (nt, fw, st, splits, wide), bias, ref, tol, "producer form")
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
     with pytest.raises(ValueError, match="no producer-form"):
