@@ -116,6 +116,15 @@ def profile_cmd(args) -> None:
                 wall = sorted(E.time_call(fwd, dev) for _ in range(3))[1]
                 print(f"{spec.label} {label} B={batch} P={prefill} prefill: {wall * 1e3:.3f} ms per forward (CUDA "
                       "events around the eager call: host gaps included)", flush=True)
+                if args.host_profile:  # where the host time of the eager forward goes (python functions)
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(args.host_profile):
+                        fwd()
+                    prof.disable()
+                    torch.cuda.synchronize()
+                    print(f"== cProfile {label} B={batch} P={prefill}, {args.host_profile} forwards, by own time:")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top or 20)
                 dec = E.Decoder(model, api, ids, 16)
                 dec.reset()
                 step = _kernel_times(dec.step)
@@ -211,6 +220,8 @@ def main() -> None:
     ap.add_argument("--cases", default=None, help="BATCHxPREFILL list (profile: 1x128,8x128,1x512; graph: "
                     "8x128,8x512,1x2048)")
     ap.add_argument("--top", type=int, default=0)
+    ap.add_argument("--host-profile", type=int, default=0, help="profile: cProfile this many prefill forwards "
+                    "per case and print the functions with the most own time (--top of them, else 20)")
     args = ap.parse_args()
     {"host": host, "profile": profile_cmd, "graph": graph_cmd, "det": det_cmd}[args.what](args)
 

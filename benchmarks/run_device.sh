@@ -617,6 +617,11 @@ for st in $STAGES; do
              --settle 0.1 --m 64 --extra-wgmma $X --shapes 8192x28672,8192x8192 \
              --configs route,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" | sed "s/^/[data only] /" \
              | tee -a "$OUT/s19a.log";;
+    s19b)  # session 18's open question: the W4 models' extra 3-4 ms of host time per eager prefill forward at batch
+           # 1 (not in the linear calls: probe_host). Per-kernel GPU time and a cProfile of 3 forwards per case
+           timeout 240 python3 benchmarks/diag_decode.py profile --layers 8 --variants fp16,w4,w4-fused \
+             --cases 1x128,1x512 --top 25 --host-profile 3 > "$OUT/s19b.log" 2>&1
+           echo "== s19b rc=$?"; grep "ms per forward\|GPU " "$OUT/s19b.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
