@@ -211,8 +211,8 @@ struct WgPiece {
   int arrivals, region, first, stride, first_extra;
 };
 
-// Named barrier 1 over the compute warps (the producer form's producer warp is not in it; the
-// plain form's compute warps are the whole CTA).
+// Named barrier 1 over the compute warps (the producer form's producer warpgroup is not in it;
+// the plain form's compute warps are the whole CTA).
 template <int kThreads>
 JM_DEVICE void compute_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
@@ -232,7 +232,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // strips per "warpgroup pair", so the host's shared-memory and workspace formulas see FW * WGS / 2
   static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE) || (WGS == 1 && FW == 2 && PROD), "warpgroups per CTA");
   static_assert(!PROD || !MOE, "the producer form: dense tiles (activations by TMA at every token tile)");
-  constexpr int kThreads = 128 * WGS;  // the compute threads (the producer warp comes after them)
+  constexpr int kThreads = 128 * WGS;  // the compute threads (the producer warpgroup comes after them)
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
   constexpr int kWordsPerK16 = 32 * BITS;  // packed words of one strip per 16 k
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
@@ -316,57 +316,55 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   const T* sbase = static_cast<const T*>(p.s) + expert * p.s_expert_stride;
   const uint32_t* zbase = HAS_ZP ? static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride : nullptr;
 
-  if constexpr (PROD && ROLE == 1) {
-    {  // the producer warpgroup: one lane issues every copy of the piece's stages
-      if (tid == kThreads) {  // warp 0 of the producer warpgroup, one lane
-        constexpr uint32_t kStageTx = S::kAct + S::kW + S::kS + S::kZ;  // bytes a stage's copies bring
-        auto issue_weights = [&](int i, int slot) {
-          if ((ring.filled >> slot) & 1u) {  // every compute warp is done with the slot's last stage
-            mbar_wait(&ring.empty[slot], (ring.empty_phase >> slot) & 1u);
-            ring.empty_phase ^= 1u << slot;
-          }
-          ring.filled |= 1u << slot;
-          uint8_t* st = smem + slot * S::kBytes;
-          const int kt = kt0 + i;
-          mbar_arrive_expect_tx(&ring.full[slot], kStageTx);
-#pragma unroll
-          for (int j = 0; j < S::kStrips; j++)  // a strip's 4 k16 of the stage are contiguous
-            bulk_copy_g2s(st + S::kAct + j * S::kStripBytes,
-                          bbase + static_cast<int64_t>(j) * (p.k / 16) * kWordsPerK16 + kt * 4 * kWordsPerK16,
-                          S::kStripBytes, &ring.full[slot]);
-          if constexpr (kGrouped) {
-            const int grp0 = kt * 4 / GROUP_BLOCKS;
-#pragma unroll
-            for (int r = 0; r < S::kRows; r++) {
-              bulk_copy_g2s(st + S::kAct + S::kW + r * (S::kStrips * 64 * 2),
-                            sbase + static_cast<int64_t>(grp0 + r) * p.n + strip0 * 64, S::kStrips * 64 * 2,
-                            &ring.full[slot]);
-              if constexpr (HAS_ZP)
-                bulk_copy_g2s(st + S::kAct + S::kW + S::kS + r * (S::kStrips * 64 * BITS / 8),
-                              zbase + static_cast<int64_t>(grp0 + r) * (p.n * BITS / 32) + strip0 * (2 * BITS),
-                              S::kStrips * 64 * BITS / 8, &ring.full[slot]);
-            }
-          }
-        };
-        auto issue_acts = [&](int i, int slot) {
-          tma_load_2d(smem + slot * S::kBytes, amap, (kt0 + i) * 64, tok0, &ring.full[slot]);
-        };
-        // the weights of the first fills before waiting for the previous kernel (they never depend
-        // on it), the activations after
-        const int pre = k_tiles < STAGES ? k_tiles : STAGES;
-        for (int i = 0; i < pre; i++) issue_weights(i, i);
-        griddep_wait();
-        griddep_launch_dependents();
-        for (int i = 0; i < pre; i++) issue_acts(i, i);
-        int slot = pre % STAGES;
-        for (int i = pre; i < k_tiles; i++) {
-          issue_weights(i, slot);
-          issue_acts(i, slot);
-          slot = slot + 1 == STAGES ? 0 : slot + 1;
+  if constexpr (PROD && ROLE == 1) {  // the producer warpgroup: one thread issues every copy of the piece's stages
+    if (tid == kThreads) {
+      constexpr uint32_t kStageTx = S::kAct + S::kW + S::kS + S::kZ;  // bytes a stage's copies bring
+      auto issue_weights = [&](int i, int slot) {
+        if ((ring.filled >> slot) & 1u) {  // every compute warp is done with the slot's last stage
+          mbar_wait(&ring.empty[slot], (ring.empty_phase >> slot) & 1u);
+          ring.empty_phase ^= 1u << slot;
         }
+        ring.filled |= 1u << slot;
+        uint8_t* st = smem + slot * S::kBytes;
+        const int kt = kt0 + i;
+        mbar_arrive_expect_tx(&ring.full[slot], kStageTx);
+#pragma unroll
+        for (int j = 0; j < S::kStrips; j++)  // a strip's 4 k16 of the stage are contiguous
+          bulk_copy_g2s(st + S::kAct + j * S::kStripBytes,
+                        bbase + static_cast<int64_t>(j) * (p.k / 16) * kWordsPerK16 + kt * 4 * kWordsPerK16,
+                        S::kStripBytes, &ring.full[slot]);
+        if constexpr (kGrouped) {
+          const int grp0 = kt * 4 / GROUP_BLOCKS;
+#pragma unroll
+          for (int r = 0; r < S::kRows; r++) {
+            bulk_copy_g2s(st + S::kAct + S::kW + r * (S::kStrips * 64 * 2),
+                          sbase + static_cast<int64_t>(grp0 + r) * p.n + strip0 * 64, S::kStrips * 64 * 2,
+                          &ring.full[slot]);
+            if constexpr (HAS_ZP)
+              bulk_copy_g2s(st + S::kAct + S::kW + S::kS + r * (S::kStrips * 64 * BITS / 8),
+                            zbase + static_cast<int64_t>(grp0 + r) * (p.n * BITS / 32) + strip0 * (2 * BITS),
+                            S::kStrips * 64 * BITS / 8, &ring.full[slot]);
+          }
+        }
+      };
+      auto issue_acts = [&](int i, int slot) {
+        tma_load_2d(smem + slot * S::kBytes, amap, (kt0 + i) * 64, tok0, &ring.full[slot]);
+      };
+      // the weights of the first fills before waiting for the previous kernel (they never depend
+      // on it), the activations after
+      const int pre = k_tiles < STAGES ? k_tiles : STAGES;
+      for (int i = 0; i < pre; i++) issue_weights(i, i);
+      griddep_wait();
+      griddep_launch_dependents();
+      for (int i = 0; i < pre; i++) issue_acts(i, i);
+      int slot = pre % STAGES;
+      for (int i = pre; i < k_tiles; i++) {
+        issue_weights(i, slot);
+        issue_acts(i, slot);
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
       }
-      return;  // (the TMA and bulk copies complete on the barriers whether or not the warp lives)
     }
+    return;  // (the TMA and bulk copies complete on the barriers whether or not the warpgroup lives)
   }
 
   // Per-thread copy offsets are computed once here; a stage adds only its k offset (a generic
@@ -872,14 +870,18 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
   }
 }
 // The producer form's registers: launched with __launch_bounds__(128 (WGS + 1), MINB), so each
-// thread starts with R = 65536 / (128 (WGS + 1) MINB) rounded down to 8; the producer warpgroup
-// drops to kWgProdRegs and the WGS compute warpgroups share what it frees (CTA pool, PTX ISA).
+// thread starts with 65536 / (128 (WGS + 1) MINB) registers rounded down to 8; the producer
+// warpgroup drops to kWgProdRegs and the WGS compute warpgroups share what it frees (the CTA's
+// pool, PTX ISA). Per SM sub-partition a CTA has one producer warp per WGS compute warps, so the
+// `.inc` is always served there too (40 + 216 = 2 x 128 for WGS = 1, MINB = 2).
 constexpr int kWgProdRegs = 40;
-constexpr int wg_launch_regs(int wgs, int minb) { return (65536 / (128 * (wgs + 1) * minb)) / 8 * 8 > 255 ? 248 : (65536 / (128 * (wgs + 1) * minb)) / 8 * 8; }
+constexpr int kWgMaxRegs = 248;  // per-thread registers, a multiple of 8 below the 255 limit
+constexpr int wg_regs_cap(int r) { return r > kWgMaxRegs ? kWgMaxRegs : r; }
+constexpr int wg_launch_regs(int wgs, int minb) { return wg_regs_cap(65536 / (128 * (wgs + 1) * minb) / 8 * 8); }
 constexpr int wg_consumer_regs(int wgs, int minb) {
-  return (wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8 > 240
-             ? 240 : (wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8;
+  return wg_regs_cap((wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8);
 }
+static_assert(wg_consumer_regs(1, 2) == 216 && wg_consumer_regs(2, 1) == 232, "producer-form register split");
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
           bool PROD = false, int MINB = 1>
