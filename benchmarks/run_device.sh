@@ -559,28 +559,6 @@ for st in $STAGES; do
                --shapes 8192x8192,4096x28672,14336x4096 --configs route 2>&1 | grep -v "^done\|^jitmarlin:" \
                | tee -a "$OUT/s17b.log"
            done;;
-    s18a)  # prepared in session 17 (branch prep-wgmma-producer, NOT run; merge it first): the wgmma kernel's producer form
-           # (a producer warp issues every copy - TMA activations, bulk weights / scales / zero points - on
-           # one full barrier per slot; the compute warps only wait, compute and free slots per warp)
-           timeout 200 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "producer_form or wide_form" \
-             > "$OUT/s18a_tests.log" 2>&1
-           echo "== s18a tests rc=$?"; tail -3 "$OUT/s18a_tests.log"
-           S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
-           X=16-1-8-p,32-1-8-p,32-2-8-p,64-1-6-p,64-1-8-p,64-2-8-w-p,128-1-4-p,128-2-4-w-p,128-2-6-w-p
-           timeout 150 python3 benchmarks/probe_configs.py --settle 0.2 --m 9,16,17,32 --extra-wgmma $X --shapes $S6 \
-             --configs route,wgmma-n16-f1-s8-p,wgmma-n32-f1-s8-p,wgmma-n32-f2-s8-p 2>&1 \
-             | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s18a.log"
-           timeout 150 python3 benchmarks/probe_configs.py --settle 0.2 --m 33,64 --extra-wgmma $X --shapes $S6 \
-             --configs route,wgmma-n64-f1-s6-p,wgmma-n64-f1-s8-p,wgmma-n64-f2-s8-w-p 2>&1 \
-             | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s18a.log"
-           timeout 200 python3 benchmarks/probe_configs.py --settle 0.2 --m 128,256,1024 --extra-wgmma $X --shapes $S6 \
-             --configs route,wgmma-n128-f1-s4-p,wgmma-n128-f2-s4-w-p,wgmma-n128-f2-s6-w-p 2>&1 \
-             | grep -v "^done\|^jitmarlin:" | tee -a "$OUT/s18a.log"
-           # the data path alone (nothing computed) of the producer form against the route's
-           JITMARLIN_NVCC_FLAGS="-DJM_WG_NODEQ -DJM_WG_NOMMA" timeout 150 python3 benchmarks/probe_configs.py \
-             --settle 0.2 --m 64,1024 --extra-wgmma $X --shapes 8192x28672,8192x8192 \
-             --configs route,wgmma-n64-f1-s6-p,wgmma-n64-f2-s8-w-p,wgmma-n128-f2-s4-w-p 2>&1 \
-             | grep -v "^done\|^jitmarlin:" | sed "s/^/[data only] /" | tee -a "$OUT/s18a.log";;
     s18b)  # prepared in session 17 (branch prep-host-fastpath, NOT run; merge it first): MarlinLinear's eager fast path
            # (a per-layer cache of checked launches): the GPU tests of the layer, models and op, the host
            # time per eager call fast vs general vs nn.Linear, then the e2e Llama subset (prefill at

@@ -676,13 +676,12 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     for (int s = 0; s < 4; s++) {
       issue(abuf[s % NB], desc_st, st_addr, s);
       wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
-      // ... so from step NB - 2 on every step of stage kt - 1 is (the producer form frees its slot)
       if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
     }
     // here every step of stage kt - 1 is done (this thread's warpgroup): the producer form frees
     // its slot (outside the step loop: an mbarrier arrival between wgmma issue and wait made
     // ptxas serialize the wgmma, C7513)
-    if (PROD && kt > 0) release(slot == 0 ? STAGES - 1 : slot - 1);
+    if (kt > 0) release(slot == 0 ? STAGES - 1 : slot - 1);
     slot = slot + 1 == STAGES ? 0 : slot + 1;
     if (kt + 1 < k_tiles) {
       if constexpr (PROD) {

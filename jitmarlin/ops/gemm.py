@@ -571,7 +571,7 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
         return wanted and wgmma_setting() == "auto" and wgmma_allowed(fam, index, True)
     if m <= 32:  # (above WGMMA_N32_MAX_KN: only the 32-token producer form, wgmma_route_prod)
         wanted = (fam.bits == 8 or k * n <= WGMMA_N32_MAX_KN
-                  or wgmma_route_prod(n, k, (32, 1, 8, False), fam) is not None)
+                  or wgmma_route_prod(n, k, WGMMA_PROD_N32, fam) is not None)
     else:
         wanted = m < WGMMA_AUTO_M[1] and (m <= WGMMA_BF16_U8_MAX_M or fam.bits == 4 or fam.dtype != "bf16")
     return wgmma_allowed(fam, index, wanted)
