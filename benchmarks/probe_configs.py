@@ -40,8 +40,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="f16", choices=("f16", "bf16"), help="activation dtype")
     ap.add_argument("--extra-wgmma", default="", help="comma-separated NT-FW-STAGES wgmma configs built into the "
                     "dense wgmma module for this run only, e.g. 64-2-8 (then usable as wgmma-n64-f2-s8); NT-2-STAGES-w: the "
-                    "wide form (four warpgroups of one strip), e.g. 128-2-6-w (then wgmma-n128-f2-s6-w); NT-1-STAGES-p: "
-                    "the producer form, e.g. 64-1-8-p (then wgmma-n64-f1-s8-p)")
+                    "wide form (four warpgroups of one strip), e.g. 128-2-6-w (then wgmma-n128-f2-s6-w); NT-FW-STAGES-p: "
+                    "the producer form, e.g. 64-1-8-p or 64-2-8-p (then wgmma-n64-f1-s8-p, wgmma-n64-f2-s8-p)")
     ap.add_argument("--max-per-sm", type=int, default=0, help="pad every config's dynamic shared memory so that "
                     "at most this many CTAs fit on one SM (their grid and cluster placement follow): e.g. 2 "
                     "spreads 256 CTAs of a cluster tile over 128 SMs instead of packing them onto fewer")
@@ -54,7 +54,7 @@ def main() -> None:
     for cfg in (c for c in args.extra_wgmma.split(",") if c):  # before the first build (part of the cache key)
         if cfg.endswith("-p"):  # the producer form (jm_wgmma.cuh WgRing; never wide): NT-FW-S-p
             nums = tuple(int(x) for x in cfg[:-2].split("-"))
-            K.WGMMA_PROD_CONFIGS = tuple(dict.fromkeys(K.WGMMA_PROD_CONFIGS + (nums + (False,),)))
+            K.WGMMA_PROD_CONFIGS = tuple(dict.fromkeys(K.WGMMA_PROD_CONFIGS + (nums,)))
         elif cfg.endswith("-w"):  # the wide form of a two-strip config (its plain form need not be built)
             K.WGMMA_WIDE_CONFIGS = tuple(dict.fromkeys(K.WGMMA_WIDE_CONFIGS + (tuple(int(x) for x in cfg[:-2].split("-")),)))
         else:

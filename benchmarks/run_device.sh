@@ -577,24 +577,26 @@ for st in $STAGES; do
              --batches ${E2E_BATCHES:-1,8} --prefill ${E2E_PREFILL:-128} --decode 128 --compile --time-budget 480 \
              --json "$OUT/s18c_e2e.json" > "$OUT/s18c_e2e.log" 2>&1
            echo "== s18c e2e rc=$?"; grep -v "^W1\|^jitmarlin:" "$OUT/s18c_e2e.log" | grep -A30 "B=\|^Ratios" | head -60;;
-    s19a)  # prepared in session 18 (branch prep-prod-f2, NOT run; merge it first): the producer form of the
-           # 256-feature configs (two compute warpgroups + the producer warpgroup, one CTA per SM), whose
-           # stages hold as many weight bytes as activation bytes at 64 tokens (the 128-feature form: 1/2)
-           JM_PROD_TEST_CONFIGS=16-1-8,32-1-8,64-1-6,32-2-8,64-2-8,128-2-4 timeout 200 python3 -m pytest -q -rs \
-             tests/gpu/test_wgmma_gpu.py -k "producer_form" > "$OUT/s19a_tests.log" 2>&1
+    s19a)  # session 19: the producer form of the 256-feature configs (two compute warpgroups + the producer
+           # warpgroup, one CTA per SM), whose stages hold as many weight bytes as activation bytes at 64
+           # tokens (the 128-feature form: 1/2); tests, then route vs the new forms at M = 17-64
+           timeout 300 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "producer_form" > "$OUT/s19a_tests.log" 2>&1
            echo "== s19a tests rc=$?"; tail -3 "$OUT/s19a_tests.log"
            S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
            X=32-2-8-p,32-2-12-p,64-2-8-p,64-2-12-p,128-2-4-p,128-2-8-p
            timeout 120 python3 benchmarks/probe_configs.py --settle 0.1 --m 17,32 --extra-wgmma $X --shapes $S6 \
              --configs route,wgmma-n32-f2-s8-p,wgmma-n32-f2-s12-p 2>&1 | grep "us (floor" | tee -a "$OUT/s19a.log"
            timeout 120 python3 benchmarks/probe_configs.py --settle 0.1 --m 33,64 --extra-wgmma $X --shapes $S6 \
-             --configs route,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" | tee -a "$OUT/s19a.log"
+             --configs route,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" | tee -a "$OUT/s19a.log";;
+    s19c)  # session 19: the 256-feature producer form at M = 128-1024, and the data path alone at M = 64
+           S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
+           X=32-2-8-p,32-2-12-p,64-2-8-p,64-2-12-p,128-2-4-p,128-2-8-p
            timeout 150 python3 benchmarks/probe_configs.py --settle 0.1 --m 128,256,1024 --extra-wgmma $X --shapes $S6 \
-             --configs route,wgmma-n128-f2-s4-p,wgmma-n128-f2-s8-p 2>&1 | grep "us (floor" | tee -a "$OUT/s19a.log"
+             --configs route,wgmma-n128-f2-s4-p,wgmma-n128-f2-s8-p 2>&1 | grep "us (floor" | tee -a "$OUT/s19c.log"
            JITMARLIN_NVCC_FLAGS="-DJM_WG_NODEQ -DJM_WG_NOMMA" timeout 90 python3 benchmarks/probe_configs.py \
              --settle 0.1 --m 64 --extra-wgmma $X --shapes 8192x28672,8192x8192 \
              --configs route,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" | sed "s/^/[data only] /" \
-             | tee -a "$OUT/s19a.log";;
+             | tee -a "$OUT/s19c.log";;
     s19b)  # session 18's open question: the W4 models' extra 3-4 ms of host time per eager prefill forward at batch
            # 1 (not in the linear calls: probe_host). Per-kernel GPU time and a cProfile of 3 forwards per case
            timeout 240 python3 benchmarks/diag_decode.py profile --layers 8 --variants fp16,w4,w4-fused \

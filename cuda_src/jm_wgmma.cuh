@@ -872,7 +872,8 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
 // thread starts with 65536 / (128 (WGS + 1) MINB) registers rounded down to 8; the producer
 // warpgroup drops to kWgProdRegs and the WGS compute warpgroups share what it frees (the CTA's
 // pool, PTX ISA). Per SM sub-partition a CTA has one producer warp per WGS compute warps, so the
-// `.inc` is always served there too (40 + 216 = 2 x 128 for WGS = 1, MINB = 2).
+// `.inc` is always served there too (40 + 216 = 2 x 128 for WGS = 1, MINB = 2; 40 + 2 x 232 =
+// 3 x 168 for WGS = 2, MINB = 1).
 constexpr int kWgProdRegs = 40;
 constexpr int kWgMaxRegs = 248;  // per-thread registers, a multiple of 8 below the 255 limit
 constexpr int wg_regs_cap(int r) { return r > kWgMaxRegs ? kWgMaxRegs : r; }
@@ -946,7 +947,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
 // The producer form (dense; its activations by TMA at every token tile, 16 and 32 too): WGS compute
 // warpgroups of FW strips and one producer warpgroup, 128 (WGS + 1) threads, MINB CTAs per SM; the
 // producer warpgroup drops to kWgProdRegs registers and the compute warpgroups take the rest
-// (setmaxnreg, wgmma_body). Built: WGS = 1, FW = 2 (the host's 128-feature configs), MINB = 2.
+// (setmaxnreg, wgmma_body). Built with FW = 2: WGS = 1, MINB = 2 (the host's 128-feature configs,
+// 256 threads) and WGS = 2, MINB = 1 (its 256-feature configs, 384 threads).
 #define JM_WGMMA_KERNEL_PROD(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, MINB)              \
   extern "C" __global__ void __launch_bounds__(128 * ((WGS) + 1), MINB)                                  \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \

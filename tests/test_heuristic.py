@@ -231,11 +231,12 @@ def test_wgmma_route_rules(monkeypatch, setting):
         big = ((8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192), (8192, 8320))
         assert {key for key, v in prod.items() if v} == {(k, n, m) for k, n in big for m in (17, 32)} | {
             (k, n, m) for k, n in big[1:] for m in (33, 64)}
-        assert all(v == (32, 1, 8, False) for (k, n, m), v in prod.items() if v and m <= 32)
-        assert all(v == (64, 1, 6, False) for (k, n, m), v in prod.items() if v and m > 32)
-        assert set(K.WGMMA_PROD_CONFIGS) == {(32, 1, 8, False), (64, 1, 6, False)}  # built by default
+        assert all(v == (32, 1, 8) for (k, n, m), v in prod.items() if v and m <= 32)
+        assert all(v == (64, 1, 6) for (k, n, m), v in prod.items() if v and m > 32)
+        assert set(K.WGMMA_PROD_CONFIGS) == {(32, 1, 8), (64, 1, 6)}  # built by default
         assert G.wgmma_route_prod(28672, 8192, (32, 2, 8, False), f8) is None  # 8-bit 32-token tiles: plain
-        assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), f8) == (64, 1, 6, False)
+        assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), f8) == (64, 1, 6)
+        assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, True), f4) is None  # never for a wide route
         assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), K.Family("f16", 4, False, 128, moe=True)) is None
     finally:
         K.env_flag.cache_clear()

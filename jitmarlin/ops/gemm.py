@@ -571,7 +571,7 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
         return wanted and wgmma_setting() == "auto" and wgmma_allowed(fam, index, True)
     if m <= 32:  # (above WGMMA_N32_MAX_KN: only the 32-token producer form, wgmma_route_prod)
         wanted = (fam.bits == 8 or k * n <= WGMMA_N32_MAX_KN
-                  or wgmma_route_prod(n, k, WGMMA_PROD_N32, fam) is not None)
+                  or wgmma_route_prod(n, k, WGMMA_PROD_N32 + (False,), fam) is not None)
     else:
         wanted = m < WGMMA_AUTO_M[1] and (m <= WGMMA_BF16_U8_MAX_M or fam.bits == 4 or fam.dtype != "bf16")
     return wgmma_allowed(fam, index, wanted)
@@ -659,16 +659,16 @@ def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> t
 # (16, 1, 8) in the producer form lost to the route at M = 9-16 (8192x28672 59.0 vs 42.6): not routed.
 WGMMA_PROD_ABOVE_KN = 1 << 26  # 64-token tiles: K*N strictly above this
 WGMMA_PROD_N32_MIN_KN = 1 << 26  # 32-token tiles (4-bit): K*N at least this
-WGMMA_PROD_N32 = (32, 1, 8, False)
+WGMMA_PROD_N32 = (32, 1, 8)
 
 
 def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family) -> tuple | None:
-    """The producer-form config (NT, FW, stages, wide) the automatic route runs instead of `cfg`
-    (wgmma_route_config's), or None."""
-    if fam.moe:
+    """The producer-form config (NT, FW, stages) the automatic route runs instead of `cfg`
+    (wgmma_route_config's (NT, FW, stages, wide)), or None."""
+    if fam.moe or cfg[3]:
         return None
-    if cfg[0] == 64 and k * n > WGMMA_PROD_ABOVE_KN and cfg in K.WGMMA_PROD_CONFIGS:
-        return cfg
+    if cfg[0] == 64 and k * n > WGMMA_PROD_ABOVE_KN and cfg[:3] in K.WGMMA_PROD_CONFIGS:
+        return cfg[:3]
     if (cfg[0] == 32 and fam.bits == 4 and k * n >= WGMMA_PROD_N32_MIN_KN and n % 128 == 0
             and WGMMA_PROD_N32 in K.WGMMA_PROD_CONFIGS):
         return WGMMA_PROD_N32
@@ -738,7 +738,7 @@ class WgmmaLaunch:
     ws: tuple[int, int]  # (floats, counters) to reserve when splits != 1 (at least wgmma_split_bound)
     pdl: bool
     nt: int  # tokens per tile (the TMA box of the activations)
-    threads: int = 256  # 512: the wide form (four warpgroups of one strip)
+    threads: int = 256  # 512: the wide form (four warpgroups of one strip); the producer form 128 (fw + 1)
     fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
     stages: int = 4
     prod: bool = False  # the producer form (its activations by TMA at every token tile)
@@ -758,8 +758,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         wide = wide or auto_wide
         routed = wgmma_route_prod(n, k, (nt, fw, stages, wide), fam)
         if routed is not None:
-            nt, fw, stages, wide = routed
-            prod = True
+            (nt, fw, stages), wide, prod = routed, False, True
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
@@ -777,16 +776,16 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     else:
         grid = f_tiles * m_tiles * splits
         floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
-    if prod and ((nt, fw, stages, wide) not in K.WGMMA_PROD_CONFIGS or fam.moe):
+    if prod and ((nt, fw, stages) not in K.WGMMA_PROD_CONFIGS or wide or fam.moe):
         raise ValueError(f"no producer-form wgmma kernel for NT={nt}, FW={fw}, stages={stages}, wide={wide} "
-                         f"(built: {K.WGMMA_PROD_CONFIGS}, dense only)")
+                         f"(built: {K.WGMMA_PROD_CONFIGS}, dense, never wide)")
     if wide and not prod and ((nt, fw, stages) not in K.WGMMA_WIDE_CONFIGS or fam.moe):
         raise ValueError(f"no wide (four-warpgroup) wgmma kernel for NT={nt}, FW={fw}, stages={stages} "
                          f"(built: {K.WGMMA_WIDE_CONFIGS}, dense only)")
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod),
                        K.wgmma_smem_bytes(fam, nt, fw, stages), m_tiles, grid, splits,
                        (max(floats, wgmma_split_bound(sms)), counters), use_pdl(_cc(index)), nt,
-                       512 if wide else 256, fw, stages, prod)
+                       K.prod_threads(fw) if prod else 512 if wide else 256, fw, stages, prod)
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor

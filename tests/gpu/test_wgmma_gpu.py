@@ -238,16 +238,17 @@ def test_wide_form(fmt, wide_configs):
         G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 1, 6, None, True)
 
 
-PROD_TEST_CONFIGS = [tuple(int(v) for v in c.split("-")) + (False,)
-                     for c in os.environ.get("JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6").split(",")]
+PROD_TEST_CONFIGS = tuple(tuple(int(v) for v in c.split("-")) for c in os.environ.get(
+    "JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6,32-2-8,64-2-8,128-2-4").split(","))
 
 
 @pytest.fixture
 def prod_configs(monkeypatch):
     """Build the producer form (a producer warpgroup issues every copy, the activations by TMA at
-    every token tile, one compute warpgroup of two strips; K.WGMMA_PROD_CONFIGS) of the 16-, 32- and
-    64-token configs for this test."""
-    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", tuple(PROD_TEST_CONFIGS))
+    every token tile, one or two compute warpgroups of two strips; K.WGMMA_PROD_CONFIGS) of 16- to
+    128-token configs for this test, and their plain form for the comparison."""
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", PROD_TEST_CONFIGS)
+    monkeypatch.setattr(K, "WGMMA_CONFIGS", tuple(dict.fromkeys(K.WGMMA_CONFIGS + PROD_TEST_CONFIGS)))
     yield from _rebuilt(K.WGMMA_PROD_CONFIGS)
 
 
@@ -256,22 +257,25 @@ def test_producer_form(fmt, prod_configs):
     """The producer form is bit-identical to the plain kernel of the same config (the same
     arithmetic per strip, the same split-K order): whole tiles, uneven K splits, stream-K with pieces
     crossing tiles (16- to 64-token tiles), M with partial token tiles (TMA fills rows past M with zeros),
-    bias; NaN-poisoned outputs; counters back to zero; an unbuilt producer config is a clear error."""
+    bias; NaN-poisoned outputs; counters back to zero; 128 (fw + 1) threads per CTA; an unbuilt
+    producer config is a clear error."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
     for k, n, ms in ((5120, 512, (9, 64, 100, 257)), (1024, 28672, (33, 200))):
         packed, w = random_weights(k, n, bits, group, zp, dtype, seed=9)
         bias = torch.randn(n, device="cuda", dtype=dtype)
         for m in ms:
             a = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = a.float() @ w + bias.float()
-            for nt, fw, st, wide in prod_configs:
+            for nt, fw, st in prod_configs:
                 if nt < m // 4 or (k == 1024 and nt == 128 and m < 100):
                     continue
+                assert G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, None, False, True).threads == 128 * (fw + 1)
                 for splits in ((None, 3, -1) if nt <= 64 else (None, 3)):
-                    _check_form(a, packed, m, n, k, dtype, (nt, fw, st, splits, wide), bias, ref, tol, "producer form")
+                    _check_form(a, packed, m, n, k, dtype, (nt, fw, st, splits, False), bias, ref, tol,
+                                "producer form")
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
-    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
     with pytest.raises(ValueError, match="no producer-form"):
         G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 2, 4, None, False, True)
 
