@@ -597,6 +597,14 @@ for st in $STAGES; do
              --settle 0.1 --m 64 --extra-wgmma $X --shapes 8192x28672,8192x8192 \
              --configs route,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" | sed "s/^/[data only] /" \
              | tee -a "$OUT/s19c.log";;
+    s19f)  # session 19 (after "tests"): the data path alone of the routed producer form (64, 1, 6) and the
+           # 256-feature one at M = 64; repeated forwards of a small Llama (fp16 / W4 / W4 fused) bit for bit
+           X=64-2-8-p,64-2-12-p
+           JITMARLIN_NVCC_FLAGS="-DJM_WG_NODEQ -DJM_WG_NOMMA" timeout 120 python3 benchmarks/probe_configs.py \
+             --settle 0.1 --m 64 --extra-wgmma $X --shapes 8192x28672,28672x8192,8192x8192 \
+             --configs route,wgmma-n64-f1-s6,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" \
+             | sed "s/^/[data only] /" | tee -a "$OUT/s19f.log"
+           timeout 120 python3 benchmarks/probe_determinism.py 2>&1 | grep "^determinism" | tee -a "$OUT/s19f.log";;
     s19b)  # session 18's open question: the W4 models' extra 3-4 ms of host time per eager prefill forward at batch
            # 1 (not in the linear calls: probe_host). Per-kernel GPU time and a cProfile of 3 forwards per case
            timeout 240 python3 benchmarks/diag_decode.py profile --layers 8 --variants fp16,w4,w4-fused \
