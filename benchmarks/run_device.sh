@@ -604,7 +604,16 @@ for st in $STAGES; do
              --settle 0.1 --m 64 --extra-wgmma $X --shapes 8192x28672,28672x8192,8192x8192 \
              --configs route,wgmma-n64-f1-s6,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" \
              | sed "s/^/[data only] /" | tee -a "$OUT/s19f.log"
-           timeout 120 python3 benchmarks/probe_determinism.py 2>&1 | grep "^determinism" | tee -a "$OUT/s19f.log";;
+           timeout 120 python3 benchmarks/probe_determinism.py --one default 2>&1 | grep "^determinism" | tee -a "$OUT/s19f.log";;
+    s19g)  # session 19: which setting and layer shape makes repeated W4 GEMMs / forwards differ (s19f: a small
+           # W4 Llama's logits differed between forwards, NaN at 24 tokens)
+           timeout 500 python3 benchmarks/probe_determinism.py 2>&1 | grep "^determinism" | grep -v " 0/30 differ, interleaved 0/30, general path 0/10, NaN outputs 0" \
+             | tee -a "$OUT/s19g.log";;
+    s19h)  # session 19, after the stream-K fix (no CTA without stages): the wgmma GPU tests (test_few_stages_per_cta
+           # is the regression test), then the determinism probe
+           timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s19h_tests.log" 2>&1
+           echo "== s19h tests rc=$?"; tail -3 "$OUT/s19h_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/s19h_tests.log" | head
+           timeout 60 python3 benchmarks/probe_determinism.py --one default 2>&1 | grep "^determinism" | tee -a "$OUT/s19h.log";;
     s19b)  # session 18's open question: the W4 models' extra 3-4 ms of host time per eager prefill forward at batch
            # 1 (not in the linear calls: probe_host). Per-kernel GPU time and a cProfile of 3 forwards per case
            timeout 240 python3 benchmarks/diag_decode.py profile --layers 8 --variants fp16,w4,w4-fused \

@@ -281,6 +281,15 @@ def test_wgmma_k_splits():
     assert G.wgmma_stream_grid(112, 512, 64, 2, 132) == 0  # under 16 stages per CTA
     assert G.wgmma_stream_grid(0, 4096, 32, 2, 132) == 0  # N < 256: no two-strip tile at all
     assert G.wgmma_stream_grid(100_000, 64 * 30_000, 64, 2, 132_000) == 0  # 2^31 stages or more
+    # every CTA's run holds at least 16 stages (session 19: 4 tiles x 22 stages on 264 CTAs left CTAs
+    # without a stage inside a tile's span: the tile was never summed, NaN outputs, counters left set)
+    assert G.wgmma_stream_grid(4, 1408, 32, 1, 132) == 0 and G.wgmma_stream_grid(12, 1536, 32, 1, 132) == 0
+    for sms in (78, 114, 132):
+        for nt, fw in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2)):
+            for k in range(64, 8193, 64):
+                for tiles in (1, 2, 3, 4, 6, 8, 12, 16, 22, 32, 44, 64, 100, 112, 150, 224, 300, 448):
+                    g = G.wgmma_stream_grid(tiles, k, nt, fw, sms)
+                    assert g == 0 or tiles * (k // 64) >= g * G.WGMMA_SPLIT_MIN_STAGES, (sms, nt, fw, k, tiles, g)
     assert [G.wgmma_config(m, 128, 132, 4096)[:2] for m in (17, 32, 64)] == [(32, 1), (32, 1), (64, 1)]
     for sms in (78, 114, 132):  # its workspace fits the reserved bound too
         for nt, fw, _ in K.WGMMA_CONFIGS:

@@ -703,6 +703,13 @@ def wgmma_stream_grid(tiles: int, k: int, nt: int, fw: int, sms: int) -> int:
     slots = sms * (2 if fw == 1 else 1)
     if tiles < 1 or nt > 64 or wgmma_splits(tiles, k, nt, fw, sms) > 1 or tiles * (k // 64) >= 1 << 31:
         return 0  # (the kernel counts the stages of a stream-K launch in 32-bit integers)
+    # Every CTA's run must hold stages: a tile's pieces are counted as the CTAs between its first
+    # and last stage, so a CTA with an empty run inside that span never arrives, the tile is never
+    # written and its counter stays non-zero (H200 session 19: K=1408 N=512 M=24, 4 tiles x 22
+    # stages on 264 CTAs, NaN outputs and later launches' sums corrupted). Runs of at least
+    # WGMMA_SPLIT_MIN_STAGES stages, as for K splits.
+    if tiles * (k // 64) < slots * WGMMA_SPLIT_MIN_STAGES:
+        return 0
     waves = -(-tiles // slots)
     idle = 1 - tiles / (waves * slots)
     # the gain must outweigh the cut tiles' sums (H200 session 14, NOTES.md: about 7-10 us per launch):
@@ -770,6 +777,9 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         if nt > 64:
             raise ValueError(f"stream-K (splits=-1) needs a token tile of at most 64, got {nt}")
         grid = sms * (2 if fw == 1 else 1)
+        if m_tiles * f_tiles * (k // 64) < grid:  # (wgmma_stream_grid: an empty run breaks the sums)
+            raise ValueError(f"stream-K (splits=-1) needs at least one 64-k stage per CTA: {m_tiles * f_tiles} "
+                             f"tiles x {k // 64} stages < {grid} CTAs (M={m}, N={n}, K={k})")
         floats, counters = 2 * grid * 256 * fw * (nt // 2), m_tiles * f_tiles
     elif not 1 <= splits <= k // 64:
         raise ValueError(f"wgmma K splits must be in [1, K/64 = {k // 64}] (or -1: stream-K), got {splits}")

@@ -300,6 +300,30 @@ def test_producer_form_route():
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m} routed producer")
 
 
+@pytest.mark.parametrize("k,n", [(1408, 512), (1536, 512), (1152, 768), (1920, 256)])
+def test_few_stages_per_cta(k, n):
+    """Small K and N at M = 17-64 (a few tiles of under 32 stages each): the route never runs
+    stream-K with CTAs that hold no stage (session 19: K=1408 N=512 M=24 left such CTAs inside a
+    tile's span, so the tile was never summed: NaN outputs, counters left set, later launches'
+    sums corrupted). Outputs match the reference (NaN-poisoned before each launch), repeated calls
+    and the public op are bit-identical, counters end at zero; a forced stream-K launch with fewer
+    stages than CTAs is a clear error."""
+    fam = K.Family("f16", 4, False, 128)
+    packed, w = random_weights(k, n, 4, 128, False, torch.float16, seed=5)
+    for m in (17, 24, 32, 33, 64):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        wl = G.wgmma_launch(m, n, k, fam, 0)
+        assert wl.splits != -1 or wl.m_tiles * (n // (128 * wl.fw)) * (k // 64) >= wl.grid * G.WGMMA_SPLIT_MIN_STAGES
+        out = run(a, packed, m, n, k, torch.float16)
+        check_close(out, a.float() @ w, 1e-3, f"K={k} N={n} M={m} route")
+        for _ in range(3):
+            assert torch.equal(run(a, packed, m, n, k, torch.float16), out), (k, n, m)
+        assert torch.equal(jitmarlin.marlin_gemm(a, packed.b, packed.scales), out), (k, n, m)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    with pytest.raises(ValueError, match="at least one 64-k stage per CTA"):
+        G.wgmma_launch(24, 512, 1408, fam, 0, 32, 1, 8, -1)
+
+
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (128, 128)])
 def test_shapes(k, n):
     packed, w = random_weights(k, n, 4, 128 if k % 128 == 0 else -1)
