@@ -614,6 +614,15 @@ for st in $STAGES; do
            timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s19h_tests.log" 2>&1
            echo "== s19h tests rc=$?"; tail -3 "$OUT/s19h_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/s19h_tests.log" | head
            timeout 60 python3 benchmarks/probe_determinism.py --one default 2>&1 | grep "^determinism" | tee -a "$OUT/s19h.log";;
+    s20a)  # prepared in session 19 (NOT run): where the wgmma kernel's data path loses at M = 32-64 (alone: 47 us
+           # vs a 30 us floor on 8192x28672 M=64). With and without the activation copies (-DJM_WG_NO_ACT: the
+           # weight stream alone); the producer route and the plain kernel. Activations are re-read from L2 by
+           # every feature tile (235 MB at M=64 on 8192x28672 against 117 MB of weights)
+           S4=8192x28672,28672x8192,4096x28672,8192x8192
+           for f in "-DJM_WG_NODEQ -DJM_WG_NOMMA" "-DJM_WG_NODEQ -DJM_WG_NOMMA -DJM_WG_NO_ACT"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py --settle 0.1 --m 32,64 \
+               --shapes $S4 --configs route,wgmma-n64-f1-s6,wgmma-n32-f1-s8 2>&1 | grep "us (floor" | tee -a "$OUT/s20a.log"
+           done;;
     s19b)  # session 18's open question: the W4 models' extra 3-4 ms of host time per eager prefill forward at batch
            # 1 (not in the linear calls: probe_host). Per-kernel GPU time and a cProfile of 3 forwards per case
            timeout 240 python3 benchmarks/diag_decode.py profile --layers 8 --variants fp16,w4,w4-fused \

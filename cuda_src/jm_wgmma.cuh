@@ -318,7 +318,11 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 
   if constexpr (PROD && ROLE == 1) {  // the producer warpgroup: one thread issues every copy of the piece's stages
     if (tid == kThreads) {
+#if defined(JM_WG_NO_ACT)  // diagnostic (wrong results): no activation copies, the weight stream alone
+      constexpr uint32_t kStageTx = S::kW + S::kS + S::kZ;
+#else
       constexpr uint32_t kStageTx = S::kAct + S::kW + S::kS + S::kZ;  // bytes a stage's copies bring
+#endif
       auto issue_weights = [&](int i, int slot) {
         if ((ring.filled >> slot) & 1u) {  // every compute warp is done with the slot's last stage
           mbar_wait(&ring.empty[slot], (ring.empty_phase >> slot) & 1u);
@@ -348,7 +352,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         }
       };
       auto issue_acts = [&](int i, int slot) {
+#if !defined(JM_WG_NO_ACT)
         tma_load_2d(smem + slot * S::kBytes, amap, (kt0 + i) * 64, tok0, &ring.full[slot]);
+#endif
       };
       // the weights of the first fills before waiting for the previous kernel (they never depend
       // on it), the activations after
@@ -392,11 +398,18 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     uint8_t* st = smem + slot * S::kBytes;
     if constexpr (kTma) {
       if (tid == 0) {
+#if defined(JM_WG_NO_ACT)  // (diagnostic, see the producer's copies)
+        mbar_arrive(&ring.act[slot]);
+#else
         mbar_arrive_expect_tx(&ring.act[slot], S::kAct);
         tma_load_2d(st, amap, kt * 64, tok0, &ring.act[slot]);
+#endif
       }
       return;
     }
+#if defined(JM_WG_NO_ACT)
+    return;
+#endif
     // activations: chunk c = tid + kThreads i lands kThreads / 8 rows (16 kThreads bytes) after chunk tid
 #pragma unroll
     for (int i = 0; i < kActPerThread; i++)
