@@ -1,5 +1,7 @@
-"""Are repeated GEMMs and forwards bit-identical? (Session 19: five forwards of a small W4 Llama
-differed, with NaN at 24 tokens; the fp16 model did not.)
+"""Are repeated GEMMs and forwards bit-identical? (Session 19: it found the wgmma stream-K bug —
+five forwards of a small W4 Llama differed, NaN at 24 tokens, only with the wgmma kernel on;
+benchmarks/NOTES.md. tests/gpu/test_model_gpu.py::test_repeated_forwards_are_bit_identical keeps
+the model check.)
 
     python benchmarks/probe_determinism.py            # every switch setting in a subprocess each
     python benchmarks/probe_determinism.py --one      # this process's settings only

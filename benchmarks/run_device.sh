@@ -588,15 +588,6 @@ for st in $STAGES; do
              --configs route,wgmma-n32-f2-s8-p,wgmma-n32-f2-s12-p 2>&1 | grep "us (floor" | tee -a "$OUT/s19a.log"
            timeout 120 python3 benchmarks/probe_configs.py --settle 0.1 --m 33,64 --extra-wgmma $X --shapes $S6 \
              --configs route,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" | tee -a "$OUT/s19a.log";;
-    s19c)  # session 19: the 256-feature producer form at M = 128-1024, and the data path alone at M = 64
-           S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
-           X=32-2-8-p,32-2-12-p,64-2-8-p,64-2-12-p,128-2-4-p,128-2-8-p
-           timeout 150 python3 benchmarks/probe_configs.py --settle 0.1 --m 128,256,1024 --extra-wgmma $X --shapes $S6 \
-             --configs route,wgmma-n128-f2-s4-p,wgmma-n128-f2-s8-p 2>&1 | grep "us (floor" | tee -a "$OUT/s19c.log"
-           JITMARLIN_NVCC_FLAGS="-DJM_WG_NODEQ -DJM_WG_NOMMA" timeout 90 python3 benchmarks/probe_configs.py \
-             --settle 0.1 --m 64 --extra-wgmma $X --shapes 8192x28672,8192x8192 \
-             --configs route,wgmma-n64-f2-s8-p,wgmma-n64-f2-s12-p 2>&1 | grep "us (floor" | sed "s/^/[data only] /" \
-             | tee -a "$OUT/s19c.log";;
     s19f)  # session 19 (after "tests"): the data path alone of the routed producer form (64, 1, 6) and the
            # 256-feature one at M = 64; repeated forwards of a small Llama (fp16 / W4 / W4 fused) bit for bit
            X=64-2-8-p,64-2-12-p
