@@ -605,6 +605,32 @@ for st in $STAGES; do
            timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s19h_tests.log" 2>&1
            echo "== s19h tests rc=$?"; tail -3 "$OUT/s19h_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/s19h_tests.log" | head
            timeout 60 python3 benchmarks/probe_determinism.py --one default 2>&1 | grep "^determinism" | tee -a "$OUT/s19h.log";;
+    s20b)  # session 20: the producer form's compute alone (-DJM_WG_COMPUTE_ONLY: no copies, no waits) against its data
+           # path alone and the whole kernel, with deeper rings (64-1-8-p, 32-1-12-p) at M = 32 / 64
+           S4=8192x28672,28672x8192,4096x28672,8192x8192
+           CF=route,wgmma-n64-f1-s6-p,wgmma-n64-f1-s8-p,wgmma-n32-f1-s8-p,wgmma-n32-f1-s12-p
+           for f in "" "-DJM_WG_COMPUTE_ONLY" "-DJM_WG_NODEQ -DJM_WG_NOMMA"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 170 python3 benchmarks/probe_configs.py --settle 0.1 --m 32,64 \
+               --shapes $S4 --extra-wgmma 64-1-8-p,32-1-12-p --configs $CF 2>&1 | grep "us (floor\|Error\|error" \
+               | tee -a "$OUT/s20b.log"
+           done;;
+    s20c)  # session 20: the compute alone, taken apart (-DJM_WG_COMPUTE_ONLY with -DJM_WG_NODEQ / -DJM_WG_NOMMA / both)
+           S4=8192x28672,4096x28672,8192x8192
+           for f in "-DJM_WG_COMPUTE_ONLY -DJM_WG_NODEQ" "-DJM_WG_COMPUTE_ONLY -DJM_WG_NOMMA" \
+                    "-DJM_WG_COMPUTE_ONLY -DJM_WG_NODEQ -DJM_WG_NOMMA" ${S20C_FLAGS:-}; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 120 python3 benchmarks/probe_configs.py --settle 0.1 --m 32,64 \
+               --shapes $S4 --configs ${S20C_CONFIGS:-route} ${S20C_EXTRA:-} 2>&1 | grep "us (floor\|Error\|error" \
+               | tee -a "$OUT/s20c.log"
+           done;;
+    s20d)  # session 20: the producer form with four strips on its one compute warpgroup (256 features, two CTAs per
+           # SM): twice the independent dequantization per k16 step, half the steps. Whole kernel and compute alone
+           S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
+           for f in "" "-DJM_WG_COMPUTE_ONLY"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 200 python3 benchmarks/probe_configs.py --settle 0.1 --m 24,32,48,64 \
+               --shapes $S6 --extra-wgmma 32-2-8-p,32-2-6-p,64-2-6-p \
+               --configs route,wgmma-n32-f1-s8-p,wgmma-n32-f2-s8-p,wgmma-n32-f2-s6-p,wgmma-n64-f1-s6-p,wgmma-n64-f2-s6-p \
+               2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s20d.log"
+           done;;
     s20a)  # prepared in session 19 (NOT run): where the wgmma kernel's data path loses at M = 32-64 (alone: 47 us
            # vs a 30 us floor on 8192x28672 M=64). With and without the activation copies (-DJM_WG_NO_ACT: the
            # weight stream alone); the producer route and the plain kernel. Activations are re-read from L2 by

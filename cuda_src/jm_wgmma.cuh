@@ -225,12 +225,13 @@ template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, i
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
                           const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, WgRing& ring) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
-  static_assert(FW == 1 || FW == 2, "strips per warpgroup");
+  static_assert(FW == 1 || FW == 2 || (FW == 4 && WGS == 1 && PROD), "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
   // WGS warpgroups per CTA (2; 4 in the "wide" form: 512 threads, one strip each, sharing the
   // activation tile of a two-strip CTA), FW strips each: the CTA's ring is that of WGS * FW / 2
   // strips per "warpgroup pair", so the host's shared-memory and workspace formulas see FW * WGS / 2
-  static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE) || (WGS == 1 && FW == 2 && PROD), "warpgroups per CTA");
+  static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE) || (WGS == 1 && (FW == 2 || FW == 4) && PROD),
+                "warpgroups per CTA");
   static_assert(!PROD || !MOE, "the producer form: dense tiles (activations by TMA at every token tile)");
   constexpr int kThreads = 128 * WGS;  // the compute threads (the producer warpgroup comes after them)
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
@@ -317,6 +318,13 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   const uint32_t* zbase = HAS_ZP ? static_cast<const uint32_t*>(p.z) + expert * p.z_expert_stride : nullptr;
 
   if constexpr (PROD && ROLE == 1) {  // the producer warpgroup: one thread issues every copy of the piece's stages
+#if defined(JM_WG_COMPUTE_ONLY)  // diagnostic (wrong results): no copies, the compute warps never wait for data
+    if (tid == kThreads) {
+      griddep_wait();
+      griddep_launch_dependents();
+    }
+    return;
+#endif
     if (tid == kThreads) {
 #if defined(JM_WG_NO_ACT)  // diagnostic (wrong results): no activation copies, the weight stream alone
       constexpr uint32_t kStageTx = S::kW + S::kS + S::kZ;
@@ -394,6 +402,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 
   constexpr bool kTma = wg_tma(NT, MOE);
   auto fetch_acts = [&](int kt_local, int slot) {
+#if defined(JM_WG_COMPUTE_ONLY)
+    return;
+#endif
     const int kt = kt0 + kt_local;
     uint8_t* st = smem + slot * S::kBytes;
     if constexpr (kTma) {
@@ -416,6 +427,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       if (act_copier) cp_async16(st + asoff + 16 * kThreads * i, arow[i] + kt * 64, avalid[i]);
   };
   auto fetch_weights = [&](int kt_local, int slot) {
+#if defined(JM_WG_COMPUTE_ONLY)
+    return;
+#endif
     const int kt = kt0 + kt_local;
     uint8_t* st = smem + slot * S::kBytes;
     // weights: per strip, the 4 k16 of this stage are contiguous (S::kStripBytes)
@@ -580,7 +594,8 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #ifdef JM_WG_NACC
   constexpr int NACC = JM_WG_NACC;
 #else
-  constexpr int NACC = NT <= 32 ? 2 : 1;
+  // (four strips: one set; with two, ptxas serialized the wgmma of the 32-token tile, C7512)
+  constexpr int NACC = NT <= 32 && FW <= 2 ? 2 : 1;
 #endif
   static_assert(NACC == 1 || NACC == 2 || NACC == 4, "accumulator sets divide the 4 k16 steps of a stage");
   float dacc[NACC][FW][NT / 2];
@@ -642,6 +657,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // the activations of the stage in `slot` have landed (TMA; the cp.async path waits for its
   // copy groups, then fences them for the async proxy that wgmma reads with)
   auto wait_acts = [&](int slot) {
+#if defined(JM_WG_COMPUTE_ONLY)  // (diagnostic: dequantize and multiply whatever the ring holds)
+    return;
+#endif
     if constexpr (PROD) {  // every copy of the stage (one barrier)
       mbar_wait(&ring.full[slot], (ring.full_phase >> slot) & 1u);
       ring.full_phase ^= 1u << slot;
@@ -656,6 +674,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   };
   // this warp's wgmma on `slot` are complete: the producer may refill it
   auto release = [&](int slot) {
+#if defined(JM_WG_COMPUTE_ONLY)
+    return;
+#endif
     if constexpr (PROD) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&ring.empty[slot]);
@@ -960,8 +981,13 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
 // The producer form (dense; its activations by TMA at every token tile, 16 and 32 too): WGS compute
 // warpgroups of FW strips and one producer warpgroup, 128 (WGS + 1) threads, MINB CTAs per SM; the
 // producer warpgroup drops to kWgProdRegs registers and the compute warpgroups take the rest
-// (setmaxnreg, wgmma_body). Built with FW = 2: WGS = 1, MINB = 2 (the host's 128-feature configs,
-// 256 threads) and WGS = 2, MINB = 1 (its 256-feature configs, 384 threads).
+// (setmaxnreg, wgmma_body). Built with WGS = 1, MINB = 2 (256 threads, two CTAs per SM): FW = 2 for
+// the host's 128-feature configs, FW = 4 for its 256-feature ones (session 20; the two-compute-warpgroup
+// form WGS = 2, MINB = 1, FW = 2 of session 19 compiles but is not built: it was slower, NOTES.md).
+// With four strips a k16 step issues four wgmma and the ring's stage holds 8 KB of 4-bit weights per
+// 4 KB of 32-token activations (twice the weight bytes in flight, half the activation re-reads); the
+// H200 (session 20, M = 24 / 32) put it 8-11% ahead of two strips on 8192x28672, 28672x8192 and
+// 4096x28672, its compute alone (-DJM_WG_COMPUTE_ONLY) no faster: the gain is the data path.
 #define JM_WGMMA_KERNEL_PROD(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, MINB)              \
   extern "C" __global__ void __launch_bounds__(128 * ((WGS) + 1), MINB)                                  \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \

@@ -231,9 +231,12 @@ def test_wgmma_route_rules(monkeypatch, setting):
         big = ((8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192), (8192, 8320))
         assert {key for key, v in prod.items() if v} == {(k, n, m) for k, n in big for m in (17, 32)} | {
             (k, n, m) for k, n in big[1:] for m in (33, 64)}
-        assert all(v == (32, 1, 8) for (k, n, m), v in prod.items() if v and m <= 32)
+        # 32-token tiles: four strips (session 20) strictly above K*N = 2^26 where N % 256 == 0
+        four = {(4096, 28672), (8192, 28672), (28672, 8192)}
+        assert all(v == ((32, 2, 6) if (k, n) in four else (32, 1, 8)) for (k, n, m), v in prod.items() if v and m <= 32)
         assert all(v == (64, 1, 6) for (k, n, m), v in prod.items() if v and m > 32)
-        assert set(K.WGMMA_PROD_CONFIGS) == {(32, 1, 8), (64, 1, 6)}  # built by default
+        assert set(K.WGMMA_PROD_CONFIGS) == {(32, 1, 8), (64, 1, 6), (32, 2, 6)}  # built by default
+        assert G.wgmma_route_prod(8320, 8192, (32, 1, 8, False), f4) == (32, 1, 8)  # N % 256 != 0: two strips
         assert G.wgmma_route_prod(28672, 8192, (32, 2, 8, False), f8) is None  # 8-bit 32-token tiles: plain
         assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), f8) == (64, 1, 6)
         assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, True), f4) is None  # never for a wide route
@@ -291,10 +294,18 @@ def test_wgmma_k_splits():
                     g = G.wgmma_stream_grid(tiles, k, nt, fw, sms)
                     assert g == 0 or tiles * (k // 64) >= g * G.WGMMA_SPLIT_MIN_STAGES, (sms, nt, fw, k, tiles, g)
     assert [G.wgmma_config(m, 128, 132, 4096)[:2] for m in (17, 32, 64)] == [(32, 1), (32, 1), (64, 1)]
-    for sms in (78, 114, 132):  # its workspace fits the reserved bound too
-        for nt, fw, _ in K.WGMMA_CONFIGS:
+    for sms in (78, 114, 132):  # its workspace fits the reserved bound too (the producer form: two CTAs per SM)
+        for (nt, fw, _), prod in [(c, False) for c in K.WGMMA_CONFIGS] + [(c, True) for c in K.WGMMA_PROD_CONFIGS]:
             if nt <= 64:
-                assert 2 * sms * (2 if fw == 1 else 1) * 256 * fw * (nt // 2) <= G.wgmma_split_bound(sms)
+                per_sm = G.wgmma_ctas_per_sm(fw, prod)
+                assert 2 * sms * per_sm * 256 * fw * (nt // 2) <= G.wgmma_split_bound(sms), (nt, fw, prod)
+                for tiles in (1, 16, 112, 448):  # split launches of the producer form too
+                    sp = G.wgmma_splits(tiles, 8192, nt, fw, sms, prod)
+                    assert sp * tiles <= sms * per_sm or sp == 1, (nt, fw, prod, tiles, sp)
+    assert G.wgmma_ctas_per_sm(2, True) == 2 and G.wgmma_ctas_per_sm(2) == 1 and G.wgmma_ctas_per_sm(1) == 2
+    # the four-strip producer form (two CTAs per SM): 8192x28672 at M=32 (112 tiles) takes 2 K splits
+    assert G.wgmma_splits(112, 8192, 32, 2, 132, True) == 2 and G.wgmma_splits(112, 8192, 32, 2, 132) == 1
+    assert G.wgmma_stream_grid(150, 8192, 32, 2, 132, prod=True) == 264
     floats, counters = G.wgmma_split_workspace(2, 32, 4, 128, 1)
     assert counters == 64 and floats == 2 * 32 * 4 * 256 * 64
 

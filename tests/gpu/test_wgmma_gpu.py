@@ -242,14 +242,14 @@ def test_wide_form(fmt, wide_configs):
 
 
 PROD_TEST_CONFIGS = tuple(tuple(int(v) for v in c.split("-")) for c in os.environ.get(
-    "JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6,32-2-8,64-2-8,128-2-4").split(","))
+    "JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6,16-2-8,32-2-6").split(","))
 
 
 @pytest.fixture
 def prod_configs(monkeypatch):
     """Build the producer form (a producer warpgroup issues every copy, the activations by TMA at
-    every token tile, one or two compute warpgroups of two strips; K.WGMMA_PROD_CONFIGS) of 16- to
-    128-token configs for this test, and their plain form for the comparison."""
+    every token tile, one compute warpgroup of two or four strips; K.WGMMA_PROD_CONFIGS) of 16- to
+    64-token configs for this test, and their plain form for the comparison."""
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", PROD_TEST_CONFIGS)
     monkeypatch.setattr(K, "WGMMA_CONFIGS", tuple(dict.fromkeys(K.WGMMA_CONFIGS + PROD_TEST_CONFIGS)))
     yield from _rebuilt(K.WGMMA_PROD_CONFIGS)
@@ -257,14 +257,17 @@ def prod_configs(monkeypatch):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
 def test_producer_form(fmt, prod_configs):
-    """The producer form is bit-identical to the plain kernel of the same config (the same
-    arithmetic per strip, the same split-K order): whole tiles, uneven K splits, stream-K with pieces
-    crossing tiles (16- to 64-token tiles), M with partial token tiles (TMA fills rows past M with zeros),
-    bias; NaN-poisoned outputs; counters back to zero; 128 (fw + 1) threads per CTA; an unbuilt
-    producer config is a clear error."""
+    """The producer form matches the reference: whole tiles, uneven K splits, stream-K with pieces
+    crossing tiles (where every CTA gets a stage), M with partial token tiles (TMA fills rows past M
+    with zeros), bias; NaN-poisoned outputs; counters back to zero; 256 threads per CTA; an unbuilt
+    producer config is a clear error. Two strips (fw = 1): bit-identical to the plain kernel of the
+    same config (the same arithmetic per strip, the same split-K order). Four strips (fw = 2): one
+    accumulator set where the plain 32-token kernel keeps two (NACC), so the fp32 sums round
+    differently; there each result must repeat bit for bit instead."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for k, n, ms in ((5120, 512, (9, 64, 100, 257)), (1024, 28672, (33, 200))):
         packed, w = random_weights(k, n, bits, group, zp, dtype, seed=9)
         bias = torch.randn(n, device="cuda", dtype=dtype)
@@ -274,26 +277,35 @@ def test_producer_form(fmt, prod_configs):
             for nt, fw, st in prod_configs:
                 if nt < m // 4 or (k == 1024 and nt == 128 and m < 100):
                     continue
-                assert G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, None, False, True).threads == 128 * (fw + 1)
-                for splits in ((None, 3, -1) if nt <= 64 else (None, 3)):
-                    _check_form(a, packed, m, n, k, dtype, (nt, fw, st, splits, False), bias, ref, tol,
-                                "producer form")
+                assert G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, None, False, True).threads == 256
+                stages = -(-m // nt) * (n // (128 * fw)) * (k // 64)
+                for splits in (None, 3) + ((-1,) if stages >= 2 * sms else ()):
+                    cfg = (nt, fw, st, splits, False)
+                    if fw == 1:
+                        _check_form(a, packed, m, n, k, dtype, cfg, bias, ref, tol, "producer form")
+                    else:
+                        got = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
+                        check_close(got, ref, tol, f"K={k} N={n} M={m} config={cfg} four-strip producer form")
+                        assert torch.equal(got, run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)), (k, n, m, cfg)
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
     with pytest.raises(ValueError, match="no producer-form"):
         G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 2, 4, None, False, True)
+    assert G.wgmma_launch(32, 28672, 8192, fam, 0, 32, 2, 6, None, False, True).grid == 2 * 112  # 2 CTAs per SM
 
 
 def test_producer_form_route():
     """The automatic config takes the producer form of (64, 1, 6) at M = 33-64 and of (32, 1, 8) at
-    M = 17-32 (4-bit) on large problems only, and that launch is what the public op runs there
-    (checked against the reference)."""
+    M = 17-32 (4-bit) on large problems only, (32, 2, 6) (four strips) where K*N > 2^26 and N % 256
+    == 0, and that launch is what the public op runs there (checked against the reference)."""
     fam = K.Family("f16", 4, False, 128)
     for m, n, k, want in ((64, 28672, 8192, 64), (33, 8192, 28672, 64), (64, 8192, 8192, 0), (64, 4096, 4096, 0),
                           (32, 28672, 8192, 32), (17, 8192, 8192, 32), (17, 4096, 4096, 0), (16, 28672, 8192, 0),
                           (256, 28672, 8192, 0)):
         wl = G.wgmma_launch(m, n, k, fam, 0)
         assert wl.prod is bool(want), (m, n, k)
-        assert not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (want, 1, 6 if want == 64 else 8, 256), (m, n, k)
+        four = want == 32 and k * n > 1 << 26 and n % 256 == 0
+        assert not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (
+            (32, 2, 6, 256) if four else (want, 1, 6 if want == 64 else 8, 256)), (m, n, k)
     assert not G.wgmma_launch(32, 28672, 8192, K.Family("f16", 8, False, 128), 0).prod
     k, n = 8192, 8320  # K*N above 2^26, N not a multiple of 256
     packed, w = random_weights(k, n, 4, 128, False, torch.float16, seed=3)
@@ -301,6 +313,14 @@ def test_producer_form_route():
         assert G.wgmma_launch(m, n, k, fam, 0).prod and G.use_wgmma_path(m, n, k, fam, 0)
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m} routed producer")
+    k, n = 8192, 8448  # K*N above 2^26, N % 256 == 0: four strips at M = 17-32
+    packed, w = random_weights(k, n, 4, 128, False, torch.float16, seed=4)
+    for m in (17, 24, 32):
+        assert G.wgmma_launch(m, n, k, fam, 0).fw == 2 and G.wgmma_launch(m, n, k, fam, 0).prod
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
+        check_close(out, a.float() @ w, 1e-3, f"M={m} routed four-strip producer")
+        assert torch.equal(out, jitmarlin.marlin_gemm(a, packed.b, packed.scales)), m
 
 
 @pytest.mark.parametrize("k,n", [(1408, 512), (1536, 512), (1152, 768), (1920, 256)])
