@@ -631,6 +631,36 @@ for st in $STAGES; do
                --configs route,wgmma-n32-f1-s8-p,wgmma-n32-f2-s8-p,wgmma-n32-f2-s6-p,wgmma-n64-f1-s6-p,wgmma-n64-f2-s6-p \
                2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s20d.log"
            done;;
+    s20e)  # session 20: per-instruction stall samples (ncu source page, SASS) of the routed 32-token producer kernel,
+           # whole and compute alone (-DJM_WG_COMPUTE_ONLY), 8192x28672 M=32
+           for f in "" "-DJM_WG_COMPUTE_ONLY"; do
+             tag=${f:+co}; tag=${tag:-full}
+             JITMARLIN_NVCC_FLAGS="$f" timeout 150 ncu --clock-control none --section WarpStateStats --section SourceCounters \
+               --section SpeedOfLight --import-source no -k regex:jm_wgmma -s 2 -c 1 -o "$OUT/s20e_$tag" -f \
+               python3 benchmarks/profile_gemm.py --k 8192 --n 28672 --m ${S20E_M:-32} > "$OUT/s20e_$tag.log" 2>&1
+             echo "s20e $tag rc=$?"; grep -E "Duration|Throughput|Issued|Eligible|Active Warps" "$OUT/s20e_$tag.log" | head -12
+             timeout 60 ncu -i "$OUT/s20e_$tag.ncu-rep" --page source --csv --print-source sass \
+               > "$OUT/s20e_${tag}_sass.csv" 2>&1; echo "source page rc=$? $(wc -l < "$OUT/s20e_${tag}_sass.csv") lines"
+             rm -f "$OUT/s20e_$tag.ncu-rep"
+           done;;
+    s20f)  # session 20: the 32-token producer form at three CTAs per SM (12 compute warps per SM, one accumulator
+           # set, 120 registers): whole kernel and compute alone, against the two-CTA two- and four-strip forms
+           S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
+           for f in "" "-DJM_WG_COMPUTE_ONLY"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 200 python3 benchmarks/probe_configs.py --settle 0.1 --m ${S20F_M:-17,32} \
+               --shapes $S6 --extra-wgmma 32-1-6-p3,32-1-7-p3 \
+               --configs route,wgmma-n32-f1-s8-p,wgmma-n32-f2-s6-p,wgmma-n32-f1-s6-p,wgmma-n32-f1-s7-p \
+               2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s20f.log"
+           done;;
+    s20g)  # session 20: the producer form reading the next stage's words one k16 step before the boundary (default)
+           # against at the boundary (-DJM_WG_NO_EARLY_PRELOAD); routes and the three-CTA 32-token config
+           S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
+           for f in "" "-DJM_WG_NO_EARLY_PRELOAD"; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 200 python3 benchmarks/probe_configs.py --settle 0.1 --m ${S20G_M:-32,64} \
+               --shapes $S6 --extra-wgmma 32-1-6-p3 \
+               --configs route,wgmma-n32-f1-s8-p,wgmma-n32-f2-s6-p,wgmma-n32-f1-s6-p,wgmma-n64-f1-s6-p \
+               2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s20g.log"
+           done;;
     s20a)  # prepared in session 19 (NOT run): where the wgmma kernel's data path loses at M = 32-64 (alone: 47 us
            # vs a 30 us floor on 8192x28672 M=64). With and without the activation copies (-DJM_WG_NO_ACT: the
            # weight stream alone); the producer route and the plain kernel. Activations are re-read from L2 by

@@ -221,7 +221,7 @@ JM_DEVICE void compute_sync() {
 // piece_of(): the piece's WgPiece, asked for only after the main loop (a split launch's is
 // recomputed from blockIdx there rather than held in registers through it)
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
-          bool PROD, int ROLE, typename PieceOf>
+          bool PROD, int ROLE, int MINB, typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
                           const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, WgRing& ring) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
@@ -594,8 +594,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #ifdef JM_WG_NACC
   constexpr int NACC = JM_WG_NACC;
 #else
-  // (four strips: one set; with two, ptxas serialized the wgmma of the 32-token tile, C7512)
-  constexpr int NACC = NT <= 32 && FW <= 2 ? 2 : 1;
+  // (four strips, or three CTAs per SM: one set; with two, ptxas serialized the wgmma of the 32-token
+  // tile, C7512)
+  constexpr int NACC = NT <= 32 && FW <= 2 && MINB <= 2 ? 2 : 1;
 #endif
   static_assert(NACC == 1 || NACC == 2 || NACC == 4, "accumulator sets divide the 4 k16 steps of a stage");
   float dacc[NACC][FW][NT / 2];
@@ -844,7 +845,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 // The dense piece loop (see wgmma_body); ROLE: 0 every thread (plain form), 1 the producer
 // warpgroup, 2 the compute warpgroups of the producer form.
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, int WGS, bool PROD,
-          int ROLE>
+          int ROLE, int MINB>
 JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRing& ring) {
   constexpr bool MOE = false;
   constexpr int kStrips = WGS * FW;
@@ -890,7 +891,7 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
       k_tiles = (split + 1) * ks / splits - kt0;
       next = u1;
     }
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, PROD, ROLE>(
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, PROD, ROLE, MINB>(
         p, f_tile, m_tile, kt0, k_tiles, [&]() -> WgPiece {
           if (stream || splits == 1) return piece;
           // split pieces: region = the CTA, the tile's splits m_tiles regions apart
@@ -906,8 +907,8 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
 // thread starts with 65536 / (128 (WGS + 1) MINB) registers rounded down to 8; the producer
 // warpgroup drops to kWgProdRegs and the WGS compute warpgroups share what it frees (the CTA's
 // pool, PTX ISA). Per SM sub-partition a CTA has one producer warp per WGS compute warps, so the
-// `.inc` is always served there too (40 + 216 = 2 x 128 for WGS = 1, MINB = 2; 40 + 2 x 232 =
-// 3 x 168 for WGS = 2, MINB = 1).
+// `.inc` is always served there too (40 + 216 = 2 x 128 for WGS = 1, MINB = 2; 40 + 120 = 2 x 80
+// for WGS = 1, MINB = 3; 40 + 2 x 232 = 3 x 168 for WGS = 2, MINB = 1).
 constexpr int kWgProdRegs = 40;
 constexpr int kWgMaxRegs = 248;  // per-thread registers, a multiple of 8 below the 255 limit
 constexpr int wg_regs_cap(int r) { return r > kWgMaxRegs ? kWgMaxRegs : r; }
@@ -915,7 +916,8 @@ constexpr int wg_launch_regs(int wgs, int minb) { return wg_regs_cap(65536 / (12
 constexpr int wg_consumer_regs(int wgs, int minb) {
   return wg_regs_cap((wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8);
 }
-static_assert(wg_consumer_regs(1, 2) == 216 && wg_consumer_regs(2, 1) == 232, "producer-form register split");
+static_assert(wg_consumer_regs(1, 2) == 216 && wg_consumer_regs(1, 3) == 120 && wg_consumer_regs(2, 1) == 232,
+              "producer-form register split");
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
           bool PROD = false, int MINB = 1>
@@ -928,7 +930,7 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   __shared__ __align__(8) uint64_t act_bar[STAGES], full_bar[PROD ? STAGES : 1], empty_bar[PROD ? STAGES : 1];
   WgRing ring{act_bar, full_bar, empty_bar, 0u, 0u, 0u, 0u};
   if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
-    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, false, 0>(
+    wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, false, 0, MINB>(
         p, c / m_tiles, c % m_tiles, 0, ks, []() { return WgPiece{1, 0, 0, 0, 0}; }, amap, ring);
     return;
   }
@@ -951,13 +953,13 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
     // two roles never share code after it (ptxas then keeps one register budget per branch)
     if (threadIdx.x >= 128 * WGS) {
       setmaxnreg_dec<kWgProdRegs>();
-      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1>(p, amap, ring);
+      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1, MINB>(p, amap, ring);
     } else {
       setmaxnreg_inc<wg_consumer_regs(WGS, MINB)>();
-      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2>(p, amap, ring);
+      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2, MINB>(p, amap, ring);
     }
   } else if constexpr (!MOE) {
-    wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, false, 0>(p, amap, ring);
+    wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, false, 0, MINB>(p, amap, ring);
   }
 }
 
@@ -981,13 +983,16 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
 // The producer form (dense; its activations by TMA at every token tile, 16 and 32 too): WGS compute
 // warpgroups of FW strips and one producer warpgroup, 128 (WGS + 1) threads, MINB CTAs per SM; the
 // producer warpgroup drops to kWgProdRegs registers and the compute warpgroups take the rest
-// (setmaxnreg, wgmma_body). Built with WGS = 1, MINB = 2 (256 threads, two CTAs per SM): FW = 2 for
-// the host's 128-feature configs, FW = 4 for its 256-feature ones (session 20; the two-compute-warpgroup
-// form WGS = 2, MINB = 1, FW = 2 of session 19 compiles but is not built: it was slower, NOTES.md).
+// (setmaxnreg, wgmma_body). Built with WGS = 1 (256 threads) and MINB = 2 CTAs per SM: FW = 2 for the
+// host's 128-feature configs, FW = 4 for its 256-feature ones (session 20; the two-compute-warpgroup
+// form WGS = 2, MINB = 1, FW = 2 of session 19 compiles but is not built: it was slower, NOTES.md);
+// or MINB = 3 with FW = 2 and tiles of up to 32 tokens (K.WGMMA_PROD_CTAS: 12 compute warps per SM,
+// 120 registers each, one accumulator set; the route at M = 17-32 on large problems since session 20).
 // With four strips a k16 step issues four wgmma and the ring's stage holds 8 KB of 4-bit weights per
 // 4 KB of 32-token activations (twice the weight bytes in flight, half the activation re-reads); the
-// H200 (session 20, M = 24 / 32) put it 8-11% ahead of two strips on 8192x28672, 28672x8192 and
-// 4096x28672, its compute alone (-DJM_WG_COMPUTE_ONLY) no faster: the gain is the data path.
+// H200 (session 20, M = 24 / 32) put it 8-11% ahead of two strips at two CTAs per SM on 8192x28672,
+// 28672x8192 and 4096x28672 (its compute alone, -DJM_WG_COMPUTE_ONLY, no faster: the gain is the data
+// path), but two strips at three CTAs per SM were faster still (NOTES.md): built for probes only.
 #define JM_WGMMA_KERNEL_PROD(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, MINB)              \
   extern "C" __global__ void __launch_bounds__(128 * ((WGS) + 1), MINB)                                  \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \

@@ -221,7 +221,7 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert G.wgmma_route_config(256, 8192, 8192, 132) == G.wgmma_config(256, 8192, 132, 8192) + (False,)
         assert not G.wgmma_route_config(256, 28672, 8192, 132, moe=True)[3]
         assert G.WGMMA_WIDE_ROUTE in K.WGMMA_WIDE_CONFIGS  # built by default
-        # the producer form (session 18): the routed 64-token config above K*N = 2^26, and (32, 1, 8)
+        # the producer form (session 18): the routed 64-token config above K*N = 2^26, and a 32-token config
         # for 4-bit 32-token tiles from K*N = 2^26 on; dense only
         f4, f8 = K.Family("f16", 4, False, 128), K.Family("f16", 8, False, 128)
         shapes = ((4096, 4096), (14336, 4096), (8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192),
@@ -231,12 +231,12 @@ def test_wgmma_route_rules(monkeypatch, setting):
         big = ((8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192), (8192, 8320))
         assert {key for key, v in prod.items() if v} == {(k, n, m) for k, n in big for m in (17, 32)} | {
             (k, n, m) for k, n in big[1:] for m in (33, 64)}
-        # 32-token tiles: four strips (session 20) strictly above K*N = 2^26 where N % 256 == 0
-        four = {(4096, 28672), (8192, 28672), (28672, 8192)}
-        assert all(v == ((32, 2, 6) if (k, n) in four else (32, 1, 8)) for (k, n, m), v in prod.items() if v and m <= 32)
+        # 32-token tiles: (32, 1, 6) at three CTAs per SM since session 20
+        assert all(v == (32, 1, 6) for (k, n, m), v in prod.items() if v and m <= 32)
         assert all(v == (64, 1, 6) for (k, n, m), v in prod.items() if v and m > 32)
-        assert set(K.WGMMA_PROD_CONFIGS) == {(32, 1, 8), (64, 1, 6), (32, 2, 6)}  # built by default
-        assert G.wgmma_route_prod(8320, 8192, (32, 1, 8, False), f4) == (32, 1, 8)  # N % 256 != 0: two strips
+        assert set(K.WGMMA_PROD_CONFIGS) == {(64, 1, 6), (32, 1, 6)}  # built by default
+        assert K.prod_ctas((32, 1, 6)) == 3 and K.prod_ctas((64, 1, 6)) == 2
+        assert G.wgmma_ctas_per_sm(1, (32, 1, 6)) == 3
         assert G.wgmma_route_prod(28672, 8192, (32, 2, 8, False), f8) is None  # 8-bit 32-token tiles: plain
         assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, False), f8) == (64, 1, 6)
         assert G.wgmma_route_prod(28672, 8192, (64, 1, 6, True), f4) is None  # never for a wide route
@@ -245,7 +245,7 @@ def test_wgmma_route_rules(monkeypatch, setting):
         K.env_flag.cache_clear()
 
 
-def test_wgmma_k_splits():
+def test_wgmma_k_splits(monkeypatch):
     """Split-K of the wgmma kernel: fills the resident CTA slots (2 per SM with one strip per
     warpgroup) without runs shorter than 16 stages, at most 8 splits (4 with 128-token tiles); none
     once the tiles fill the GPU;
@@ -295,17 +295,22 @@ def test_wgmma_k_splits():
                     assert g == 0 or tiles * (k // 64) >= g * G.WGMMA_SPLIT_MIN_STAGES, (sms, nt, fw, k, tiles, g)
     assert [G.wgmma_config(m, 128, 132, 4096)[:2] for m in (17, 32, 64)] == [(32, 1), (32, 1), (64, 1)]
     for sms in (78, 114, 132):  # its workspace fits the reserved bound too (the producer form: two CTAs per SM)
-        for (nt, fw, _), prod in [(c, False) for c in K.WGMMA_CONFIGS] + [(c, True) for c in K.WGMMA_PROD_CONFIGS]:
+        configs = [(c, None) for c in K.WGMMA_CONFIGS] + [(c, c) for c in K.WGMMA_PROD_CONFIGS] + [
+            ((32, 1, 7), (32, 1, 7))]  # (another three-CTA producer config: K.WGMMA_PROD_CTAS, set here)
+        monkeypatch.setitem(K.WGMMA_PROD_CTAS, (32, 1, 7), 3)
+        for (nt, fw, _), prod in configs:
             if nt <= 64:
                 per_sm = G.wgmma_ctas_per_sm(fw, prod)
                 assert 2 * sms * per_sm * 256 * fw * (nt // 2) <= G.wgmma_split_bound(sms), (nt, fw, prod)
                 for tiles in (1, 16, 112, 448):  # split launches of the producer form too
-                    sp = G.wgmma_splits(tiles, 8192, nt, fw, sms, prod)
+                    sp = G.wgmma_splits(tiles, 8192, nt, fw, sms, per_sm)
                     assert sp * tiles <= sms * per_sm or sp == 1, (nt, fw, prod, tiles, sp)
-    assert G.wgmma_ctas_per_sm(2, True) == 2 and G.wgmma_ctas_per_sm(2) == 1 and G.wgmma_ctas_per_sm(1) == 2
+        assert G.wgmma_ctas_per_sm(1, (32, 1, 7)) == 3
+    assert G.wgmma_ctas_per_sm(2, (32, 2, 6)) == 2 and G.wgmma_ctas_per_sm(2) == 1 and G.wgmma_ctas_per_sm(1) == 2
     # the four-strip producer form (two CTAs per SM): 8192x28672 at M=32 (112 tiles) takes 2 K splits
-    assert G.wgmma_splits(112, 8192, 32, 2, 132, True) == 2 and G.wgmma_splits(112, 8192, 32, 2, 132) == 1
-    assert G.wgmma_stream_grid(150, 8192, 32, 2, 132, prod=True) == 264
+    assert G.wgmma_splits(112, 8192, 32, 2, 132, 2) == 2 and G.wgmma_splits(112, 8192, 32, 2, 132) == 1
+    assert G.wgmma_stream_grid(150, 8192, 32, 2, 132, 2) == 264
+    assert G.wgmma_stream_grid(224, 8192, 32, 1, 132, 3) == 396  # three CTAs per SM
     floats, counters = G.wgmma_split_workspace(2, 32, 4, 128, 1)
     assert counters == 64 and floats == 2 * 32 * 4 * 256 * 64
 

@@ -79,20 +79,23 @@ def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
 
 def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch):
     """The producer form (K.WGMMA_PROD_CONFIGS: a producer warpgroup + one compute warpgroup of two
-    or four strips, setmaxnreg) of the 16- to 64-token configs compiles for sm_90a without spills,
+    or four strips, setmaxnreg; two CTAs per SM, or three: K.WGMMA_PROD_CTAS) of the 16- to 64-token
+    configs compiles for sm_90a without spills,
     with its register reallocation kept and its wgmma not serialized (ptxas C7507 / C751x; 8-bit
     with zero points: the largest dequantization)."""
-    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8), (32, 1, 8), (64, 1, 6), (32, 2, 6)))
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8), (32, 1, 6), (64, 1, 6), (32, 2, 6)))
+    monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3})
     K.wgmma_build_spec.cache_clear()
     try:
         for fam in (K.Family("bf16", 8, True, 64), K.Family("f16", 4, False, 128)):
             spec = K.wgmma_build_spec(fam, (9, 0))
-            prod = [(name, src) for name, src in spec.sources if name.endswith("_prod")]
-            assert [name.split("_", 5)[-1] for name, _ in prod] == ["n16_f1_s8_prod", "n32_f1_s8_prod",
+            prod = [(name, src) for name, src in spec.sources if "_prod" in name]
+            assert [name.split("_", 5)[-1] for name, _ in prod] == ["n16_f1_s8_prod", "n32_f1_s6_prod_c3",
                                                                    "n64_f1_s6_prod", "n32_f2_s6_prod"]
             # (..., NT, strips on the compute warpgroup, STAGES, compute warpgroups, CTAs per SM)
             assert "JM_WGMMA_KERNEL_PROD(" in prod[2][1] and prod[2][1].rstrip().endswith(", 64, 2, 6, 1, 2)")
             assert prod[3][1].rstrip().endswith(", 32, 4, 6, 1, 2)")
+            assert prod[1][1].rstrip().endswith(", 32, 2, 6, 1, 3)")  # three CTAs per SM
             mod = get_module(spec)
             for name, _ in prod:
                 info = mod.meta["ptxas"][name]
@@ -105,6 +108,12 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
     for bad in ((32, 3, 8), (32, 1, 8, False), (64, 2, 8)):
         monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", (bad,))
         with pytest.raises(ValueError, match="expected \\(NT, FW, STAGES\\) with FW 1 or 2"):
+            K.wgmma_build_spec(K.Family("f16", 4, False, 128), (9, 0))
+        K.wgmma_build_spec.cache_clear()
+    for bad, ctas in (((64, 1, 6), 3), ((32, 2, 6), 3), ((32, 1, 6), 4)):
+        monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", (bad,))
+        monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {bad: ctas})
+        with pytest.raises(ValueError, match="CTAs per SM; 2, or 3 with FW 1 and NT <= 32"):
             K.wgmma_build_spec(K.Family("f16", 4, False, 128), (9, 0))
         K.wgmma_build_spec.cache_clear()
 

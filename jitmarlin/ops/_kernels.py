@@ -292,15 +292,25 @@ WGMMA_WIDE_CONFIGS: tuple[tuple[int, int, int], ...] = ((128, 2, 4),)
 # The producer form (jm_wgmma.cuh, WgRing / JM_WGMMA_KERNEL_PROD): (NT, FW, STAGES) dense configs also
 # built with a producer warpgroup that issues every copy (TMA activations at any token tile, bulk
 # weights, scales, zero points) and gives its registers (setmaxnreg) to one compute warpgroup of
-# 2 FW strips; 256 threads, two CTAs per SM:
+# 2 FW strips; 256 threads, two CTAs per SM (three: WGMMA_PROD_CTAS):
 # FW = 1 (128 features): two strips, any token tile;
 # FW = 2 (256 features, session 20): four strips, token tiles of up to 32 (64 tokens: slower, and the
-# stream-K partial sums would outgrow gemm.wgmma_split_bound; 128: too many accumulators).
+# stream-K partial sums would outgrow gemm.wgmma_split_bound; 128: too many accumulators); probes only.
 # (Session 19's FW = 2 form, two compute warpgroups of two strips and one CTA per SM, lost 5-10%.)
-# (32, 1, 8), (64, 1, 6) and (32, 2, 6): routed on large problems (gemm.wgmma_route_prod); probes add
-# others (probe_configs.py --extra-wgmma NT-FW-STAGES-p).
-WGMMA_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (32, 2, 6))
+# (64, 1, 6) and (32, 1, 6) at three CTAs per SM: routed on large problems (gemm.wgmma_route_prod);
+# probes add others (probe_configs.py --extra-wgmma NT-FW-STAGES-p, or -p3 for three CTAs per SM).
+WGMMA_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (32, 1, 6))
 WGMMA_PROD_FW2_MAX_NT = 32
+# Producer configs built for three CTAs per SM instead of two (12 compute warps per SM; 120 registers
+# per compute thread, one accumulator set: FW = 1 and token tiles of up to 32 only, where ptxas keeps
+# the wgmma pipelined; six stages of a 4-bit 32-token tile take 3 x 55 KB of shared memory). Kernel
+# names end in _c3.
+WGMMA_PROD_CTAS: dict[tuple[int, int, int], int] = {(32, 1, 6): 3}
+
+
+def prod_ctas(cfg: tuple[int, int, int]) -> int:
+    """CTAs per SM of the producer-form config cfg = (NT, FW, STAGES): 2, or WGMMA_PROD_CTAS's."""
+    return WGMMA_PROD_CTAS.get(tuple(cfg[:3]), 2)
 
 # (32, 2, 8) left the MoE list in session 17: blocks of 32 rows take one strip (moe._launch_wgmma_moe;
 # probe_moe_tiles.py --fw 2 builds it back)
@@ -314,6 +324,9 @@ def _checked_prod_configs() -> tuple[tuple[int, int, int], ...]:
         if len(cfg) != 3 or cfg[1] not in (1, 2) or (cfg[1] == 2 and cfg[0] > WGMMA_PROD_FW2_MAX_NT):
             raise ValueError(f"producer-form config {cfg}: expected (NT, FW, STAGES) with FW 1 or 2 "
                              f"(FW 2 only with NT <= {WGMMA_PROD_FW2_MAX_NT})")
+        ctas = prod_ctas(cfg)
+        if ctas not in (2, 3) or (ctas == 3 and (cfg[1] != 1 or cfg[0] > 32)):
+            raise ValueError(f"producer-form config {cfg}: {ctas} CTAs per SM; 2, or 3 with FW 1 and NT <= 32")
     return WGMMA_PROD_CONFIGS
 
 
@@ -324,8 +337,9 @@ def prod_threads(fw: int) -> int:
 
 def wgmma_kernel_name(fam: Family, nt: int, fw: int, stages: int, wide: bool = False, prod: bool = False) -> str:
     g = "gc" if fam.group_size == -1 else f"g{fam.group_size}"
+    c3 = prod and prod_ctas((nt, fw, stages)) == 3
     return (f"jm_wgmma_{fam.dtype}_{fam.weight_type}_{g}_{'moe_' if fam.moe else ''}n{nt}_f{fw}_s{stages}"
-            f"{'_wide' if wide else ''}{'_prod' if prod else ''}")
+            f"{'_wide' if wide else ''}{'_prod' if prod else ''}{'_c3' if c3 else ''}")
 
 
 def wgmma_smem_bytes(fam: Family, nt: int, fw: int, stages: int) -> int:
@@ -367,7 +381,7 @@ def wgmma_build_spec(fam: Family, cc: tuple[int, int]) -> BuildSpec:
              '#include "jm_wgmma.cuh"\n'
              f"JM_WGMMA_KERNEL_PROD({wgmma_kernel_name(fam, nt, fw, st, prod=True)}, {CTYPES[fam.dtype]}, "
              f"{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {nt}, {2 * fw}, "
-             f"{st}, 1, 2)\n")
+             f"{st}, 1, {prod_ctas((nt, fw, st))})\n")
             for nt, fw, st in _checked_prod_configs())
     return BuildSpec(family="wgmma", cc=cc, key=fam.key(), sources=sources, flags=extra_nvcc_flags(),
                      arch_specific=True, cli_hint=f"jitmarlin build --arch 9.0 {fam.cli_args()}")

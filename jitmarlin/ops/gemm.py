@@ -657,15 +657,14 @@ def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> t
 #   (M=32), 28672x8192 67.5 -> 63.6, 4096x28672 39.0 -> 36.1, 8192^2 25.0 -> 23.3 (the route was the
 #   mma.sync 32-row kernel above K*N = 2^27, the plain wgmma kernel below).
 # (16, 1, 8) in the producer form lost to the route at M = 9-16 (8192x28672 59.0 vs 42.6): not routed.
-# - session 20: 32-token tiles on four strips (256 features, one compute warpgroup, (32, 2, 6)) where
-#   K*N > 2^26 and N % 256 == 0 (probe_configs, us, M = 24 / 32, (32, 1, 8) vs (32, 2, 6) producer):
-#   8192x28672 65.0 / 65.4 vs 58.5 / 59.3, 28672x8192 63.7 / 63.9 vs 56.5 / 56.7, 4096x28672 35.8 / 35.9
-#   vs 32.7 / 33.1; slower on 8192^2 (23.0 / 23.1 vs 25.1 / 25.5), 14336x4096 and 4096^2.
+# - session 20: 32-token tiles at three CTAs per SM ((32, 1, 6), K.WGMMA_PROD_CTAS: 12 compute warps per
+#   SM) where K*N >= 2^26 (4-bit): probe_configs, us, M = 32, (32, 1, 8) at two CTAs per SM / the
+#   four-strip (32, 2, 6) / (32, 1, 6) at three: 8192x28672 64.9 / 59.0 / 56.0, 28672x8192 63.8 / 56.7 /
+#   55.1, 4096x28672 36.1 / 33.2 / 32.6, 8192^2 24.2 / 25.3 / 21.5 (M=17 the same within 1%); below
+#   2^26 slower than the plain route (14336x4096 24.5 vs 21.4, 4096^2 10.7 vs 10.3).
 WGMMA_PROD_ABOVE_KN = 1 << 26  # 64-token tiles: K*N strictly above this
 WGMMA_PROD_N32_MIN_KN = 1 << 26  # 32-token tiles (4-bit): K*N at least this
-WGMMA_PROD_N32 = (32, 1, 8)
-WGMMA_PROD_N32_FW2 = (32, 2, 6)  # ... on four strips: K*N strictly above WGMMA_PROD_N32_FW2_ABOVE_KN
-WGMMA_PROD_N32_FW2_ABOVE_KN = 1 << 26
+WGMMA_PROD_N32 = (32, 1, 6)
 
 
 def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family) -> tuple | None:
@@ -675,30 +674,31 @@ def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Famil
         return None
     if cfg[0] == 64 and k * n > WGMMA_PROD_ABOVE_KN and cfg[:3] in K.WGMMA_PROD_CONFIGS:
         return cfg[:3]
-    if cfg[0] == 32 and fam.bits == 4:
-        if (k * n > WGMMA_PROD_N32_FW2_ABOVE_KN and n % 256 == 0 and WGMMA_PROD_N32_FW2 in K.WGMMA_PROD_CONFIGS):
-            return WGMMA_PROD_N32_FW2
-        if k * n >= WGMMA_PROD_N32_MIN_KN and n % 128 == 0 and WGMMA_PROD_N32 in K.WGMMA_PROD_CONFIGS:
-            return WGMMA_PROD_N32
+    if (cfg[0] == 32 and fam.bits == 4 and k * n >= WGMMA_PROD_N32_MIN_KN and n % 128 == 0
+            and WGMMA_PROD_N32 in K.WGMMA_PROD_CONFIGS):
+        return WGMMA_PROD_N32
     return None
 
 
 WGMMA_SPLIT_MIN_STAGES = 16  # a K split keeps at least this many 64-k stages (pipeline fill)
 
 
-def wgmma_ctas_per_sm(fw: int, prod: bool = False) -> int:
-    """Resident CTAs per SM: two with one strip per warpgroup and in the producer form (one compute
-    warpgroup of 2 fw strips + the producer warpgroup, 256 threads), one with two strips per warpgroup."""
-    return 2 if fw == 1 or prod else 1
+def wgmma_ctas_per_sm(fw: int, prod: tuple[int, int, int] | None = None) -> int:
+    """Resident CTAs per SM: two with one strip per warpgroup, one with two; the producer form `prod`
+    (its (NT, FW, STAGES): one compute warpgroup of 2 fw strips + the producer warpgroup, 256
+    threads) K.prod_ctas(prod), two or three."""
+    if prod is not None:
+        return K.prod_ctas(prod)
+    return 2 if fw == 1 else 1
 
 
-def wgmma_splits(tiles: int, k: int, nt: int, fw: int, sms: int, prod: bool = False) -> int:
+def wgmma_splits(tiles: int, k: int, nt: int, fw: int, sms: int, per_sm: int = 0) -> int:
     """CTAs per output tile along K: as many as fit the resident CTA slots (two per SM with one
     strip per warpgroup, one with two), each with at least WGMMA_SPLIT_MIN_STAGES stages, at most 8
     with 32- and 64-token tiles and 4 with 128 (the last CTA reads every split's partials: 32 / 64 KB per
     CTA). H200 (benchmarks/NOTES.md, "wgmma split-K"): 4096^2 M=64 4 splits 12.7 us vs 8 14.2;
     14336x4096 M=64 8 splits 28.0 vs 4 31.8; M=128 4 splits 42.0 vs 8 44.5."""
-    slots = sms * wgmma_ctas_per_sm(fw, prod)
+    slots = sms * (per_sm or wgmma_ctas_per_sm(fw))
     cap = 8 if nt in (32, 64) else 4  # 32 tokens: 8 since session 14 (14336x4096 M=32 25.1 -> 21.4 us)
     return max(1, min(slots // max(1, tiles), (k // 64) // WGMMA_SPLIT_MIN_STAGES, cap))
 
@@ -707,15 +707,15 @@ WGMMA_STREAM_MAX_FILL = 0.9  # stream-K where whole tiles would keep more than 1
 WGMMA_STREAM_MIN_GAIN_STAGES = 16
 
 
-def wgmma_stream_grid(tiles: int, k: int, nt: int, fw: int, sms: int, prod: bool = False) -> int:
+def wgmma_stream_grid(tiles: int, k: int, nt: int, fw: int, sms: int, per_sm: int = 0) -> int:
     """CTAs of a stream-K launch (cuda_src/jm_wgmma.cuh, wgmma_body: the tiles' 64-k stages in one
     sequence cut evenly over the resident CTA slots), or 0 for a tile-per-CTA launch. Taken where
     tiles do not split along K (wgmma_splits == 1) and fill under WGMMA_STREAM_MAX_FILL of the slots
     over their waves, e.g. 112 two-strip tiles of 4096x28672 / 8192x28672 on 132 SMs (85%); runs
     of at least WGMMA_SPLIT_MIN_STAGES stages; up to 64 tokens (the 128-token kernel spills with
     it)."""
-    slots = sms * wgmma_ctas_per_sm(fw, prod)
-    if tiles < 1 or nt > 64 or wgmma_splits(tiles, k, nt, fw, sms, prod) > 1 or tiles * (k // 64) >= 1 << 31:
+    slots = sms * (per_sm or wgmma_ctas_per_sm(fw))
+    if tiles < 1 or nt > 64 or wgmma_splits(tiles, k, nt, fw, sms, per_sm) > 1 or tiles * (k // 64) >= 1 << 31:
         return 0  # (the kernel counts the stages of a stream-K launch in 32-bit integers)
     # Every CTA's run must hold stages: a tile's pieces are counted as the CTAs between its first
     # and last stage, so a CTA with an empty run inside that span never arrives, the tile is never
@@ -783,14 +783,18 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
+    if prod and ((nt, fw, stages) not in K.WGMMA_PROD_CONFIGS or wide or fam.moe):
+        raise ValueError(f"no producer-form wgmma kernel for NT={nt}, FW={fw}, stages={stages}, wide={wide} "
+                         f"(built: {K.WGMMA_PROD_CONFIGS}, dense, never wide)")
+    per_sm = wgmma_ctas_per_sm(fw, (nt, fw, stages) if prod else None)
     if splits is None:
-        splits = wgmma_splits(m_tiles * f_tiles, k, nt, fw, sms, prod)
-        if splits == 1 and wgmma_stream_grid(m_tiles * f_tiles, k, nt, fw, sms, prod):
+        splits = wgmma_splits(m_tiles * f_tiles, k, nt, fw, sms, per_sm)
+        if splits == 1 and wgmma_stream_grid(m_tiles * f_tiles, k, nt, fw, sms, per_sm):
             splits = -1
     if splits == -1:  # stream-K over the resident CTA slots: two regions per CTA
         if nt > 64:
             raise ValueError(f"stream-K (splits=-1) needs a token tile of at most 64, got {nt}")
-        grid = sms * wgmma_ctas_per_sm(fw, prod)
+        grid = sms * per_sm
         if m_tiles * f_tiles * (k // 64) < grid:  # (wgmma_stream_grid: an empty run breaks the sums)
             raise ValueError(f"stream-K (splits=-1) needs at least one 64-k stage per CTA: {m_tiles * f_tiles} "
                              f"tiles x {k // 64} stages < {grid} CTAs (M={m}, N={n}, K={k})")
@@ -800,9 +804,6 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     else:
         grid = f_tiles * m_tiles * splits
         floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
-    if prod and ((nt, fw, stages) not in K.WGMMA_PROD_CONFIGS or wide or fam.moe):
-        raise ValueError(f"no producer-form wgmma kernel for NT={nt}, FW={fw}, stages={stages}, wide={wide} "
-                         f"(built: {K.WGMMA_PROD_CONFIGS}, dense, never wide)")
     if wide and not prod and ((nt, fw, stages) not in K.WGMMA_WIDE_CONFIGS or fam.moe):
         raise ValueError(f"no wide (four-warpgroup) wgmma kernel for NT={nt}, FW={fw}, stages={stages} "
                          f"(built: {K.WGMMA_WIDE_CONFIGS}, dense only)")

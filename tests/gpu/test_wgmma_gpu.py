@@ -241,8 +241,9 @@ def test_wide_form(fmt, wide_configs):
         G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 1, 6, None, True)
 
 
+# NT-FW-STAGES[-CTAS]: CTAs per SM 2 unless given (3: K.WGMMA_PROD_CTAS)
 PROD_TEST_CONFIGS = tuple(tuple(int(v) for v in c.split("-")) for c in os.environ.get(
-    "JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6,16-2-8,32-2-6").split(","))
+    "JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6,16-2-8,32-2-6,32-1-6-3").split(","))
 
 
 @pytest.fixture
@@ -250,8 +251,10 @@ def prod_configs(monkeypatch):
     """Build the producer form (a producer warpgroup issues every copy, the activations by TMA at
     every token tile, one compute warpgroup of two or four strips; K.WGMMA_PROD_CONFIGS) of 16- to
     64-token configs for this test, and their plain form for the comparison."""
-    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", PROD_TEST_CONFIGS)
-    monkeypatch.setattr(K, "WGMMA_CONFIGS", tuple(dict.fromkeys(K.WGMMA_CONFIGS + PROD_TEST_CONFIGS)))
+    configs = tuple(c[:3] for c in PROD_TEST_CONFIGS)
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", configs)
+    monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {c[:3]: c[3] for c in PROD_TEST_CONFIGS if len(c) > 3})
+    monkeypatch.setattr(K, "WGMMA_CONFIGS", tuple(dict.fromkeys(K.WGMMA_CONFIGS + configs)))
     yield from _rebuilt(K.WGMMA_PROD_CONFIGS)
 
 
@@ -260,10 +263,11 @@ def test_producer_form(fmt, prod_configs):
     """The producer form matches the reference: whole tiles, uneven K splits, stream-K with pieces
     crossing tiles (where every CTA gets a stage), M with partial token tiles (TMA fills rows past M
     with zeros), bias; NaN-poisoned outputs; counters back to zero; 256 threads per CTA; an unbuilt
-    producer config is a clear error. Two strips (fw = 1): bit-identical to the plain kernel of the
-    same config (the same arithmetic per strip, the same split-K order). Four strips (fw = 2): one
-    accumulator set where the plain 32-token kernel keeps two (NACC), so the fp32 sums round
-    differently; there each result must repeat bit for bit instead."""
+    producer config is a clear error. Two strips (fw = 1) at two CTAs per SM: bit-identical to the
+    plain kernel of the same config (the same arithmetic per strip, the same split-K order). Four
+    strips (fw = 2) or three CTAs per SM: one accumulator set where the plain 32-token kernel keeps
+    two (NACC), so the fp32 sums round differently; there each result must repeat bit for bit
+    instead."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
@@ -279,9 +283,10 @@ def test_producer_form(fmt, prod_configs):
                     continue
                 assert G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, None, False, True).threads == 256
                 stages = -(-m // nt) * (n // (128 * fw)) * (k // 64)
-                for splits in (None, 3) + ((-1,) if stages >= 2 * sms else ()):
+                ctas = K.prod_ctas((nt, fw, st))
+                for splits in (None, 3) + ((-1,) if stages >= ctas * sms else ()):
                     cfg = (nt, fw, st, splits, False)
-                    if fw == 1:
+                    if fw == 1 and ctas == 2:
                         _check_form(a, packed, m, n, k, dtype, cfg, bias, ref, tol, "producer form")
                     else:
                         got = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
@@ -294,18 +299,16 @@ def test_producer_form(fmt, prod_configs):
 
 
 def test_producer_form_route():
-    """The automatic config takes the producer form of (64, 1, 6) at M = 33-64 and of (32, 1, 8) at
-    M = 17-32 (4-bit) on large problems only, (32, 2, 6) (four strips) where K*N > 2^26 and N % 256
-    == 0, and that launch is what the public op runs there (checked against the reference)."""
+    """The automatic config takes the producer form of (64, 1, 6) at M = 33-64 and of (32, 1, 6) at
+    three CTAs per SM at M = 17-32 (4-bit) on large problems only, and that launch is what the public
+    op runs there (checked against the reference)."""
     fam = K.Family("f16", 4, False, 128)
     for m, n, k, want in ((64, 28672, 8192, 64), (33, 8192, 28672, 64), (64, 8192, 8192, 0), (64, 4096, 4096, 0),
                           (32, 28672, 8192, 32), (17, 8192, 8192, 32), (17, 4096, 4096, 0), (16, 28672, 8192, 0),
                           (256, 28672, 8192, 0)):
         wl = G.wgmma_launch(m, n, k, fam, 0)
         assert wl.prod is bool(want), (m, n, k)
-        four = want == 32 and k * n > 1 << 26 and n % 256 == 0
-        assert not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (
-            (32, 2, 6, 256) if four else (want, 1, 6 if want == 64 else 8, 256)), (m, n, k)
+        assert not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (want, 1, 6, 256), (m, n, k)
     assert not G.wgmma_launch(32, 28672, 8192, K.Family("f16", 8, False, 128), 0).prod
     k, n = 8192, 8320  # K*N above 2^26, N not a multiple of 256
     packed, w = random_weights(k, n, 4, 128, False, torch.float16, seed=3)
@@ -313,14 +316,17 @@ def test_producer_form_route():
         assert G.wgmma_launch(m, n, k, fam, 0).prod and G.use_wgmma_path(m, n, k, fam, 0)
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m} routed producer")
-    k, n = 8192, 8448  # K*N above 2^26, N % 256 == 0: four strips at M = 17-32
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wl = G.wgmma_launch(32, 28672, 8192, fam, 0)  # 224 tiles on 3 x 132 CTA slots: stream-K over all
+    assert (wl.splits, wl.grid) == (-1, 3 * sms) and K.prod_ctas((32, 1, 6)) == 3
+    k, n = 4096, 28672  # the routed three-CTA kernel through the public op, stream-K pieces across tiles
     packed, w = random_weights(k, n, 4, 128, False, torch.float16, seed=4)
     for m in (17, 24, 32):
-        assert G.wgmma_launch(m, n, k, fam, 0).fw == 2 and G.wgmma_launch(m, n, k, fam, 0).prod
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
-        check_close(out, a.float() @ w, 1e-3, f"M={m} routed four-strip producer")
+        check_close(out, a.float() @ w, 1e-3, f"M={m} routed three-CTA producer")
         assert torch.equal(out, jitmarlin.marlin_gemm(a, packed.b, packed.scales)), m
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("k,n", [(1408, 512), (1536, 512), (1152, 768), (1920, 256)])
