@@ -661,7 +661,8 @@ for st in $STAGES; do
                --configs route,wgmma-n32-f1-s8-p,wgmma-n32-f2-s6-p,wgmma-n32-f1-s6-p,wgmma-n64-f1-s6-p \
                2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s20g.log"
            done;;
-    s20h)  # session 20: 64-token tiles in the producer form at three CTAs per SM (two fragment buffers), M = 33-64
+    s20h)  # session 20 (run; its kernel change reverted, so this stage now stops at the config check): 64-token tiles
+           # in the producer form at three CTAs per SM (two fragment buffers), M = 33-64
            S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
            timeout 200 python3 benchmarks/probe_configs.py --settle 0.1 --m ${S20H_M:-48,64} \
              --shapes $S6 --extra-wgmma 64-1-5-p3,64-1-4-p3 \
