@@ -652,7 +652,8 @@ for st in $STAGES; do
                --configs route,wgmma-n32-f1-s8-p,wgmma-n32-f2-s6-p,wgmma-n32-f1-s6-p,wgmma-n32-f1-s7-p \
                2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s20f.log"
            done;;
-    s20g)  # session 20: the producer form reading the next stage's words one k16 step before the boundary (default)
+    s20g)  # session 20 (run; the early read was reverted, so both builds are now the same): the producer form
+           # reading the next stage's words one k16 step before the boundary (default then)
            # against at the boundary (-DJM_WG_NO_EARLY_PRELOAD); routes and the three-CTA 32-token config
            S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
            for f in "" "-DJM_WG_NO_EARLY_PRELOAD"; do
