@@ -693,8 +693,8 @@ def wgmma_ctas_per_sm(fw: int, prod: tuple[int, int, int] | None = None) -> int:
 
 
 def wgmma_splits(tiles: int, k: int, nt: int, fw: int, sms: int, per_sm: int = 0) -> int:
-    """CTAs per output tile along K: as many as fit the resident CTA slots (two per SM with one
-    strip per warpgroup, one with two), each with at least WGMMA_SPLIT_MIN_STAGES stages, at most 8
+    """CTAs per output tile along K: as many as fit the resident CTA slots (per_sm per SM when given,
+    else two with one strip per warpgroup, one with two), each with at least WGMMA_SPLIT_MIN_STAGES stages, at most 8
     with 32- and 64-token tiles and 4 with 128 (the last CTA reads every split's partials: 32 / 64 KB per
     CTA). H200 (benchmarks/NOTES.md, "wgmma split-K"): 4096^2 M=64 4 splits 12.7 us vs 8 14.2;
     14336x4096 M=64 8 splits 28.0 vs 4 31.8; M=128 4 splits 42.0 vs 8 44.5."""
@@ -759,7 +759,7 @@ class WgmmaLaunch:
     ws: tuple[int, int]  # (floats, counters) to reserve when splits != 1 (at least wgmma_split_bound)
     pdl: bool
     nt: int  # tokens per tile (the TMA box of the activations)
-    threads: int = 256  # 512: the wide form (four warpgroups of one strip); the producer form 128 (fw + 1)
+    threads: int = 256  # 512: the wide form (four warpgroups of one strip); the producer form K.WGMMA_PROD_THREADS
     fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
     stages: int = 4
     prod: bool = False  # the producer form (its activations by TMA at every token tile)
@@ -810,7 +810,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod),
                        K.wgmma_smem_bytes(fam, nt, fw, stages), m_tiles, grid, splits,
                        (max(floats, wgmma_split_bound(sms)), counters), use_pdl(_cc(index)), nt,
-                       K.prod_threads(fw) if prod else 512 if wide else 256, fw, stages, prod)
+                       K.WGMMA_PROD_THREADS if prod else 512 if wide else 256, fw, stages, prod)
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
