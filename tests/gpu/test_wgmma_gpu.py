@@ -207,6 +207,18 @@ def _rebuilt(configs):
     G.wgmma_launch.cache_clear()
 
 
+def _form_cases(fmt, shapes, seed):
+    """The cases of the form tests: for each (K, N, Ms) random weights of format fmt and a bias, then per
+    M random activations and the reference (fp32, with bias): yields (k, n, m, a, packed, bias, ref)."""
+    dtype, bits, group, zp = fmt
+    for k, n, ms in shapes:
+        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=seed)
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        for m in ms:
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            yield k, n, m, a, packed, bias, a.float() @ w + bias.float()
+
+
 def _check_form(a, packed, m, n, k, dtype, cfg, bias, ref, tol, label):
     """Config `cfg` in its other form (the flag appended to cfg: wide or producer) matches the
     reference and equals the plain form bit for bit."""
@@ -223,18 +235,14 @@ def test_wide_form(fmt, wide_configs):
     to zero; asking for a wide kernel that is not built is a clear error."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
-    for k, n, ms in ((5120, 512, (17, 64, 100, 257)), (1024, 2048, (33, 128, 300))):
-        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=7)
-        bias = torch.randn(n, device="cuda", dtype=dtype)
-        for m in ms:
-            a = torch.randn(m, k, device="cuda", dtype=dtype)
-            ref = a.float() @ w + bias.float()
-            for nt, fw, st in wide_configs:
-                # stream-K only with at least one stage per CTA (wgmma_launch refuses fewer)
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                stream = -(-m // nt) * (n // (128 * fw)) * (k // 64) >= sms
-                for splits in ((None, 3, -1) if nt == 64 and stream else (None, 3)):
-                    _check_form(a, packed, m, n, k, dtype, (nt, fw, st, splits), bias, ref, tol, "wide")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = ((5120, 512, (17, 64, 100, 257)), (1024, 2048, (33, 128, 300)))
+    for k, n, m, a, packed, bias, ref in _form_cases(fmt, shapes, seed=7):
+        for nt, fw, st in wide_configs:
+            # stream-K only with at least one stage per CTA (wgmma_launch refuses fewer)
+            stream = -(-m // nt) * (n // (128 * fw)) * (k // 64) >= sms
+            for splits in ((None, 3, -1) if nt == 64 and stream else (None, 3)):
+                _check_form(a, packed, m, n, k, dtype, (nt, fw, st, splits), bias, ref, tol, "wide")
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
     with pytest.raises(ValueError, match="no wide"):
@@ -272,26 +280,22 @@ def test_producer_form(fmt, prod_configs):
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for k, n, ms in ((5120, 512, (9, 64, 100, 257)), (1024, 28672, (33, 200))):
-        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=9)
-        bias = torch.randn(n, device="cuda", dtype=dtype)
-        for m in ms:
-            a = torch.randn(m, k, device="cuda", dtype=dtype)
-            ref = a.float() @ w + bias.float()
-            for nt, fw, st in prod_configs:
-                if nt < m // 4 or (k == 1024 and nt == 128 and m < 100):
-                    continue
-                assert G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, None, False, True).threads == 256
-                stages = -(-m // nt) * (n // (128 * fw)) * (k // 64)
-                ctas = K.prod_ctas((nt, fw, st))
-                for splits in (None, 3) + ((-1,) if stages >= ctas * sms else ()):
-                    cfg = (nt, fw, st, splits, False)
-                    if fw == 1 and ctas == 2:
-                        _check_form(a, packed, m, n, k, dtype, cfg, bias, ref, tol, "producer form")
-                    else:
-                        got = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
-                        check_close(got, ref, tol, f"K={k} N={n} M={m} config={cfg} four-strip producer form")
-                        assert torch.equal(got, run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)), (k, n, m, cfg)
+    shapes = ((5120, 512, (9, 64, 100, 257)), (1024, 28672, (33, 200)))
+    for k, n, m, a, packed, bias, ref in _form_cases(fmt, shapes, seed=9):
+        for nt, fw, st in prod_configs:
+            if nt < m // 4 or (k == 1024 and nt == 128 and m < 100):
+                continue
+            assert G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, None, False, True).threads == 256
+            stages = -(-m // nt) * (n // (128 * fw)) * (k // 64)
+            ctas = K.prod_ctas((nt, fw, st))
+            for splits in (None, 3) + ((-1,) if stages >= ctas * sms else ()):
+                cfg = (nt, fw, st, splits, False)
+                if fw == 1 and ctas == 2:
+                    _check_form(a, packed, m, n, k, dtype, cfg, bias, ref, tol, "producer form")
+                else:  # four strips or three CTAs per SM: one accumulator set (see the docstring)
+                    got = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
+                    check_close(got, ref, tol, f"K={k} N={n} M={m} config={cfg} ctas={ctas} producer form")
+                    assert torch.equal(got, run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)), (k, n, m, cfg)
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
     with pytest.raises(ValueError, match="no producer-form"):
         G.wgmma_launch(64, 1024, 1024, fam, 0, 64, 2, 4, None, False, True)
