@@ -669,6 +669,31 @@ for st in $STAGES; do
              --shapes $S6 --extra-wgmma 64-1-5-p3,64-1-4-p3 \
              --configs route,wgmma-n64-f1-s5-p,wgmma-n64-f1-s4-p \
              2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s20h.log";;
+    s21c)  # session 21: the wgmma kernel's 16-token tiles (plain, stream-K, producer form at two or three CTAs
+           # per SM, deeper rings) against the route at M = 9 / 16: 8-bit weights (#4: 1.7x fp16 at M <= 16) and
+           # 4-bit on the #3 shapes (4096x28672, 8192^2)
+           S4=8192x28672,28672x8192,4096x28672,8192x8192
+           for b in 8 4; do
+             sh=$S4; [ $b = 4 ] && sh=4096x28672,8192x8192
+             timeout 150 python3 benchmarks/probe_configs.py --settle 0.1 --bits $b --m 9,16 --shapes $sh \
+               --extra-wgmma 16-1-8-p,16-1-12-p,16-2-8-p \
+               --configs route,wgmma-n16-f1-s8,wgmma-n16-f1-s8-sk,wgmma-n16-f1-s8-p,wgmma-n16-f1-s12-p,wgmma-n16-f2-s8-p \
+               2>&1 | grep "us (floor\|Error\|error" | sed "s/^/[u$b] /" | tee -a "$OUT/s21c.log"
+             timeout 120 python3 benchmarks/probe_configs.py --settle 0.1 --bits $b --m 9,16 --shapes $sh \
+               --extra-wgmma 16-1-8-p3,16-1-12-p3 --configs wgmma-n16-f1-s8-p,wgmma-n16-f1-s12-p \
+               2>&1 | grep "us (floor\|Error\|error" | sed "s/^/[u$b three CTAs] /" | tee -a "$OUT/s21c.log"
+           done;;
+    s21d)  # session 21: where 8-bit M = 9-16 should take the 16-token producer form (s21c: 28672x8192 66.2 -> 60.9 us,
+           # 4096x28672 36.8 -> 32.5): fp16 and bf16, M = 9 / 12 / 16, the benchmark and Llama / Qwen-sized shapes
+           SH=${S21D_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096,4096x11008,11008x4096,5120x13824,13824x5120,4096x12288,2048x5632}
+           for dt in f16 bf16; do
+             timeout 200 python3 benchmarks/probe_configs.py --settle 0.1 --bits 8 --dtype $dt --m 9,12,16 --shapes $SH \
+               --extra-wgmma 16-1-8-p,16-1-6-p --configs route,wgmma-n16-f1-s8-p,wgmma-n16-f1-s6-p \
+               2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s21d.log"
+             timeout 150 python3 benchmarks/probe_configs.py --settle 0.1 --bits 8 --dtype $dt --m 9,16 --shapes $SH \
+               --extra-wgmma 16-1-8-p3 --configs wgmma-n16-f1-s8-p \
+               2>&1 | grep "us (floor\|Error\|error" | sed "s/^/[three CTAs] /" | tee -a "$OUT/s21d.log"
+           done;;
     s20a)  # prepared in session 19 (NOT run): where the wgmma kernel's data path loses at M = 32-64 (alone: 47 us
            # vs a 30 us floor on 8192x28672 M=64). With and without the activation copies (-DJM_WG_NO_ACT: the
            # weight stream alone); the producer route and the plain kernel. Activations are re-read from L2 by

@@ -185,6 +185,13 @@ def test_wgmma_route_rules(monkeypatch, setting):
                 (16, 4096, 4096, fam8), (8, 4096, 4096, fam), (32, 8192, 28672, fam))]
         assert mid == {None: [True, True, False, True, True, False, True], "0": [False] * 7,
                        "1": [True, True, False, False, False, False, True]}[setting]
+        # M = 9-16, fp16 8-bit weights from K*N = 2^26 with N >= 8192: the 16-token producer form (session 21)
+        n16 = [G.use_wgmma_path(m, n, k, f, 0) for m, k, n, f in
+               ((9, 28672, 8192, fam8), (16, 4096, 28672, fam8), (12, 8192, 8192, fam8), (16, 5120, 13824, fam8),
+                (16, 13824, 5120, fam8), (16, 14336, 4096, fam8), (16, 4096, 12288, fam8), (8, 28672, 8192, fam8),
+                (17, 28672, 8192, fam8), (16, 28672, 8192, bf8), (16, 28672, 8192, fam))]
+        assert n16 == {None: [True] * 4 + [False] * 4 + [True, False, False], "0": [False] * 11,
+                       "1": [False] * 8 + [True, False, False]}[setting]
         for m, k, n in ((16, 4096, 28672), (256, 4096, 28672 + 64), (256, 4096 + 32, 28672)):
             assert not G.use_wgmma_path(m, n, k, fam, 0)  # shapes the kernel does not tile
         assert not G.use_wgmma_path(256, 28672, 4096, fam, 1)  # not sm_90
@@ -234,7 +241,14 @@ def test_wgmma_route_rules(monkeypatch, setting):
         # 32-token tiles: (32, 1, 6) at three CTAs per SM since session 20
         assert all(v == (32, 1, 6) for (k, n, m), v in prod.items() if v and m <= 32)
         assert all(v == (64, 1, 6) for (k, n, m), v in prod.items() if v and m > 32)
-        assert set(K.WGMMA_PROD_CONFIGS) == {(64, 1, 6), (32, 1, 6)}  # built by default
+        assert set(K.WGMMA_PROD_CONFIGS) == {(64, 1, 6), (32, 1, 6), (16, 1, 8)}  # built by default
+        # 16-token tiles: fp16 8-bit weights only, K*N >= 2^26 and N >= 8192 (session 21)
+        n16 = {(k, n, f.dtype, f.bits): G.wgmma_route_prod(n, k, G.wgmma_route_config(16, n, k, 132), f)
+               for k, n in shapes + ((5120, 13824), (13824, 5120)) for f in (f4, f8, K.Family("bf16", 8, False, 128))}
+        assert {key for key, v in n16.items() if v} == {(k, n, "f16", 8) for k, n in
+                                                        ((8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192),
+                                                         (8192, 8320), (5120, 13824))}
+        assert all(v == (16, 1, 8) for v in n16.values() if v) and K.prod_ctas((16, 1, 8)) == 2
         assert K.prod_ctas((32, 1, 6)) == 3 and K.prod_ctas((64, 1, 6)) == 2
         assert G.wgmma_ctas_per_sm(1, (32, 1, 6)) == 3
         assert G.wgmma_route_prod(28672, 8192, (32, 2, 8, False), f8) is None  # 8-bit 32-token tiles: plain

@@ -297,9 +297,10 @@ WGMMA_WIDE_CONFIGS: tuple[tuple[int, int, int], ...] = ((128, 2, 4),)
 # FW = 2 (256 features, session 20): four strips, token tiles of up to 32 (64 tokens: slower, and the
 # stream-K partial sums would outgrow gemm.wgmma_split_bound; 128: too many accumulators); probes only.
 # (Session 19's FW = 2 form, two compute warpgroups of two strips and one CTA per SM, lost 5-10%.)
-# (64, 1, 6) and (32, 1, 6) at three CTAs per SM: routed on large problems (gemm.wgmma_route_prod);
-# probes add others (probe_configs.py --extra-wgmma NT-FW-STAGES-p, or -p3 for three CTAs per SM).
-WGMMA_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (32, 1, 6))
+# (64, 1, 6), (32, 1, 6) at three CTAs per SM and (16, 1, 8) (fp16 8-bit weights at M = 9-16, session
+# 21): routed on large problems (gemm.wgmma_route_prod); probes add others (probe_configs.py
+# --extra-wgmma NT-FW-STAGES-p, or -p3 for three CTAs per SM).
+WGMMA_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((64, 1, 6), (32, 1, 6), (16, 1, 8))
 WGMMA_PROD_FW2_MAX_NT = 32
 # Producer configs built for three CTAs per SM instead of two (12 compute warps per SM; 120 registers
 # per compute thread, one accumulator set: FW = 1 and token tiles of up to 32 only, where ptxas keeps

@@ -567,7 +567,8 @@ def use_wgmma_path(m: int, n: int, k: int, fam: Family, index: int) -> bool:
     if fam.moe or m < WGMMA_N16_M[0] or n % 128 or k % 64:
         return False
     if m < WGMMA_AUTO_M[0]:
-        wanted = m <= WGMMA_N16_M[1] and k * n <= WGMMA_N16_MAX_KN  # (8-bit too since session 16)
+        wanted = m <= WGMMA_N16_M[1] and (k * n <= WGMMA_N16_MAX_KN  # (8-bit too since session 16)
+                                          or wgmma_route_prod(n, k, WGMMA_PROD_N16 + (False,), fam) is not None)
         return wanted and wgmma_setting() == "auto" and wgmma_allowed(fam, index, True)
     if m <= 32:  # (above WGMMA_N32_MAX_KN: only the 32-token producer form, wgmma_route_prod)
         wanted = (fam.bits == 8 or k * n <= WGMMA_N32_MAX_KN
@@ -656,7 +657,16 @@ def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> t
 # - 32-token tiles at M = 17-32, 4-bit, route -> (32, 1, 8) producer: 8192x28672 65.9 -> 64.7
 #   (M=32), 28672x8192 67.5 -> 63.6, 4096x28672 39.0 -> 36.1, 8192^2 25.0 -> 23.3 (the route was the
 #   mma.sync 32-row kernel above K*N = 2^27, the plain wgmma kernel below).
-# (16, 1, 8) in the producer form lost to the route at M = 9-16 (8192x28672 59.0 vs 42.6): not routed.
+# (16, 1, 8) in the producer form lost to the route at M = 9-16 for 4-bit weights (8192x28672 59.0 vs
+# 42.6; session 21: 4096x28672 M=16 32.7 vs 26.0, 8192^2 20.0 vs 19.1).
+# - session 21: fp16 8-bit weights at M = 9-16 take (16, 1, 8) (two CTAs per SM) where K*N >= 2^26 and
+#   N >= 8192 (probe_configs, s21d, us, route = the six-slot mma.sync ring -> producer form, M = 9 / 16):
+#   28672x8192 66.6 / 66.4 -> 61.1 / 61.1, 4096x28672 37.4 / 37.3 -> 32.2 / 32.5, 8192^2 23.8 / 23.3 ->
+#   22.4 / 22.4, 5120x13824 25.0 / 24.3 -> 23.0 / 23.1, 8192x28672 64.2 / 63.8 -> 63.5 / 64.0 (level).
+#   Not taken: 13824x5120 (27.9 / 26.7 -> 27.9 / 28.4), 14336x4096 (+5-10%), 4096x12288 (+1-3%),
+#   2048x5632 and 4096^2 (+0-5%; the last already runs the plain 16-token tile), bf16 (its dequantization
+#   is costlier: 3-20% slower on most shapes; faster only on 8192^2 and the K or N = 11008 Llama shapes).
+#   Also faster but below the bounds: 4096x11008 18.9 -> 16.8, 11008x4096 21.5 -> 20.3 (M=9).
 # - session 20: 32-token tiles at three CTAs per SM ((32, 1, 6), K.WGMMA_PROD_CTAS: 12 compute warps per
 #   SM) where K*N >= 2^26 (4-bit): probe_configs, us, M = 32, (32, 1, 8) at two CTAs per SM / the
 #   four-strip (32, 2, 6) / (32, 1, 6) at three: 8192x28672 64.9 / 59.0 / 56.0, 28672x8192 63.8 / 56.7 /
@@ -665,6 +675,9 @@ def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> t
 WGMMA_PROD_ABOVE_KN = 1 << 26  # 64-token tiles: K*N strictly above this
 WGMMA_PROD_N32_MIN_KN = 1 << 26  # 32-token tiles (4-bit): K*N at least this
 WGMMA_PROD_N32 = (32, 1, 6)
+WGMMA_PROD_N16 = (16, 1, 8)  # fp16 8-bit weights, M = 9-16:
+WGMMA_PROD_N16_MIN_KN = 1 << 26  # K*N at least this
+WGMMA_PROD_N16_MIN_N = 8192  # and N at least this
 
 
 def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family) -> tuple | None:
@@ -677,6 +690,9 @@ def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Famil
     if (cfg[0] == 32 and fam.bits == 4 and k * n >= WGMMA_PROD_N32_MIN_KN and n % 128 == 0
             and WGMMA_PROD_N32 in K.WGMMA_PROD_CONFIGS):
         return WGMMA_PROD_N32
+    if (cfg[0] == 16 and fam.bits == 8 and fam.dtype == "f16" and k * n >= WGMMA_PROD_N16_MIN_KN
+            and n >= WGMMA_PROD_N16_MIN_N and n % 128 == 0 and WGMMA_PROD_N16 in K.WGMMA_PROD_CONFIGS):
+        return WGMMA_PROD_N16
     return None
 
 

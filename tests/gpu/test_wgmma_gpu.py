@@ -303,9 +303,9 @@ def test_producer_form(fmt, prod_configs):
 
 
 def test_producer_form_route():
-    """The automatic config takes the producer form of (64, 1, 6) at M = 33-64 and of (32, 1, 6) at
-    three CTAs per SM at M = 17-32 (4-bit) on large problems only, and that launch is what the public
-    op runs there (checked against the reference)."""
+    """The automatic config takes the producer form of (64, 1, 6) at M = 33-64, of (32, 1, 6) at
+    three CTAs per SM at M = 17-32 (4-bit) and of (16, 1, 8) at M = 9-16 (fp16 8-bit) on large problems
+    only, and that launch is what the public op runs there (checked against the reference)."""
     fam = K.Family("f16", 4, False, 128)
     for m, n, k, want in ((64, 28672, 8192, 64), (33, 8192, 28672, 64), (64, 8192, 8192, 0), (64, 4096, 4096, 0),
                           (32, 28672, 8192, 32), (17, 8192, 8192, 32), (17, 4096, 4096, 0), (16, 28672, 8192, 0),
@@ -329,6 +329,22 @@ def test_producer_form_route():
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
         check_close(out, a.float() @ w, 1e-3, f"M={m} routed three-CTA producer")
+        assert torch.equal(out, jitmarlin.marlin_gemm(a, packed.b, packed.scales)), m
+    # fp16 8-bit weights at M = 9-16 from K*N = 2^26 with N >= 8192: the 16-token producer form (session 21)
+    f8 = K.Family("f16", 8, False, 128)
+    for m, n, k, want in ((9, 28672, 4096, True), (16, 8192, 8192, True), (16, 4096, 14336, False),
+                          (16, 28672, 4096, True)):
+        assert G.use_wgmma_path(m, n, k, f8, 0) is want, (m, n, k)
+        if want:
+            wl = G.wgmma_launch(m, n, k, f8, 0)
+            assert wl.prod and (wl.nt, wl.fw, wl.stages, wl.threads) == (16, 1, 8, 256), (m, n, k)
+    assert not G.use_wgmma_path(16, 28672, 4096, K.Family("bf16", 8, False, 128), 0)
+    k, n = 4096, 28672
+    packed, w = random_weights(k, n, 8, 128, False, torch.float16, seed=6)
+    for m in (9, 13, 16):
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
+        check_close(out, a.float() @ w, 1e-3, f"M={m} routed 8-bit 16-token producer")
         assert torch.equal(out, jitmarlin.marlin_gemm(a, packed.b, packed.scales)), m
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
