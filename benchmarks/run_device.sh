@@ -694,8 +694,9 @@ for st in $STAGES; do
                --extra-wgmma 16-1-8-p3 --configs wgmma-n16-f1-s8-p \
                2>&1 | grep "us (floor\|Error\|error" | sed "s/^/[three CTAs] /" | tee -a "$OUT/s21d.log"
            done;;
-    s21e)  # session 21: the wgmma kernel keeping a group's scale registers over its second stage (default) against
-           # reloading them at every stage (-DJM_WG_RELOAD_GROUPS; bit-identical results), routes at M = 32 / 64 / 256
+    s21e)  # session 21 (run; the kept-registers change was reverted, so both builds are now the same): the wgmma
+           # kernel keeping a group's scale registers over its second stage (default then) against reloading them
+           # at every stage (-DJM_WG_RELOAD_GROUPS; bit-identical results), routes at M = 32 / 64 / 256
            S6=8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096
            for f in "" "-DJM_WG_RELOAD_GROUPS" "" "-DJM_WG_RELOAD_GROUPS"; do
              JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py --settle 0.1 --m ${S21E_M:-32,64,256} \

@@ -730,16 +730,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         cp_async_commit();
       }
       preload(smem + slot * S::kBytes);
-      // a group of 128 spans two stages: the second keeps the first's scale (and zero-point) registers
-      // (the same values; session 20's ncu source page put the boundary's scale LDS -> PRMT first among
-      // the compute warps' stalls). -DJM_WG_RELOAD_GROUPS: reload at every stage (A/B switch).
-#if defined(JM_WG_RELOAD_GROUPS)
-      constexpr bool kKeepGroups = false;
-#else
-      constexpr bool kKeepGroups = kGrouped && S::kRows == 1;
-#endif
-      if (!kKeepGroups || (kt0 + kt + 1) * 4 / GROUP_BLOCKS != (kt0 + kt) * 4 / GROUP_BLOCKS)
-        load_groups(smem + slot * S::kBytes);
+      load_groups(smem + slot * S::kBytes);
       dequant(smem + slot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
     }
   }
