@@ -323,13 +323,8 @@ def test_producer_form_route():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     wl = G.wgmma_launch(32, 28672, 8192, fam, 0)  # 224 tiles on 3 x 132 CTA slots: stream-K over all
     assert (wl.splits, wl.grid) == (-1, 3 * sms) and K.prod_ctas((32, 1, 6)) == 3
-    k, n = 4096, 28672  # the routed three-CTA kernel through the public op, stream-K pieces across tiles
-    packed, w = random_weights(k, n, 4, 128, False, torch.float16, seed=4)
-    for m in (17, 24, 32):
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
-        check_close(out, a.float() @ w, 1e-3, f"M={m} routed three-CTA producer")
-        assert torch.equal(out, jitmarlin.marlin_gemm(a, packed.b, packed.scales)), m
+    # the routed three-CTA kernel through the public op, stream-K pieces across tiles
+    _routed_op_matches(4096, 28672, 4, (17, 24, 32), 4, "routed three-CTA producer")
     # fp16 8-bit weights at M = 9-16 from K*N = 2^26 with N >= 8192: the 16-token producer form (session 21)
     f8 = K.Family("f16", 8, False, 128)
     for m, n, k, want in ((9, 28672, 4096, True), (16, 8192, 8192, True), (16, 4096, 14336, False),
@@ -339,14 +334,19 @@ def test_producer_form_route():
             wl = G.wgmma_launch(m, n, k, f8, 0)
             assert wl.prod and (wl.nt, wl.fw, wl.stages, wl.threads) == (16, 1, 8, 256), (m, n, k)
     assert not G.use_wgmma_path(16, 28672, 4096, K.Family("bf16", 8, False, 128), 0)
-    k, n = 4096, 28672
-    packed, w = random_weights(k, n, 8, 128, False, torch.float16, seed=6)
-    for m in (9, 13, 16):
+    _routed_op_matches(4096, 28672, 8, (9, 13, 16), 6, "routed 8-bit 16-token producer")
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+
+
+def _routed_op_matches(k, n, bits, ms, seed, label):
+    """marlin_gemm on fp16 weights of `bits` (g128) at each M of ms: matches the reference (fp32), and a
+    second call is bit-identical."""
+    packed, w = random_weights(k, n, bits, 128, False, torch.float16, seed=seed)
+    for m in ms:
         a = torch.randn(m, k, device="cuda", dtype=torch.float16)
         out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
-        check_close(out, a.float() @ w, 1e-3, f"M={m} routed 8-bit 16-token producer")
+        check_close(out, a.float() @ w, 1e-3, f"M={m} {label}")
         assert torch.equal(out, jitmarlin.marlin_gemm(a, packed.b, packed.scales)), m
-    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("k,n", [(1408, 512), (1536, 512), (1152, 768), (1920, 256)])
