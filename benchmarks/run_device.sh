@@ -694,6 +694,24 @@ for st in $STAGES; do
                --extra-wgmma 16-1-8-p3 --configs wgmma-n16-f1-s8-p \
                2>&1 | grep "us (floor\|Error\|error" | sed "s/^/[three CTAs] /" | tee -a "$OUT/s21d.log"
            done;;
+    s22a)  # session 22: one 64-column unit per CTA, K split only inside the CTA (k-split warps meeting in shared
+           # memory), so no unit is split across CTAs and the global fixup (3-5 us at M = 1-16, NOTES session 11)
+           # never runs: N / 64 CTAs (-g), against the route, M = 1 / 16
+           P="timeout 240 python3 benchmarks/probe_configs.py --settle 0.1 --m 1,16"
+           T1=w16_k128_s8_bk_ks4,w16_k128_s12_bk_ks4,w16_k128_s12_bk_ks8,w8_k128_s12_bk_ks4,w8_k128_s12_bk_ks8
+           for sh in 8192x8192 28672x8192; do
+             $P --shapes $sh --extra-tiles $T1 --configs route,w16_k128_s8_bk_ks4-w1-g128,w16_k128_s12_bk_ks4-w1-g128,w16_k128_s12_bk_ks8-w1-g128,w8_k128_s12_bk_ks4-w1-g128,w8_k128_s12_bk_ks8-w1-g128 \
+               2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s22a.log"
+           done
+           T2=w16_k128_s4_bk_ks4,w8_k128_s6_bk_ks4
+           for sh in 4096x28672 8192x28672; do
+             $P --shapes $sh --extra-tiles $T2 --configs route,w16_k128_s4_bk_ks4-w1-g448,w16_k128_s4_bk_ks4-w2-g224,w8_k128_s6_bk_ks4-w1-g448,w8_k128_s6_bk_ks4-w2-g224 \
+               2>&1 | grep "us (floor\|Error\|error" | tee -a "$OUT/s22a.log"
+           done;;
+    s22b)  # session 22 (run; the resident-row act-order twins were not kept, so this stage only says so):
+           # act-order at M <= 8 with the A rows whole in the GEMM's shared memory and the producer warp gathering
+           # each k tile's columns there (no gather kernel); design and numbers in NOTES.md, session 22
+           echo "s22b: the AROWS twins are not on main (NOTES.md, session 22); nothing to run";;
     s21e)  # session 21 (run; the kept-registers change was reverted, so both builds are now the same): the wgmma
            # kernel keeping a group's scale registers over its second stage (default then) against reloading them
            # at every stage (-DJM_WG_RELOAD_GROUPS; bit-identical results), routes at M = 32 / 64 / 256
