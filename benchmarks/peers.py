@@ -28,6 +28,12 @@ Install on the GPU machine (wheels carried in .whl/, ignored by git; every depen
 
 Self-test (builds each peer on a random layer and checks it; prints JSON; exit status 1 if a check fails):
     python3 benchmarks/peers.py --k 4096 --n 4096 --m 1 16 128 [--peers torch_int4 humming gemlite gemlite_hqq]
+
+MoE peer (used by bench_moe.py): ``make_humming_moe(w13, w13_scale, w2, w2_scale, group_size, device)`` builds
+:class:`HummingMoE`, Humming's two expert GEMMs (gate/up w13 [E, 2I, H], down w2 [E, H, I]) in its "indexed" MoE
+mode, or returns ``None`` with the reason in ``unavailable["humming_moe"]``. ``indexed_tables`` turns a routing
+[T, k] into the tables that mode reads (the vLLM moe_align_block_size contract); ``check_humming_moe`` compares
+sampled output rows with the dequantized experts.
 """
 
 from __future__ import annotations
@@ -418,6 +424,280 @@ def random_layer(k: int, n: int, group_size: int = 128, device="cpu", seed: int 
     q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
     scales = (torch.rand(k // group_size, n, generator=gen) * 0.5 + 0.75) / (4.6 * math.sqrt(k))
     return q.to(device), scales.to(torch.float16).to(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# humming MoE: the two expert GEMMs of an MoE layer in Humming's "indexed" mode (bench_moe.py's peer)
+#
+# Humming's indexed GEMM (humming/ops/gemm.py humming_gemm, launcher csrc/launcher/launcher.cpp) takes
+# sorted_ids / expert_ids / num_tokens_padded (int32, on the device) and top_k: block b of BlockShape::M rows
+# uses expert expert_ids[b]; row r of the block reads activation row sorted_ids[b*M + r] // top_k and writes
+# output row sorted_ids[b*M + r] of an output [rows(inputs) * top_k, N] (include/humming/scheduler.cuh
+# fetch_moe_index_block, calc_m_blocks reads num_tokens_padded[0]). The block size M must be the kernel's
+# block_shape[0], which Humming's heuristics choose per M = tokens * top_k, so the peer resolves the tuning
+# config itself (one config dict per GEMM, passed as tuning_config) and builds the tables for its block_shape[0].
+
+HUMMING_MOE = "humming_moe"
+# ComputeConfig(gemm_type="indexed"), as the JSON string humming_forward accepts
+_INDEXED_COMPUTE = json.dumps({"gemm_type": "indexed"})
+
+
+def humming_expert_tensors(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert in the common form (q [K, N] in [0, 16), scales [K/G, N]) -> Humming's 'humming' checkpoint form
+    as _make_humming loads it: weight int32 [N, K/8] (little-endian nibbles along K), weight_scale [N, K/G]."""
+    return pack_k_lsb_first(q.t()), scales.t().contiguous()
+
+
+def indexed_tables(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Routing [T, k] -> the tables of Humming's indexed MoE GEMM (the vLLM moe_align_block_size contract).
+
+    Slot s = t*k + j is token t's j-th expert. Returns, on topk_ids' device:
+      sorted_ids  int32 [T*k + E*(block_m-1)]: the slots grouped by expert (ascending expert, ascending slot within
+                  an expert), each expert's run padded to a multiple of block_m with the sentinel T*k; entries past
+                  num_padded hold the sentinel too
+      expert_ids  int32 [ceil(len(sorted_ids) / block_m)]: the expert of each block (blocks past num_padded: E-1;
+                  the kernel never reads them)
+      num_padded  int32 [1]: sum over experts of ceil(count / block_m) * block_m
+    Synchronises with the host (a benchmark computes it once, outside the timed region).
+    """
+    if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
+        raise ValueError(f"topk_ids must be an integer tensor [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if num_experts <= 0 or block_m <= 0:
+        raise ValueError(f"num_experts={num_experts} and block_m={block_m} must be positive")
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    numel = flat.numel()
+    if numel and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts}), found [{int(flat.min())}, {int(flat.max())}]")
+    counts = torch.bincount(flat, minlength=num_experts)  # tokens per expert
+    blocks = (counts + block_m - 1) // block_m  # blocks per expert
+    run_start = torch.cumsum(blocks * block_m, 0) - blocks * block_m  # where each expert's padded run begins
+    order = torch.argsort(flat, stable=True)  # slots by expert, ascending slot within one expert
+    expert_of = flat[order]
+    first = torch.cumsum(counts, 0) - counts  # position of each expert's first slot in `order`
+    place = run_start[expert_of] + torch.arange(numel, device=dev) - first[expert_of]
+    length = numel + num_experts * (block_m - 1)
+    sorted_ids = torch.full((length,), numel, dtype=torch.int32, device=dev)
+    sorted_ids[place] = order.to(torch.int32)
+    num_blocks = -(-length // block_m)
+    expert_ids = torch.full((num_blocks,), num_experts - 1, dtype=torch.int32, device=dev)
+    used = torch.repeat_interleave(torch.arange(num_experts, device=dev), blocks)
+    expert_ids[: used.numel()] = used.to(torch.int32)
+    num_padded = (blocks.sum() * block_m).reshape(1).to(torch.int32)
+    return sorted_ids, expert_ids, num_padded
+
+
+@dataclass
+class HummingMoEPlan:
+    """What one token count needs: a tuning config per GEMM (for M = T*k), the tables for each block size, and
+    the output buffers (given to humming as outputs=, so its launcher checks their shapes)."""
+    tokens: int
+    top_k: int
+    tuning13: dict
+    tuning2: dict
+    tables: dict  # block_m -> (sorted_ids, expert_ids, num_padded)
+    out13: torch.Tensor  # [T*k, 2I]
+    out2: torch.Tensor  # [T*k, H]
+    tuning13_json: str = ""
+    tuning2_json: str = ""
+
+    def __post_init__(self):
+        self.tuning13_json = json.dumps(self.tuning13)
+        self.tuning2_json = json.dumps(self.tuning2)
+
+    @property
+    def block_m13(self) -> int:
+        return int(self.tuning13["block_shape"][0])
+
+    @property
+    def block_m2(self) -> int:
+        return int(self.tuning2["block_shape"][0])
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "top_k": self.top_k, "block_m13": self.block_m13, "block_m2": self.block_m2,
+                "num_padded13": int(self.tables[self.block_m13][2][0]),
+                "num_padded2": int(self.tables[self.block_m2][2][0]),
+                "tuning13": self.tuning13, "tuning2": self.tuning2}
+
+
+class HummingMoE:
+    """Humming's two expert GEMMs: up/gate x [T, H] -> [T*k, 2I] (top_k=k: row = slot, A row = slot // k) and
+    down act [T*k, I] -> [T*k, H] (top_k=1), both W4 (uint4, zero point 8) group G, fp16, indexed mode."""
+
+    name = HUMMING_MOE
+
+    def __init__(self, layer13, layer2, num_experts: int, hidden: int, inter: int, group_size: int,
+                 device: torch.device, dtype: torch.dtype, version: str):
+        self.layer13, self.layer2 = layer13, layer2
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.group_size, self.device, self.dtype, self.version = group_size, device, dtype, version
+
+    @property
+    def note(self) -> str:
+        return (
+            f"humming-kernels {self.version}: two humming.layer.HummingLayer(shape_n=N, shape_k=K, "
+            f"num_experts={self.num_experts}, weight_config={{'dtype': 'uint4', 'group_size': {self.group_size}}}, "
+            f"torch_dtype={self.dtype}) (w13 N=2I={2 * self.inter} K=H={self.hidden}; w2 N=H K=I={self.inter}); "
+            f"load_from_tensors(weight int32 [E,N,K/8], weight_scale [E,N,K/G]); transform(); "
+            f"layer(a, outputs=, sorted_ids=, expert_ids=, num_tokens_padded=, top_k=k (w13) / 1 (w2), "
+            f"compute_config={_INDEXED_COMPUTE}, tuning_config=humming.tune.get_heuristics_config("
+            f"layer.humming_config, shape_m=T*k, gemm_type='indexed')) - humming's own heuristic config for that M, "
+            f"one per GEMM; tables: vLLM moe_align contract padded to that config's block_shape[0], built once "
+            f"outside the timing; "
+            f"the activation between the GEMMs is a precomputed tensor (no SiLU, routing weights or top-k sum timed)"
+        )
+
+    def tuning(self, which: str, m: int) -> dict:
+        from humming.tune import get_heuristics_config  # noqa: PLC0415 - optional dependency
+
+        layer = self.layer13 if which == "w13" else self.layer2
+        cfg = get_heuristics_config(layer.humming_config, shape_m=int(m), gemm_type="indexed", device=self.device)
+        if not isinstance(cfg, dict) or len(cfg.get("block_shape") or ()) != 3:
+            raise RuntimeError(f"humming's heuristics for the indexed {which} GEMM at M={m} returned {cfg!r}; "
+                               f"expected one config dict with a 3-element block_shape")
+        return dict(cfg)
+
+    def plan(self, topk_ids: torch.Tensor) -> HummingMoEPlan:
+        t, k = topk_ids.shape
+        tuning13, tuning2 = self.tuning("w13", t * k), self.tuning("w2", t * k)
+        tables = {}
+        for cfg in (tuning13, tuning2):
+            bm = int(cfg["block_shape"][0])
+            if bm not in tables:
+                tables[bm] = indexed_tables(topk_ids.to(self.device), self.num_experts, bm)
+        out13 = torch.empty(t * k, 2 * self.inter, dtype=self.dtype, device=self.device)
+        out2 = torch.empty(t * k, self.hidden, dtype=self.dtype, device=self.device)
+        return HummingMoEPlan(t, k, tuning13, tuning2, tables, out13, out2)
+
+    def precompile(self, topk_shapes) -> None:
+        """Compile the kernels of every (T, k) in topk_shapes at once (humming builds a list of configs in
+        parallel: HummingKernel.prepare_kernels -> compile_many); later calls with the same configs reuse them."""
+        from humming.kernel.humming import HummingKernel  # noqa: PLC0415
+
+        for which, layer in (("w13", self.layer13), ("w2", self.layer2)):
+            cfgs = []
+            for t, k in topk_shapes:
+                cfg = self.tuning(which, t * k)
+                if cfg not in cfgs:
+                    cfgs.append(cfg)
+            HummingKernel.prepare_kernels(layer.humming_config.to_str(), _INDEXED_COMPUTE,
+                                          json.dumps([[0, 1 << 30, c] for c in cfgs]), device=self.device)
+
+    def up(self, plan: HummingMoEPlan, x: torch.Tensor) -> torch.Tensor:
+        sorted_ids, expert_ids, num_padded = plan.tables[plan.block_m13]
+        return self.layer13(x, outputs=plan.out13, sorted_ids=sorted_ids, expert_ids=expert_ids,
+                            num_tokens_padded=num_padded, top_k=plan.top_k, compute_config=_INDEXED_COMPUTE,
+                            tuning_config=plan.tuning13_json)
+
+    def down(self, plan: HummingMoEPlan, act: torch.Tensor) -> torch.Tensor:
+        sorted_ids, expert_ids, num_padded = plan.tables[plan.block_m2]
+        return self.layer2(act, outputs=plan.out2, sorted_ids=sorted_ids, expert_ids=expert_ids,
+                           num_tokens_padded=num_padded, top_k=1, compute_config=_INDEXED_COMPUTE,
+                           tuning_config=plan.tuning2_json)
+
+    def run(self, plan: HummingMoEPlan, x: torch.Tensor, act: torch.Tensor):
+        """Both GEMMs (what bench_moe times): (out13 [T*k, 2I], out2 [T*k, H])."""
+        return self.up(plan, x), self.down(plan, act)
+
+
+def _humming_moe_layer(weight: torch.Tensor, scale: torch.Tensor, group_size: int, device, dtype):
+    from humming.layer import HummingLayer  # noqa: PLC0415 - optional dependency
+
+    e, n, k8 = weight.shape
+    layer = HummingLayer(
+        shape_n=n,
+        shape_k=k8 * 8,
+        # uint4 without zero point: humming dequantizes (q - 8) * scale, as for the dense peer
+        weight_config={"quant_method": "humming", "dtype": "uint4", "group_size": group_size},
+        num_experts=e,
+        torch_dtype=dtype,
+    ).to(device)
+    tensors = {"weight": weight.to(device), "weight_scale": scale.to(device=device, dtype=dtype)}
+    for name, t in tensors.items():  # load_from_tensors is load_state_dict(strict=False): a wrong name is silent
+        p = getattr(layer, name, None)
+        if p is None or tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
+            have = None if p is None else (tuple(p.shape), p.dtype)
+            raise RuntimeError(f"HummingLayer(num_experts={e}) expects {name} {have}, "
+                               f"we have {(tuple(t.shape), t.dtype)}")
+    layer.load_from_tensors(tensors)
+    layer.transform()
+    return layer
+
+
+def make_humming_moe(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                     group_size: int, device="cuda", dtype=torch.float16):
+    """HummingMoE from the experts in Humming's checkpoint form (humming_expert_tensors, stacked): w13 int32
+    [E, 2I, H/8], w13_scale [E, 2I, H/G], w2 int32 [E, H, I/8], w2_scale [E, H, I/G]. None (reason in
+    unavailable["humming_moe"]) when humming is missing or the layers cannot be built."""
+    name = HUMMING_MOE
+    unavailable.pop(name, None)
+    tracebacks.pop(name, None)
+    try:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise NotImplementedError("humming needs a CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        e, i2, h8 = w13.shape
+        if i2 % 2 or tuple(w2.shape) != (e, h8 * 8, i2 // 2 // 8):
+            raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} are not [E, 2I, H/8] and [E, H, I/8]")
+        if tuple(w13_scale.shape) != (e, i2, h8 * 8 // group_size) or \
+                tuple(w2_scale.shape) != (e, h8 * 8, i2 // 2 // group_size):
+            raise ValueError(f"scales {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)} do not match "
+                             f"group {group_size}")
+        with torch.cuda.device(device):
+            layer13 = _humming_moe_layer(w13, w13_scale, group_size, device, dtype)
+            layer2 = _humming_moe_layer(w2, w2_scale, group_size, device, dtype)
+            torch.cuda.synchronize(device)
+        return HummingMoE(layer13, layer2, e, h8 * 8, i2 // 2, group_size, device, dtype,
+                          _pkg_version("humming-kernels"))
+    except ImportError as ex:
+        _fail(name, f"not installed: {_reason(ex)}", ex)
+    except NotImplementedError as ex:
+        _fail(name, f"unsupported: {_reason(ex)}", ex)
+    except Exception as ex:  # noqa: BLE001 - recorded, never raised
+        _fail(name, f"failed to build: {_reason(ex)}", ex)
+    return None
+
+
+def check_humming_moe(out13: torch.Tensor, out2: torch.Tensor, x: torch.Tensor, act: torch.Tensor,
+                      topk_ids: torch.Tensor, w13_ref: torch.Tensor, w2_ref: torch.Tensor, max_slots: int = 64,
+                      tol: float = 2e-2) -> dict:
+    """Compare sampled output rows of both GEMMs with the plain product: out13[s] vs x[s // k] @ w13_ref[e]^T and
+    out2[s] vs act[s] @ w2_ref[e]^T (fp32), e = topk_ids.flatten()[s]; w13_ref [E, 2I, H] / w2_ref [E, H, I] are the
+    dequantized experts (the same integers and scales). All slots when T*k <= max_slots, else max_slots spread
+    over [0, T*k). Returns {"ok", "rel_err13", "rel_err2", "slots", "error"}; never raises."""
+    res = {"ok": False, "rel_err13": None, "rel_err2": None, "slots": 0, "tol": tol, "error": None}
+    try:
+        t, k = topk_ids.shape
+        n = t * k
+        if tuple(out13.shape) != (n, w13_ref.shape[1]) or tuple(out2.shape) != (n, w2_ref.shape[1]):
+            raise RuntimeError(f"outputs {tuple(out13.shape)} / {tuple(out2.shape)}, expected "
+                               f"{(n, w13_ref.shape[1])} / {(n, w2_ref.shape[1])}")
+        dev = out13.device
+        slots = torch.arange(n, device=dev) if n <= max_slots else \
+            torch.linspace(0, n - 1, max_slots, device=dev).round().long().unique()
+        res["slots"] = int(slots.numel())
+        experts = topk_ids.reshape(-1).to(dev)[slots]
+        ref13 = torch.empty(slots.numel(), w13_ref.shape[1], dtype=torch.float32, device=dev)
+        ref2 = torch.empty(slots.numel(), w2_ref.shape[1], dtype=torch.float32, device=dev)
+        for ex in experts.unique().tolist():
+            sel = (experts == ex).nonzero().flatten()
+            s = slots[sel]
+            ref13[sel] = x[s // k].float() @ w13_ref[ex].float().t()
+            ref2[sel] = act[s].float() @ w2_ref[ex].float().t()
+        got13, got2 = out13[slots].float(), out2[slots].float()
+        if not (torch.isfinite(got13).all() and torch.isfinite(got2).all()):
+            raise RuntimeError("non-finite outputs")
+        res["rel_err13"] = float((got13 - ref13).norm() / ref13.norm().clamp_min(1e-30))
+        res["rel_err2"] = float((got2 - ref2).norm() / ref2.norm().clamp_min(1e-30))
+        res["ok"] = res["rel_err13"] <= tol and res["rel_err2"] <= tol
+        if not res["ok"]:
+            res["error"] = (f"relative error w13 {res['rel_err13']:.3g}, w2 {res['rel_err2']:.3g} > tol {tol:g}: "
+                            f"the adapter (layout, tables or top_k convention) or the kernel is wrong")
+    except Exception as ex:  # noqa: BLE001
+        res["error"] = _reason(ex)
+    return res
 
 
 # ----------------------------------------------------------------------------------------------------------

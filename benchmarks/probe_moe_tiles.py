@@ -62,19 +62,20 @@ def main() -> None:
         K.BULK_TILES = K.BULK_TILES + tuple(t for t in (tile,) if t not in K.BULK_TILES)
         fits, prefs = K.tile_fits, G._preferences
         K.tile_fits = lambda fam, t: fits(fam, t) or t == tile
-        G._preferences = lambda m, n, k, cc=(8, 0), large=False, experts=0: (
+        G._preferences = lambda m, n, k, cc=(8, 0), large=False, experts=0, **kw: (
             (((tile, 4),) if large and prefs(m, n, k, cc, large=large)[0][0].rows == tile.rows else ())
-            + prefs(m, n, k, cc, large=large, experts=experts))
+            + prefs(m, n, k, cc, large=large, experts=experts, **kw))
     if args.no_occ:  # the routes before session 10: no three-CTAs-per-SM tiles first for MoE blocks
         prefs0 = G._preferences
-        G._preferences = lambda m, n, k, cc=(8, 0), large=False, experts=0: prefs0(m, n, k, cc, large=large)
+        G._preferences = lambda m, n, k, cc=(8, 0), large=False, experts=0, **kw: prefs0(m, n, k, cc, large=large,
+                                                                                          **kw)
     extra = tuple(tuple(int(x) for x in c.split("-")) for c in args.wgmma.split(",") if c)
     if extra:  # before the first build: part of the module's cache key; first match wins at launch
         K.WGMMA_MOE_CONFIGS = extra + K.WGMMA_MOE_CONFIGS
         blocks = {c[0] for c in extra}  # token tiles of 16 / 32: expert blocks of that size take the wgmma kernel
         use0 = M._use_wgmma_moe
-        M._use_wgmma_moe = lambda bs, n, k, fam, index: (bs in blocks and n % 128 == 0 and k % 64 == 0) or use0(
-            bs, n, k, fam, index)
+        M._use_wgmma_moe = lambda bs, n, k, fam, index, *rest: (bs in blocks and n % 128 == 0 and k % 64 == 0) or use0(
+            bs, n, k, fam, index, *rest)
     if args.fw is not None:
         M.MOE_WGMMA_FW = args.fw
         if args.fw == 2:  # blocks of 32 with two strips: not in the built set since session 17

@@ -1,0 +1,136 @@
+"""Where one MoE layer's time goes along its chain of kernels: the expert computation cut after
+each of its kernels (alignment, first expert GEMM, SiLU-mul, second expert GEMM, top-k sum), each
+prefix timed as a CUDA graph of back-to-back calls (programmatic launch as in a model), so the
+differences are each kernel's marginal cost in the chain; then each expert GEMM alone on fixed
+routing tables, next to the dense GEMM of the same weight bytes (the active experts' columns side by
+side: N x experts) on the dense route and on the MoE tile.
+
+    python benchmarks/probe_moe_chain.py [--shapes mixtral,e64] [--tokens 1,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402
+import common  # noqa: E402
+
+from jitmarlin.nn.moe import MarlinMoE  # noqa: E402
+from jitmarlin.ops import _kernels as K  # noqa: E402
+from jitmarlin.ops import gemm as G  # noqa: E402
+from jitmarlin.ops import moe as M  # noqa: E402
+from jitmarlin.quant import pack_weights, permute_scales  # noqa: E402
+
+
+def _dense_us(k: int, n: int, m: int, override=None) -> float:
+    q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32)
+    s = (torch.rand(k // 128, n, device="cuda") * 0.02 + 0.005).half()
+    b, sc = pack_weights(q, 4), permute_scales(s)
+    fam = K.Family("f16", 4, False, 128)
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    return common.time_graph(lambda _i: G.launch_gemm(a, b, sc, None, None, out, m, n, k, fam,
+                                                        plan_override=override), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="mixtral,e64")
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--dense", type=int, default=1, help="also time the dense GEMMs of the same weight bytes")
+    ap.add_argument("--tiles", default="", help="comma-separated mma.sync tile tags (e.g. w8_k128_s6_bk_dr1): each "
+                    "expert GEMM alone and the whole layer with that tile first for expert blocks of its row count, "
+                    "built into the MoE family for this run (also where tile_fits keeps it out)")
+    args = ap.parse_args()
+    cands = [K.Tile.from_tag(tg) for tg in args.tiles.split(",") if tg]
+    forced: list = [None]  # the tile taken first while a candidate is timed
+    if cands:  # before the first build: the MoE family's module (and cache key) then holds them
+        K.BULK_TILES = K.BULK_TILES + tuple(tl for tl in cands if tl.bulk and tl not in K.BULK_TILES)
+        fits, prefs = K.tile_fits, G._preferences
+        K.tile_fits = lambda fam, tl: fits(fam, tl) or (fam.moe and tl in cands)
+
+        def prefs_forced(m, n, k, cc=(8, 0), large=False, experts=0, **kw):
+            base = prefs(m, n, k, cc, large=large, experts=experts, **kw)
+            tl = forced[0]
+            return (((tl, 4),) if tl is not None and experts and base[0][0].rows == tl.rows else ()) + base
+        G._preferences = prefs_forced
+    for name in args.shapes.split(","):
+        e, h, i, top_k = bench_moe.SHAPES[name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        moe = MarlinMoE([bench_moe._packed(h, 2 * i, gen) for _ in range(e)],
+                        [bench_moe._packed(i, h, gen) for _ in range(e)],
+                        torch.randn(e, h, device="cuda", generator=gen) * 0.05, top_k)
+        for t in (int(v) for v in args.tokens.split(",")):
+            x = torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen)
+            weights, ids = moe.route(x)
+            active = int(torch.unique(ids).numel())
+            bs = M.choose_block_size(t, top_k, e)
+            tw = weights.reshape(-1).to(torch.float32)
+
+            def chain(upto: int):
+                sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, bs, e)
+                if upto == 0:
+                    return sorted_ids
+                c1 = M.moe_gemm(x, moe.w13_qweight, moe.w13_scales, None, sorted_ids, expert_ids, num_padded, None,
+                                t * top_k, top_k, bs)
+                if upto == 1:
+                    return c1
+                c2 = M.silu_mul(c1, i)
+                if upto == 2:
+                    return c2
+                c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, moe.w2_qweight, moe.w2_scales, None, sorted_ids,
+                                                               expert_ids, num_padded, tw, t * top_k, 1, bs)
+                if upto == 3:
+                    return c3
+                return M.topk_sum(c3, t, top_k)
+
+            full = bench_moe.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales,
+                                              weights, ids)
+            assert torch.equal(full, chain(4)), "the probe's chain differs from fused_marlin_moe"
+            names = ["align", "+gemm1", "+silu", "+gemm2", "+topk_sum"]
+            times = [common.time_graph(lambda _i, u=u: chain(u), 1, calls=10) for u in range(5)]
+            steps = " ".join(f"{nm} {tm:.1f}" for nm, tm in zip(names, times))
+            print(f"{name} T={t} block {bs} ({active} experts): prefix graph us: {steps}", flush=True)
+            sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, bs, e)
+            c1 = chain(1)
+            c2 = M.silu_mul(c1, i)
+            g1 = common.time_graph(lambda _i: M.moe_gemm(x, moe.w13_qweight, moe.w13_scales, None, sorted_ids,
+                                                         expert_ids, num_padded, None, t * top_k, top_k, bs), 1)
+            g2 = common.time_graph(lambda _i: M.moe_gemm(c2, moe.w2_qweight, moe.w2_scales, None, sorted_ids,
+                                                         expert_ids, num_padded, tw, t * top_k, 1, bs), 1)
+            print(f"{name} T={t}: gemm1 alone {g1:.1f} us, gemm2 alone {g2:.1f} us (20 back-to-back calls)",
+                  flush=True)
+            ref1 = M.moe_gemm(x, moe.w13_qweight, moe.w13_scales, None, sorted_ids, expert_ids, num_padded, None,
+                              t * top_k, top_k, bs).float()
+            for tl in cands:
+                forced[0] = tl
+                G.prepare_launch.cache_clear()  # launches are cached per problem
+                try:
+                    o1 = M.moe_gemm(x, moe.w13_qweight, moe.w13_scales, None, sorted_ids, expert_ids, num_padded, None,
+                                    t * top_k, top_k, bs).float()
+                    err = ((o1 - ref1).norm() / ref1.norm()).item()
+                    a1 = common.time_graph(lambda _i: M.moe_gemm(x, moe.w13_qweight, moe.w13_scales, None, sorted_ids,
+                                                                 expert_ids, num_padded, None, t * top_k, top_k, bs), 1)
+                    a2 = common.time_graph(lambda _i: M.moe_gemm(c2, moe.w2_qweight, moe.w2_scales, None, sorted_ids,
+                                                                 expert_ids, num_padded, tw, t * top_k, 1, bs), 1)
+                    lay = common.time_graph(lambda _i: chain(4), 1, calls=10)
+                    print(f"{name} T={t} tile {tl.tag()}: gemm1 alone {a1:.1f} us, gemm2 alone {a2:.1f} us, "
+                          f"layer {lay:.1f} us (gemm1 vs route rel. diff {err:.1e})", flush=True)
+                except Exception as exc:  # noqa: BLE001 (a probe: report and go on)
+                    print(f"{name} T={t} tile {tl.tag()}: failed: {exc}", flush=True)
+                finally:
+                    forced[0] = None
+                    G.prepare_launch.cache_clear()
+            if args.dense and t * top_k <= 8 * active:
+                for kk, nn, tag in ((h, 2 * i * active, "gemm1"), (i, h * active, "gemm2")):
+                    r = _dense_us(kk, nn, 1)
+                    print(f"{name} T={t}: dense {kk}x{nn} M=1 (as {tag}) route {r:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
