@@ -3,9 +3,11 @@
 // jm_moe_align: the token-slot -> expert-block table of moe_align_block_size in one kernel (one
 // CTA) instead of ~20 small torch kernels: count the slots of each expert, pad every count to the
 // block size, prefix-sum the padded counts, tag each block with its expert, and place each slot
-// at its expert's next position. Placement runs in slot order on one warp (a match-any vote per
-// 32 slots, the lowest lane advancing the expert's cursor), so the table is identical to the
-// torch reference's stable sort.
+// at its expert's next position. Placement runs in slot order (a match-any vote per 32 slots, the
+// lowest lane advancing the expert's cursor), each of 32 warps over its own contiguous chunk of
+// slots when the per-warp counts fit the launch's shared memory (one warp over all slots
+// otherwise), so the table is identical to the torch reference's stable sort. A programmatic
+// dependent of the kernel before it (the router's): it waits for it before reading the ids.
 // jm_silu_mul: y[r, j] = silu(x[r, j]) * x[r, I + j] for the gate/up halves of the first expert
 // GEMM's output, 8 values per thread.
 // jm_topk_sum: y[t, j] = sum over k of x[t * top_k + k, j] (the second expert GEMM's output, the
@@ -49,19 +51,58 @@ JM_DEVICE int load_id(const JmMoeParams& p, int i) {
   return static_cast<const int32_t*>(p.ids)[i];
 }
 
+// Dynamic shared memory of this launch (PTX special register %dynamic_smem_size).
+JM_DEVICE uint32_t dynamic_smem_bytes() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
+// Words of dynamic shared memory the per-warp placement needs (host: moe._align_smem_bytes).
+constexpr int kAlignWarps = 32;  // the kernel runs 1024 threads
+JM_DEVICE int align_parallel_words(int experts) { return (2 + kAlignWarps) * experts; }
+
 JM_DEVICE void moe_align_body(const JmMoeParams p) {
   extern __shared__ int sm[];
   const int E = p.num_experts;
-  int* count = sm;         // [E] slots per expert, then the placement cursor
+  int* count = sm;         // [E] slots per expert (then, serial placement: the cursor)
   int* start = sm + E;     // [E] first padded position of each expert
+  int* wcur = sm + 2 * E;  // parallel placement: [32 warps][E] slots of warp w's chunk per expert,
+                           // then the exclusive prefix over warps, then warp w's cursor
   __shared__ int s_total;
-  const int tid = threadIdx.x, nthreads = blockDim.x, lane = tid & 31;
+  const int tid = threadIdx.x, nthreads = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  // Parallel placement when the launch gave the per-warp table room (E up to a few hundred): warp w
+  // places the slots of its own contiguous chunk; a serial warp-0 loop otherwise. Both are stable.
+  const bool par = nthreads == 32 * kAlignWarps &&
+                   dynamic_smem_bytes() >= 4u * static_cast<uint32_t>(align_parallel_words(E));
+  const int chunk = (p.numel + kAlignWarps - 1) / kAlignWarps;
+  const int c0 = warp * chunk, c1 = min(p.numel, c0 + chunk);
   griddep_launch_dependents();
+  griddep_wait();  // the routing ids come from the kernel before (programmatic dependent launch)
   for (int e = tid; e < E; e += nthreads) count[e] = 0;
+  if (par)
+    for (int i = tid; i < kAlignWarps * E; i += nthreads) wcur[i] = 0;
   __syncthreads();
-  for (int i = tid; i < p.numel; i += nthreads) {
-    const int e = load_id(p, i);
-    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  if (par) {
+    for (int i = c0 + lane; i < c1; i += 32) {
+      const int e = load_id(p, i);
+      if (e >= 0 && e < E) atomicAdd(&wcur[warp * E + e], 1);
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += nthreads) {  // totals, and each warp's offset within its expert
+      int run = 0;
+      for (int w = 0; w < kAlignWarps; w++) {
+        const int c = wcur[w * E + e];
+        wcur[w * E + e] = run;
+        run += c;
+      }
+      count[e] = run;
+    }
+  } else {
+    for (int i = tid; i < p.numel; i += nthreads) {
+      const int e = load_id(p, i);
+      if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+    }
   }
   __syncthreads();
   if (tid < 32) {  // exclusive scan of the padded counts, 32 experts per step
@@ -98,21 +139,30 @@ JM_DEVICE void moe_align_body(const JmMoeParams p) {
     }
     p.expert_ids[b] = e;
   }
-  for (int e = tid; e < E; e += nthreads) count[e] = start[e];  // cursors
-  __syncthreads();
-  if (tid < 32) {  // stable placement, slots in order
-    for (int i0 = 0; i0 < p.numel; i0 += 32) {
+  if (par) {
+    for (int i = tid; i < kAlignWarps * E; i += nthreads) wcur[i] += start[i % E];  // cursors
+  } else {
+    for (int e = tid; e < E; e += nthreads) count[e] = start[e];
+  }
+  __syncthreads();  // (the sentinels are written before any slot lands)
+  // Stable placement, slots in order: a match-any vote per 32 slots, the lowest lane of each
+  // expert's group advancing that expert's cursor (parallel: each warp over its chunk with its own
+  // cursors, which start after the earlier chunks' slots of the expert).
+  if (par || tid < 32) {
+    int* cur = par ? wcur + warp * E : count;
+    const int i_begin = par ? c0 : 0, i_end = par ? c1 : p.numel;
+    for (int i0 = i_begin; i0 < i_end; i0 += 32) {
       const int i = i0 + lane;
-      const int e = i < p.numel ? load_id(p, i) : -1;
+      const int e = i < i_end ? load_id(p, i) : -1;
       const bool valid = e >= 0 && e < E;
       const unsigned peers = __match_any_sync(0xFFFFFFFFu, valid ? e : -1);
       const int rank = __popc(peers & ((1u << lane) - 1u));
       int base = 0;
-      if (valid && rank == 0) base = count[e];
+      if (valid && rank == 0) base = cur[e];
       base = __shfl_sync(0xFFFFFFFFu, base, __ffs(peers) - 1);
       if (valid) p.sorted_ids[base + rank] = i;
       __syncwarp();
-      if (valid && rank == 0) count[e] = base + __popc(peers);
+      if (valid && rank == 0) cur[e] = base + __popc(peers);
       __syncwarp();
     }
   }

@@ -69,6 +69,11 @@ def test_sm90_small_m_routes():
             assert select_plan(m, n, k, moe, sm90, cc, experts=8).tile.tag() == "w8_k128_s6_bk_dr1_o3"
             assert not select_plan(m, n, k, moe, SMEM["sm_80"], (8, 0), experts=8).tile.direct
             assert not select_plan(m, n, k, moe8, sm90, cc, experts=8).tile.direct  # 8-bit spills at 3 CTAs/SM
+        # below K*N = 64M: one tile ahead on wide problems with K >= 4096 (session 23), two elsewhere
+        for k, n in ((4096, 11008), (4096, 12288), (4096, 14336)):
+            assert select_plan(m, n, k, u4, sm90, cc).tile.tag() == "w8_k128_s6_bk_dr1"
+        for k, n in ((4096, 8192), (5120, 8192), (2048, 16384), (11008, 4096)):
+            assert select_plan(m, n, k, u4, sm90, cc).tile.tag() == "w8_k128_s6_bk_dr2"
         # E=64 top-6, one token: six experts of 2048 x 2816 (34.6M) stay on the ring; 16 tokens: 64
         assert select_plan(m, 2816, 2048, moe, sm90, cc, experts=6).tile.tag() == "w8_k128_s6_bk"
         assert select_plan(m, 2816, 2048, moe, sm90, cc, experts=64).tile.tag() == "w8_k128_s6_bk_dr1_o3"

@@ -39,6 +39,12 @@ _SMALL_KN = 1 << 26  # K*N below this: few tiles per SM, deeper pipelines and fe
 _TINY_KN = 1 << 25  # K*N below this at M <= 8: the k-split ring beats the direct-load tile
 DIRECT_W8 = Tile(1, True, 8, 6, True, direct=2)
 DIRECT_W8_1 = Tile(1, True, 8, 6, True, direct=1)  # one tile ahead (8-bit weights: the only depth, tile_fits)
+# Below K*N = 64M the one-ahead tile also wins on wide problems (many 256-column units) with K >= 4096.
+# H200 session 23 (probe_configs, us at M = 1 / 4 / 8, one ahead vs two): 4096x12288 12.1 / 12.4 / 12.4 vs
+# 12.7 / 13.0 / 13.1, 4096x11008 11.8 / 12.1 / 12.2 vs 12.3 / 12.6 / 12.8, 4096x14336 13.3 / 13.4 / 13.5 vs
+# 13.7 / 14.0 / 14.2; two ahead stays ahead on 4096x8192 (10.4 vs 10.9 at M=1), 5120x8192 (11.4 vs 11.9),
+# 2048x16384 (9.3 vs 9.6), 11008x4096 (14.3 vs 14.6) and 12288x4096 (14.6 vs 15.1; its route there: 13.0).
+DIRECT1_MIN_K, DIRECT1_MIN_N = 4096, 10240
 # M = 9-16, 4-bit dense, K*N in [32M, 72M]: the 16-row direct-load tile one tile ahead. H200, session
 # 10 (probe_configs.py, M = 9 / 16, us): 8192^2 18.9 / 19.2 vs 20.6 / 20.4 (five-slot ring),
 # 14336x4096 20.1 / 20.3 vs 20.9 / 21.3 (m1_k128_s6), 4096x11008 15.3 / 15.5 vs 18.5 / 18.8; slower
@@ -74,7 +80,7 @@ def _preferences(m: int, n: int, k: int, cc: tuple[int, int] = (8, 0),
         ring = (Tile(1, True, 8, 6, True, 2), 4) if small else (Tile(1, True, 8, 6, True), 4)
         if k * n < _TINY_KN and not large:
             first = ()
-        elif k * n > _SMALL_KN:
+        elif k * n > _SMALL_KN or (k >= DIRECT1_MIN_K and n >= DIRECT1_MIN_N):
             first = ((DIRECT_W8_1, 4), (DIRECT_W8, 4))
         else:
             first = ((DIRECT_W8, 4), (DIRECT_W8_1, 4))

@@ -93,7 +93,7 @@ def use_moe_kernels() -> bool:
 def _align_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     dev = topk_ids.device
     index = K.cuda_index(dev)
-    from .gemm import _cc
+    from .gemm import _cc, use_pdl
 
     ids = topk_ids.reshape(-1)
     if ids.dtype not in (torch.int32, torch.int64):
@@ -111,8 +111,24 @@ def _align_cuda(topk_ids: torch.Tensor, block_size: int, num_experts: int):
     p.numel, p.num_experts, p.block, p.max_len, p.blocks = numel, num_experts, block_size, max_len, blocks
     p.ids_64 = int(ids.dtype == torch.int64)
     fn = K.get_moe_util_kernel("jm_moe_align", index, _cc(index))
-    fn.launch(1, 1024, 8 * num_experts, K.current_stream_handle(dev), p)
+    fn.launch(1, 1024, _align_smem_bytes(numel, num_experts), K.current_stream_handle(dev), p,
+              pdl=use_pdl(_cc(index)))
     return sorted_ids, expert_ids, num_padded
+
+
+ALIGN_PARALLEL_MIN_SLOTS = 256  # from here the 32 warps place their own chunks of slots (jm_moe_align)
+_ALIGN_SMEM_MAX = 48 * 1024     # dynamic shared memory without the opt-in attribute
+
+
+def _align_smem_bytes(numel: int, num_experts: int) -> int:
+    """Dynamic shared memory of jm_moe_align: counts and starts (8 bytes per expert), plus a table of
+    32 per-warp counts per expert when the slots are many enough that placing them by one warp (a
+    serial loop of 32 slots per step) costs more than the per-warp table's prefix (H200 session 23:
+    E=64 top-6 at 64 tokens, 384 slots) and the table fits. The kernel reads which from its launch."""
+    parallel = 4 * (2 + 32) * num_experts
+    if numel >= ALIGN_PARALLEL_MIN_SLOTS and parallel <= _ALIGN_SMEM_MAX:
+        return parallel
+    return 8 * num_experts
 
 
 def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int = 0, **fields) -> torch.Tensor:
