@@ -123,7 +123,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 #if defined(JM_FIXUP_V0) || defined(JM_NO_FIXUP)
   constexpr bool kEarlyPublish = false;
 #else
-  constexpr bool kEarlyPublish = BULK && !MOE && !kCluster && DIRECT == 1 && SWAP && M_BLOCKS == 1;
+  constexpr bool kEarlyPublish = BULK && !kCluster && DIRECT == 1 && SWAP && M_BLOCKS == 1;
 #endif
   static_assert(!kCluster || (BULK && !MOE && (CLUSTER == 2 || CLUSTER == 4 || CLUSTER == 8)),
                 "cluster tiles: dense bulk tiles, clusters of 2, 4 or 8");

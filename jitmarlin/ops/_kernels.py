@@ -426,6 +426,17 @@ def env_flag(name: str, default: bool = False) -> bool:
     return value != "0" if default else value == "1"
 
 
+def clear_kernel_caches() -> None:
+    """Forget the build specs and kernel handles of this process (they hold $JITMARLIN_NVCC_FLAGS as
+    it was at their first use), and the launches chosen from them: for tests and probes that switch
+    the flags within one process. The compiled modules stay in the cache, keyed by their flags."""
+    from . import gemm
+
+    for fn in (build_spec, get_kernel, moe_util_build_spec, get_moe_util_kernel, wgmma_build_spec, get_wgmma_kernel,
+               wgmma_module_ready, gemm.prepare_launch, gemm.wgmma_launch):
+        fn.cache_clear()
+
+
 def extra_nvcc_flags() -> tuple[str, ...]:
     """$JITMARLIN_NVCC_FLAGS (whitespace-separated), appended to every kernel compile; part of the
     cache hash, so modules built with other flags never mix."""

@@ -20,3 +20,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _usual_kernels_after_flag_tests():
+    """After a test that built its kernels with other nvcc flags (helpers.late_arrival_build), the
+    usual kernels again (monkeypatch, set up after this fixture, has restored the environment)."""
+    yield
+    from .helpers import FLAGS_CHANGED
+
+    if FLAGS_CHANGED:
+        from jitmarlin.ops import _kernels as K
+
+        K.clear_kernel_caches()
+        FLAGS_CHANGED.clear()

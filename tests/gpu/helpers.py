@@ -51,3 +51,19 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = ""
             f"bad fraction {badm.float().mean().item():.3f}; first bad rows {rows}; "
             f"bad cols {cols.numel()} of {ref2.shape[1]}, first {cols[:16].tolist()}, mod 64: {col_mod}")
     return err
+
+
+FLAGS_CHANGED: list = []  # set by late_arrival_build; conftest's fixture restores the usual kernels
+
+
+def late_arrival_build(monkeypatch, fam) -> None:
+    """Kernels of this process from a -DJM_TEST_LATE_ARRIVAL build from here on (the usual ones again
+    after the test, tests/gpu/conftest.py): the kernel handles and build specs are cached per
+    process with the flags of their first use, so without clearing them the flag would not reach
+    the kernels (it did not before session 23)."""
+    from jitmarlin.ops import _kernels as K
+
+    monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", "-DJM_TEST_LATE_ARRIVAL")
+    K.clear_kernel_caches()
+    FLAGS_CHANGED.append(True)
+    assert "-DJM_TEST_LATE_ARRIVAL" in K.build_spec(fam, torch.cuda.get_device_capability(0)).flags

@@ -16,7 +16,7 @@ import jitmarlin
 from jitmarlin.ops import _kernels as K
 from jitmarlin.ops import gemm as G
 
-from .helpers import check_close, random_weights
+from .helpers import check_close, late_arrival_build, random_weights
 
 M_LIST = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 63, 64, 65, 127, 200, 511, 1024, 4099]
 KN_LIST = [(4096, 4096), (4096, 11008), (11008, 4096), (5120, 13824), (8192, 28672), (28672, 8192),
@@ -126,9 +126,9 @@ def test_split_unit_fixup_paths(monkeypatch, late):
     counters back to zero, deterministic."""
     if torch.cuda.get_device_capability(0) < (9, 0):
         pytest.skip("bulk-copy tiles are built for sm_90 and newer only")
-    if late:
-        monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", "-DJM_TEST_LATE_ARRIVAL")
     fam = K.Family("f16", 4, False, 128)
+    if late:
+        late_arrival_build(monkeypatch, fam)
     # shapes whose striping leaves CTAs ending a split unit mid-run at 1, 2 or 3 CTAs per SM
     for (k, n), tag, nw in [((4096, 8704), "w8_k128_s6_bk_dr1", 4), ((7168, 5120), "w8_k128_s6_bk_ks2", 4),
                             ((4096, 9216), "w16_k128_s5_bk", 4), ((2048, 8704), "w16_k128_s6_bk_dr1", 2)]:

@@ -171,3 +171,47 @@ def test_moe_large_experts(dtype):
     ws = K.default_workspace(torch.device("cuda"))
     torch.cuda.synchronize()
     assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["usual", "late_arrival"])
+def test_moe_early_publish(monkeypatch, late):
+    """MoE blocks of 8 on the three-CTA direct-load tile publish the partials of a split unit that
+    ends mid-run without waiting, the producer warp arriving for them later (kEarlyPublish; MoE too
+    since session 23); with -DJM_TEST_LATE_ARRIVAL that arrival comes after the unit's first CTA's,
+    so the mid-run CTA sums the unit at the end of its run. Both expert GEMMs on that tile, CTAs that
+    end a unit mid-run present (in the second GEMM: K = 12288); reference, determinism, counters zero."""
+    from jitmarlin.ops import gemm as G
+    from jitmarlin.ops.moe import choose_block_size
+
+    from .helpers import late_arrival_build
+
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("bulk-copy tiles are built for sm_90 and newer only")
+    e, h, i, top_k = 4, 4096, 12288, 2  # both GEMMs above K*N = 64M with two experts active
+    fam = K.Family("f16", 4, False, 128, True)
+    if late:
+        late_arrival_build(monkeypatch, fam)
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    for t in (1, 3):
+        x = torch.randn(t, h, device="cuda", dtype=torch.float16)
+        weights, ids = moe.route(x)
+        assert choose_block_size(t, top_k, e) == 8
+        blocks = int(torch.unique(ids).numel())  # one block of 8 per active expert at these token counts
+        rows = t * top_k + e * 7
+        mids = 0
+        for n, k in ((2 * i, h), (h, i)):
+            launch = G.prepare_launch(8, rows, n, k, fam, 0, tuned=False, experts=min(e, t * top_k))
+            assert launch.plan.tile.tag() == "w8_k128_s6_bk_dr1_o3", (n, k, launch.plan)
+            k_tiles = k // 128
+            total = (n // (64 * launch.plan.nwarps)) * blocks * k_tiles
+            iters = -(-total // launch.grid)
+            mid = [c for c in range(launch.grid) if c * iters % k_tiles
+                   and (c * iters // k_tiles + 1) * k_tiles < min(total, (c + 1) * iters)]
+            mids += len(mid)
+        assert mids, f"T={t}: no CTA of either GEMM ends a split unit mid-run"
+        out = moe(x)
+        check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"T={t} late={late}")
+        assert torch.equal(moe(x), out), f"T={t}: not deterministic"
+    ws = K.default_workspace(torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert int(ws.counters.abs().sum()) == 0
