@@ -458,7 +458,9 @@ def indexed_tables(topk_ids: torch.Tensor, num_experts: int, block_m: int):
       expert_ids  int32 [ceil(len(sorted_ids) / block_m)]: the expert of each block (blocks past num_padded: E-1;
                   the kernel never reads them)
       num_padded  int32 [1]: sum over experts of ceil(count / block_m) * block_m
-    Synchronises with the host (a benchmark computes it once, outside the timed region).
+    Synchronises with the host (a benchmark computes it once, outside the timed region). Written here rather
+    than taken from jitmarlin.moe_align_block_size so that the peer's inputs do not depend on the package under
+    test (tests/test_bench_moe_peer.py checks the two agree).
     """
     if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
         raise ValueError(f"topk_ids must be an integer tensor [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")

@@ -2,10 +2,10 @@
 each of its kernels (alignment, first expert GEMM, SiLU-mul, second expert GEMM, top-k sum), each
 prefix timed as a CUDA graph of back-to-back calls (programmatic launch as in a model), so the
 differences are each kernel's marginal cost in the chain; then each expert GEMM alone on fixed
-routing tables, next to the dense GEMM of the same weight bytes (the active experts' columns side by
-side: N x experts) on the dense route and on the MoE tile.
+routing tables, next to the dense GEMM of the same weight bytes on its route (the active experts'
+columns side by side: N x experts); with --tiles, each GEMM alone on candidate tiles.
 
-    python benchmarks/probe_moe_chain.py [--shapes mixtral,e64] [--tokens 1,16]
+    python benchmarks/probe_moe_chain.py [--shapes mixtral,e64] [--tokens 1,16] [--tiles TAG,...]
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from jitmarlin.ops import moe as M  # noqa: E402
 from jitmarlin.quant import pack_weights, permute_scales  # noqa: E402
 
 
-def _dense_us(k: int, n: int, m: int, override=None) -> float:
+def _dense_us(k: int, n: int, m: int) -> float:
     q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32)
     s = (torch.rand(k // 128, n, device="cuda") * 0.02 + 0.005).half()
     b, sc = pack_weights(q, 4), permute_scales(s)
     fam = K.Family("f16", 4, False, 128)
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
     out = torch.empty(m, n, device="cuda", dtype=torch.float16)
-    return common.time_graph(lambda _i: G.launch_gemm(a, b, sc, None, None, out, m, n, k, fam,
-                                                        plan_override=override), 1)
+    return common.time_graph(lambda _i: G.launch_gemm(a, b, sc, None, None, out, m, n, k, fam), 1)
 
 
 def main() -> None:
