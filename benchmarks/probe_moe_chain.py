@@ -6,6 +6,7 @@ routing tables, next to the dense GEMM of the same weight bytes on its route (th
 columns side by side: N x experts); with --tiles, each GEMM alone on candidate tiles.
 
     python benchmarks/probe_moe_chain.py [--shapes mixtral,e64] [--tokens 1,16] [--tiles TAG,...]
+        [--env-ab JITMARLIN_MOE_ONE_TOKEN]
 """
 
 from __future__ import annotations
@@ -39,9 +40,13 @@ def _dense_us(k: int, n: int, m: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="mixtral,e64")
+    ap.add_argument("--shapes", default="mixtral,e64", help="names of bench_moe.SHAPES or E-H-I-TOPK specs")
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--dense", type=int, default=1, help="also time the dense GEMMs of the same weight bytes")
+    ap.add_argument("--env-ab", default="", metavar="NAME",
+                    help="also time the whole layer (fused_marlin_moe) with the on/off switch NAME (e.g. "
+                         "JITMARLIN_MOE_ONE_TOKEN) set to 0 and 1 alternately, --ab-rounds times, same routing")
+    ap.add_argument("--ab-rounds", type=int, default=3)
     ap.add_argument("--tiles", default="", help="comma-separated mma.sync tile tags (e.g. w8_k128_s6_bk_dr1): each "
                     "expert GEMM alone and the whole layer with that tile first for expert blocks of its row count, "
                     "built into the MoE family for this run (also where tile_fits keeps it out)")
@@ -59,7 +64,8 @@ def main() -> None:
             return (((tl, 4),) if tl is not None and experts and base[0][0].rows == tl.rows else ()) + base
         G._preferences = prefs_forced
     for name in args.shapes.split(","):
-        e, h, i, top_k = bench_moe.SHAPES[name]
+        # a name of bench_moe.SHAPES, or E-H-I-TOPK (e.g. 8-6144-16384-2, Mixtral-8x22B's experts)
+        e, h, i, top_k = bench_moe.SHAPES[name] if name in bench_moe.SHAPES else map(int, name.split("-"))
         gen = torch.Generator(device="cuda").manual_seed(0)
         moe = MarlinMoE([bench_moe._packed(h, 2 * i, gen) for _ in range(e)],
                         [bench_moe._packed(i, h, gen) for _ in range(e)],
@@ -90,7 +96,23 @@ def main() -> None:
 
             full = bench_moe.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales,
                                               weights, ids)
-            assert torch.equal(full, chain(4)), "the probe's chain differs from fused_marlin_moe"
+            ref = chain(4).float()  # the chain of the alignment path (one token: other block order, split points)
+            assert ((full.float() - ref).norm() / ref.norm()).item() < 1e-3, "the probe's chain differs from the layer"
+            if args.env_ab:
+                import os
+
+                ab: dict[str, list[float]] = {"0": [], "1": []}
+                for _ in range(args.ab_rounds):
+                    for v in ("0", "1"):
+                        os.environ[args.env_ab] = v
+                        K.env_flag.cache_clear()
+                        ab[v].append(common.time_graph(
+                            lambda _i: bench_moe.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight,
+                                                                  moe.w2_scales, weights, ids), 1, calls=10))
+                os.environ.pop(args.env_ab)
+                K.env_flag.cache_clear()
+                print(f"{name} T={t} block {bs}: layer us, {args.env_ab}=0 " + " / ".join(f"{v:.1f}" for v in ab["0"])
+                      + ", =1 " + " / ".join(f"{v:.1f}" for v in ab["1"]), flush=True)
             names = ["align", "+gemm1", "+silu", "+gemm2", "+topk_sum"]
             times = [common.time_graph(lambda _i, u=u: chain(u), 1, calls=10) for u in range(5)]
             steps = " ".join(f"{nm} {tm:.1f}" for nm, tm in zip(names, times))

@@ -175,6 +175,13 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
   const int kpart = KSPLIT > 1 ? warp_id / nwarps : 0;       // and its part of each k tile
   const int n_tiles = p.n / (64 * nwarps);
   const int k_tiles = p.k / S::kTileK;
+  // MoE: the expert of m tile i. The table is the alignment's, or (p.ids_shift = 1, one token) the
+  // router's int64 ids themselves, one block per slot; p.num_experts > 0 clamps the ids so that a
+  // bad one reads some expert's weights, never memory past them (unsigned: -1 clamps too).
+  auto expert_of = [&](int m_tile) {
+    const unsigned e = static_cast<unsigned>(__ldg(p.expert_ids + (m_tile << p.ids_shift)));
+    return static_cast<int>(min(e, static_cast<unsigned>(p.num_experts - 1)));
+  };
   int m_tiles;
   // MoE: the routing tables come from the previous kernel (programmatic dependent launch), unless
   // the launch says they were complete before it started (bulk tiles only: the cp.async ring
@@ -232,7 +239,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     const int kt = cur.kt, m_tile = cur.m_tile, n_tile = cur.n_tile;
     const int strip = n_tile * nwarps + warp;
     int expert = 0;
-    if constexpr (MOE) expert = __ldg(p.expert_ids + m_tile);
+    if constexpr (MOE) expert = expert_of(m_tile);
     uint8_t* st = smem + slot * stage_bytes;
 
     const int4* bsrc = reinterpret_cast<const int4*>(static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
@@ -510,7 +517,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     const int u = n_tile * m_tiles + m_tile;
     const int n0 = (n_tile * nwarps + warp) * 64;
     int expert = 0;
-    if constexpr (MOE) expert = __ldg(p.expert_ids + m_tile);
+    if constexpr (MOE) expert = expert_of(m_tile);
 
     if constexpr (!S::kGrouped) {  // per-channel scale, on fp32 before any sum across CTAs
       if (mode != kDeferred) {
@@ -794,7 +801,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       auto issue_weights = [&](const Cursor& c, int slot) {
         uint8_t* st = smem + slot * stage_bytes;
         int expert = 0;
-        if constexpr (MOE) expert = __ldg(p.expert_ids + c.m_tile);
+        if constexpr (MOE) expert = expert_of(c.m_tile);
         const uint32_t* b = static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
                             static_cast<int64_t>(c.kt) * K_BLOCKS * S::kWordsPerK16;
         if constexpr (DIRECT == 0) {
@@ -927,7 +934,7 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
     auto load_w = [&](uint4 (&dst)[kWords], const Cursor& c) {
       const int strip = c.n_tile * nwarps + warp;
       int expert = 0;  // MoE: the routing tables are complete here (waited for at the start, or ready)
-      if constexpr (MOE) expert = __ldg(p.expert_ids + c.m_tile);
+      if constexpr (MOE) expert = expert_of(c.m_tile);
       const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(p.b) + expert * p.b_expert_stride +
                                                         strip * strip_words +
                                                         static_cast<int64_t>(c.kt) * K_BLOCKS * S::kWordsPerK16) +

@@ -35,6 +35,9 @@ struct JmGemmParams {
   int32_t tables_ready;      // MoE, sm_90 bulk tiles: 1 = the routing tables were complete before the
                              // previous kernel started (the down projection after SiLU-mul): read
                              // them, and stream the first weight tiles, before waiting for it
+  int32_t ids_shift;         // MoE, mma.sync kernel: expert of m tile i = expert_ids[i << ids_shift] (1: the
+                             // low words of int64 router ids read as the table, one block per slot)
+  int32_t num_experts;       // MoE, mma.sync kernel: expert ids are clamped to num_experts - 1 (0: not)
   unsigned long long* timeline;  // diagnostics, kernels built with -DJM_TIMELINE: 8 values per CTA
                                  // (jm_gemm.cuh, "timeline"), or null
 };

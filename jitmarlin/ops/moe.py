@@ -241,22 +241,30 @@ from .gemm import _lib  # noqa: E402  (the "jitmarlin" op library)
 
 _lib.define("moe_gemm(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor sorted_ids, Tensor expert_ids, "
             "Tensor num_padded, Tensor? topk_weights, int size_m, int top_k, int block_size, "
-            "bool a_by_position=False) -> Tensor")
+            "bool a_by_position=False, int ids_shift=0, int num_experts=0) -> Tensor")
 
 
 def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_padded: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], size_m: int, top_k: int, block_size: int,
-                   a_by_position: bool = False, tables_ready: bool = False) -> torch.Tensor:
+                   a_by_position: bool = False, ids_shift: int = 0, num_experts: int = 0,
+                   tables_ready: bool = False) -> torch.Tensor:
     """Grouped expert GEMM: out[slot] = A[row(slot)] @ dequant(b[expert of slot]) (* topk weight).
 
     a: [rows, K]; row(slot) = slot // top_k, or the slot's position in sorted_ids when
     a_by_position (A pre-gathered in padded order). b/scales/zeros: per-expert packed weights
     [E, N/64, K/16, 32*bits], [E, K/G, N], [E, K/G, N*bits/32]. size_m = T*k slots.
-    Returns [size_m, N]; every slot's row is written exactly once.
+    Returns [size_m, N]; every slot's row is written exactly once. ids_shift = 1: the expert of
+    block i is expert_ids[2 i] (int64 ids viewed as int32 pairs: one_token_tables); num_experts > 0
+    clamps the expert ids read to num_experts - 1 (memory safety for ids not checked by an alignment).
     """
     n, k, fam = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
                                 top_k, block_size)
+    blocks = -(-sorted_ids.numel() // block_size)
+    if ids_shift not in (0, 1) or expert_ids.numel() < blocks << ids_shift or num_experts < 0 \
+            or num_experts > b.shape[0]:
+        raise ValueError(f"ids_shift={ids_shift} must be 0 or 1 with expert_ids holding {blocks} << ids_shift entries "
+                         f"(got {expert_ids.numel()}), num_experts={num_experts} in [0, {b.shape[0]}]")
     out = torch.empty(size_m, n, dtype=a.dtype, device=a.device)
     if size_m == 0:
         return out
@@ -265,6 +273,9 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
         raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel: compute capability 9.0, "
                          f"N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), JITMARLIN_WGMMA not 0")
     if _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0]):
+        if ids_shift:
+            raise ValueError(f"ids_shift={ids_shift}: the wgmma MoE kernel (blocks of {block_size}) reads int32 "
+                             "alignment tables only")
         _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k,
                           fam, top_k, block_size, a_by_position, index)
         return out
@@ -278,6 +289,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     p.s_expert_stride = scales.shape[1] * scales.shape[2]
     p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
     p.top_k, p.a_by_position, p.tables_ready = top_k, int(a_by_position), int(tables_ready)
+    p.ids_shift, p.num_experts = ids_shift, num_experts
     launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
                      pdl=launch.pdl)
     return out
@@ -335,7 +347,7 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
 
 
 def _moe_gemm_fake(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
-                   block_size, a_by_position=False):
+                   block_size, a_by_position=False, ids_shift=0, num_experts=0):
     n, _, _ = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
                               top_k, block_size)
     return a.new_empty(size_m, n)
@@ -356,13 +368,13 @@ torch.library.register_fake("jitmarlin::moe_gemm", _moe_gemm_fake, lib=_lib)
 # early read would see them half-written.
 _lib.define("moe_gemm_ready_tables(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor sorted_ids, "
             "Tensor expert_ids, Tensor num_padded, Tensor? topk_weights, int size_m, int top_k, int block_size, "
-            "bool a_by_position=False) -> Tensor")
+            "bool a_by_position=False, int ids_shift=0, int num_experts=0) -> Tensor")
 
 
 def _moe_gemm_ready_tables_cuda(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
-                                top_k, block_size, a_by_position=False):
+                                top_k, block_size, a_by_position=False, ids_shift=0, num_experts=0):
     return _moe_gemm_cuda(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
-                          block_size, a_by_position, tables_ready=True)
+                          block_size, a_by_position, ids_shift, num_experts, tables_ready=True)
 
 
 _lib.impl("moe_gemm_ready_tables", _moe_gemm_ready_tables_cuda, "CUDA")
@@ -371,10 +383,10 @@ torch.library.register_fake("jitmarlin::moe_gemm_ready_tables", _moe_gemm_fake, 
 
 
 def moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m: int, top_k: int,
-             block_size: int, a_by_position: bool = False) -> torch.Tensor:
+             block_size: int, a_by_position: bool = False, ids_shift: int = 0, num_experts: int = 0) -> torch.Tensor:
     """Grouped expert GEMM (torch.ops.jitmarlin.moe_gemm); see _moe_gemm_cuda."""
     return torch.ops.jitmarlin.moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights,
-                                        size_m, top_k, block_size, a_by_position)
+                                        size_m, top_k, block_size, a_by_position, ids_shift, num_experts)
 
 
 def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
@@ -425,6 +437,37 @@ def _large_blocks_ok(hidden: torch.Tensor, gemms) -> bool:
     return all(_use_wgmma_moe(WGMMA_BLOCK, n, k, fam, index) for n, k, fam in gemms)
 
 
+# One token, blocks of 8 (decode at batch 1, the most common MoE call): the alignment's tables are known
+# but for the expert of each block, which is the router's id of that slot. So no alignment kernel runs:
+# the slot and padding tables are built once per (top_k, device) and the kernels read the router's ids
+# (int32, or the low words of int64 ids) as the expert table, clamped to E - 1.
+_ONE_TOKEN_TABLES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def one_token_tables(topk_ids: torch.Tensor, num_experts: int):
+    """(sorted_ids, expert_ids, num_padded, ids_shift) for one token's top-k ids ([1, k], int32 or int64,
+    contiguous, on CUDA) in blocks of 8: block j holds slot j then 7 padding slots; or None where the
+    alignment must run (JITMARLIN_MOE_ONE_TOKEN=0, other shapes or dtypes, or a CUDA graph capture before
+    the tables of this top_k exist on the device)."""
+    if not (topk_ids.is_cuda and topk_ids.dim() == 2 and topk_ids.shape[0] == 1 and topk_ids.is_contiguous()
+            and topk_ids.dtype in (torch.int32, torch.int64) and K.env_flag("JITMARLIN_MOE_ONE_TOKEN", default=True)):
+        return None
+    k = topk_ids.shape[1]
+    key = (k, K.cuda_index(topk_ids.device))
+    tables = _ONE_TOKEN_TABLES.get(key)
+    if tables is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        sorted_ids = torch.full((k, 8), k, dtype=torch.int32)
+        sorted_ids[:, 0] = torch.arange(k, dtype=torch.int32)
+        tables = (sorted_ids.reshape(-1).to(topk_ids.device), torch.tensor([8 * k], dtype=torch.int32,
+                                                                            device=topk_ids.device))
+        _ONE_TOKEN_TABLES[key] = tables
+    ids = topk_ids.reshape(-1)
+    shift = 1 if ids.dtype == torch.int64 else 0
+    return tables[0], ids.view(torch.int32), tables[1], shift
+
+
 def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor,
                      w2_scales: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                      w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
@@ -465,11 +508,20 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         if wide != bs and _large_blocks_ok(hidden, ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
                                                     (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))):
             bs = wide
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
+    one = None
+    if t == 1 and bs == 8 and w13_perm is None and w2_perm is None and topk_ids.device == hidden.device \
+            and use_moe_kernels():
+        one = one_token_tables(topk_ids, e)
+    if one is not None:  # no alignment kernel (one_token_tables)
+        sorted_ids, expert_ids, num_padded, shift = one
+        clamp = e
+    else:
+        sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
+        shift = clamp = 0
     hidden = hidden.contiguous()
     if w13_perm is None:
         c1 = moe_gemm(hidden, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
-                      top_k, bs)  # [T*k, 2I]
+                      top_k, bs, False, shift, clamp)  # [T*k, 2I]
     else:
         a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, w13_perm, top_k, bs)
         c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
@@ -478,7 +530,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     tw = topk_weights.reshape(-1).to(torch.float32)
     if w2_perm is None:
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
-                                                       num_padded, tw, t * top_k, 1, bs)
+                                                       num_padded, tw, t * top_k, 1, bs, False, shift, clamp)
     else:
         a2 = gather_by_position(c2, sorted_ids, expert_ids, num_padded, w2_perm, 1, bs)
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,

@@ -216,3 +216,42 @@ def test_moe_early_publish(monkeypatch, late):
     ws = K.default_workspace(torch.device("cuda"))
     torch.cuda.synchronize()
     assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("shape", [MIXTRAL, QWEN], ids=["mixtral", "e64"])
+def test_moe_one_token_without_alignment(monkeypatch, shape):
+    """One token (blocks of 8): no alignment kernel, the expert GEMMs read the router's ids as their
+    expert table (moe.one_token_tables; int64 ids through their low words). Against the reference and
+    the alignment path (JITMARLIN_MOE_ONE_TOKEN=0), int32 ids equal to int64 ids, CUDA graph replays
+    with new tokens and new routing, and out-of-range ids clamped (finite output, no fault)."""
+    from jitmarlin.ops import moe as M
+
+    e, h, i, top_k = shape
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    x = torch.randn(1, h, device="cuda", dtype=torch.float16)
+    weights, ids = moe.route(x)
+    assert ids.dtype == torch.int64 and M.one_token_tables(ids, e) is not None
+    out = run_fused(moe, x, weights, ids)
+    check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "one token")
+    assert torch.equal(run_fused(moe, x, weights, ids.to(torch.int32)), out)
+    monkeypatch.setenv("JITMARLIN_MOE_ONE_TOKEN", "0")
+    K.env_flag.cache_clear()
+    assert M.one_token_tables(ids, e) is None
+    check_close(run_fused(moe, x, weights, ids), out.float(), 1e-3, "alignment path")
+    monkeypatch.delenv("JITMARLIN_MOE_ONE_TOKEN")
+    K.env_flag.cache_clear()
+    # a graph of the layer: each replay routes its own token
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = moe(x)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        weights, ids = moe.route(x)
+        check_close(y, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "graph")
+    bad = ids.clone()
+    bad[0, 0] = e + 5
+    bad[0, -1] = -1
+    assert torch.isfinite(run_fused(moe, x, weights, bad)).all()
+    torch.cuda.synchronize()
