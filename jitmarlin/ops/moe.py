@@ -444,6 +444,7 @@ def _large_blocks_ok(hidden: torch.Tensor, gemms) -> bool:
 _ONE_TOKEN_TABLES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+@torch.compiler.disable  # run eagerly under torch.compile: the cached tables must be real tensors
 def one_token_tables(topk_ids: torch.Tensor, num_experts: int):
     """(sorted_ids, expert_ids, num_padded, ids_shift) for one token's top-k ids ([1, k], int32 or int64,
     contiguous, on CUDA) in blocks of 8: block j holds slot j then 7 padding slots; or None where the

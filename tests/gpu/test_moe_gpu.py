@@ -255,3 +255,21 @@ def test_moe_one_token_without_alignment(monkeypatch, shape):
     bad[0, -1] = -1
     assert torch.isfinite(run_fused(moe, x, weights, bad)).all()
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_moe_under_torch_compile(tokens):
+    """MarlinMoE through torch.compile (the decode step users compile; at one token the one-token
+    tables are built eagerly: one_token_tables is excluded from tracing): equal to eager, and to the
+    reference for a new token batch."""
+    e, h, i, top_k = QWEN
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.float16)
+    want = moe(x)
+    cmoe = torch.compile(moe)
+    for _ in range(2):
+        got = cmoe(x)
+        check_close(got, want.float(), 1e-3, f"torch.compile, {tokens} tokens")
+    x2 = torch.randn(tokens, h, device="cuda", dtype=torch.float16)
+    weights, ids = moe.route(x2)
+    check_close(cmoe(x2), reference(x2, w13, w2, weights, ids, torch.float16), 1e-3, "torch.compile, new token")
