@@ -98,10 +98,9 @@ def test_moe_skewed_routing(routing):
     check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, routing)
 
 
-def test_moe_cuda_graph():
-    e, h, i, top_k = QWEN
-    moe, w13, w2 = make_moe(e, h, i, top_k)
-    x = torch.randn(16, h, device="cuda", dtype=torch.float16)
+def check_graph_replays(moe, w13, w2, x):
+    """Capture moe(x) (after an eager call) and replay it on new inputs: each replay routes its own
+    tokens; outputs against the reference."""
     moe(x)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -113,6 +112,12 @@ def test_moe_cuda_graph():
         torch.cuda.synchronize()
         weights, ids = moe.route(x)
         check_close(y, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "graph")
+
+
+def test_moe_cuda_graph():
+    e, h, i, top_k = QWEN
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    check_graph_replays(moe, w13, w2, torch.randn(16, h, device="cuda", dtype=torch.float16))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the nvidia-h200-x2 machine)")
@@ -240,16 +245,8 @@ def test_moe_one_token_without_alignment(monkeypatch, shape):
     check_close(run_fused(moe, x, weights, ids), out.float(), 1e-3, "alignment path")
     monkeypatch.delenv("JITMARLIN_MOE_ONE_TOKEN")
     K.env_flag.cache_clear()
-    # a graph of the layer: each replay routes its own token
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = moe(x)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        weights, ids = moe.route(x)
-        check_close(y, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "graph")
+    check_graph_replays(moe, w13, w2, x)  # each replay routes its own token
+    weights, ids = moe.route(x)
     bad = ids.clone()
     bad[0, 0] = e + 5
     bad[0, -1] = -1
