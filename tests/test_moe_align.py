@@ -178,3 +178,35 @@ def test_gather_by_position_cpu(top_k, block):
         assert int(ids.flatten()[slot]) == ex
         for j in range(k):
             assert got[r, j] == x[row, int(perm[ex, j])]
+
+
+def test_one_token_tables_host_rules(monkeypatch):
+    """moe.one_token_tables (the MoE layer at one token without the alignment kernel) declines what its
+    kernels cannot read: CPU ids, more than one token, float or non-contiguous ids, the switch off; and
+    moe_gemm takes ids_shift / num_experts in both of its ops (the second GEMM's mirrors the first)."""
+    from jitmarlin.ops import moe as M
+
+    ids = torch.tensor([[3, 5]])
+    assert M.one_token_tables(ids) is None  # CPU tensors: the alignment (the reference path) runs
+    meta = torch.empty(1, 2, dtype=torch.int64, device="meta")
+    assert M.one_token_tables(meta) is None
+    for name in ("moe_gemm", "moe_gemm_ready_tables"):
+        args = {a.name: a for a in getattr(torch.ops.jitmarlin, name).default._schema.arguments}
+        assert str(args["ids_shift"].type) == "int" and args["ids_shift"].default_value == 0
+        assert str(args["num_experts"].type) == "int" and args["num_experts"].default_value == 0
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    e, h, n, k = 8, 256, 128, 2
+    with FakeTensorMode():
+        x = torch.empty(1, h, dtype=torch.float16, device="cuda")
+        w = torch.empty(e, n // 64, h // 16, 128, dtype=torch.int32, device="cuda")
+        s = torch.empty(e, h // 128, n, dtype=torch.float16, device="cuda")
+        sorted_ids = torch.empty(8 * k, dtype=torch.int32, device="cuda")  # one block of 8 per slot
+        npad = torch.empty(1, dtype=torch.int32, device="cuda")
+        ids64 = torch.empty(1, k, dtype=torch.int64, device="cuda").view(-1).view(torch.int32)  # 2k words
+        out = torch.ops.jitmarlin.moe_gemm(x, w, s, None, sorted_ids, ids64, npad, None, k, k, 8, False, 1, e)
+        assert tuple(out.shape) == (k, n)
+        for shift, table, clamp in ((1, ids64[:k], e), (2, ids64, e), (0, ids64, e + 1), (0, ids64, -1)):
+            with pytest.raises(ValueError, match="ids_shift"):
+                torch.ops.jitmarlin.moe_gemm(x, w, s, None, sorted_ids, table, npad, None, k, k, 8, False, shift,
+                                             clamp)

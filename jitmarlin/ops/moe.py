@@ -260,11 +260,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     """
     n, k, fam = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
                                 top_k, block_size)
-    blocks = -(-sorted_ids.numel() // block_size)
-    if ids_shift not in (0, 1) or expert_ids.numel() < blocks << ids_shift or num_experts < 0 \
-            or num_experts > b.shape[0]:
-        raise ValueError(f"ids_shift={ids_shift} must be 0 or 1 with expert_ids holding {blocks} << ids_shift entries "
-                         f"(got {expert_ids.numel()}), num_experts={num_experts} in [0, {b.shape[0]}]")
+    _check_expert_table(sorted_ids, expert_ids, block_size, ids_shift, num_experts, b.shape[0])
     out = torch.empty(size_m, n, dtype=a.dtype, device=a.device)
     if size_m == 0:
         return out
@@ -346,10 +342,20 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
               K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)), extra=K.NO_TENSOR_MAP)
 
 
+def _check_expert_table(sorted_ids, expert_ids, block_size, ids_shift, num_experts, e):
+    """The expert table's reading rule: block i's expert is expert_ids[i << ids_shift] (ids_shift 0 or
+    1), clamped to num_experts - 1 when num_experts > 0 (at most E)."""
+    blocks = -(-sorted_ids.numel() // block_size)
+    if ids_shift not in (0, 1) or expert_ids.numel() < blocks << ids_shift or not 0 <= num_experts <= e:
+        raise ValueError(f"ids_shift={ids_shift} must be 0 or 1 with expert_ids holding {blocks} << ids_shift entries "
+                         f"(got {expert_ids.numel()}), num_experts={num_experts} in [0, E={e}]")
+
+
 def _moe_gemm_fake(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
                    block_size, a_by_position=False, ids_shift=0, num_experts=0):
     n, _, _ = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
                               top_k, block_size)
+    _check_expert_table(sorted_ids, expert_ids, block_size, ids_shift, num_experts, b.shape[0])
     return a.new_empty(size_m, n)
 
 
@@ -445,7 +451,7 @@ _ONE_TOKEN_TABLES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @torch.compiler.disable  # run eagerly under torch.compile: the cached tables must be real tensors
-def one_token_tables(topk_ids: torch.Tensor, num_experts: int):
+def one_token_tables(topk_ids: torch.Tensor):
     """(sorted_ids, expert_ids, num_padded, ids_shift) for one token's top-k ids ([1, k], int32 or int64,
     contiguous, on CUDA) in blocks of 8: block j holds slot j then 7 padding slots; or None where the
     alignment must run (JITMARLIN_MOE_ONE_TOKEN=0, other shapes or dtypes, or a CUDA graph capture before
@@ -480,7 +486,8 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     hidden [T, H]; w13 packed [E, 2I/64, H/16, 32*bits] with the gate columns first, then up;
     w2 packed [E, H/64, I/16, 32*bits]; scales [E, groups, N]; topk_weights [T, k] (any float
     dtype, used in fp32); topk_ids [T, k]; w13_perm [E, H] / w2_perm [E, I] for act-order.
-    Returns [T, H] in hidden's dtype.
+    Returns [T, H] in hidden's dtype. One token without act-order runs no alignment kernel
+    (one_token_tables).
     """
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [tokens, hidden], got shape {tuple(hidden.shape)}")
@@ -512,7 +519,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     one = None
     if t == 1 and bs == 8 and w13_perm is None and w2_perm is None and topk_ids.device == hidden.device \
             and use_moe_kernels():
-        one = one_token_tables(topk_ids, e)
+        one = one_token_tables(topk_ids)
     if one is not None:  # no alignment kernel (one_token_tables)
         sorted_ids, expert_ids, num_padded, shift = one
         clamp = e

@@ -235,13 +235,13 @@ def test_moe_one_token_without_alignment(monkeypatch, shape):
     moe, w13, w2 = make_moe(e, h, i, top_k)
     x = torch.randn(1, h, device="cuda", dtype=torch.float16)
     weights, ids = moe.route(x)
-    assert ids.dtype == torch.int64 and M.one_token_tables(ids, e) is not None
+    assert ids.dtype == torch.int64 and M.one_token_tables(ids) is not None
     out = run_fused(moe, x, weights, ids)
     check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "one token")
     assert torch.equal(run_fused(moe, x, weights, ids.to(torch.int32)), out)
     monkeypatch.setenv("JITMARLIN_MOE_ONE_TOKEN", "0")
     K.env_flag.cache_clear()
-    assert M.one_token_tables(ids, e) is None
+    assert M.one_token_tables(ids) is None
     check_close(run_fused(moe, x, weights, ids), out.float(), 1e-3, "alignment path")
     monkeypatch.delenv("JITMARLIN_MOE_ONE_TOKEN")
     K.env_flag.cache_clear()
