@@ -12,6 +12,7 @@ columns side by side: N x experts); with --tiles, each GEMM alone on candidate t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -99,8 +100,6 @@ def main() -> None:
             ref = chain(4).float()  # the chain of the alignment path (one token: other block order, split points)
             assert ((full.float() - ref).norm() / ref.norm()).item() < 1e-3, "the probe's chain differs from the layer"
             if args.env_ab:
-                import os
-
                 ab: dict[str, list[float]] = {"0": [], "1": []}
                 for _ in range(args.ab_rounds):
                     for v in ("0", "1"):
