@@ -48,6 +48,9 @@ def main() -> None:
                     help="also time the whole layer (fused_marlin_moe) with the on/off switch NAME (e.g. "
                          "JITMARLIN_MOE_ONE_TOKEN) set to 0 and 1 alternately, --ab-rounds times, same routing")
     ap.add_argument("--ab-rounds", type=int, default=3)
+    ap.add_argument("--route", action="store_true",
+                    help="also time the routing alone (router logits -> top-k weights and ids): our kernel "
+                         "(moe.route_topk) against torch's softmax, top-k and renormalization")
     ap.add_argument("--tiles", default="", help="comma-separated mma.sync tile tags (e.g. w8_k128_s6_bk_dr1): each "
                     "expert GEMM alone and the whole layer with that tile first for expert blocks of its row count, "
                     "built into the MoE family for this run (also where tile_fits keeps it out)")
@@ -74,6 +77,18 @@ def main() -> None:
         for t in (int(v) for v in args.tokens.split(",")):
             x = torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen)
             weights, ids = moe.route(x)
+            if args.route:
+                logits = moe.router(x)
+
+                def torch_route():
+                    probs = torch.softmax(logits.float(), dim=-1)
+                    w, i_ = torch.topk(probs, top_k, dim=-1)
+                    return w / w.sum(dim=-1, keepdim=True), i_
+
+                ours = common.time_graph(lambda _i: M.route_topk(logits, top_k, True), 1, calls=10)
+                ref = common.time_graph(lambda _i: torch_route(), 1, calls=10)
+                print(f"{name} T={t}: routing alone, graph of 10: ours {ours:.1f} us, torch ops {ref:.1f} us",
+                      flush=True)
             active = int(torch.unique(ids).numel())
             bs = M.choose_block_size(t, top_k, e)
             tw = weights.reshape(-1).to(torch.float32)

@@ -8,6 +8,10 @@
 // slots when the per-warp counts fit the launch's shared memory (one warp over all slots
 // otherwise), so the table is identical to the torch reference's stable sort. A programmatic
 // dependent of the kernel before it (the router's): it waits for it before reading the ids.
+// jm_moe_route: the router's logits [T, E] (the model dtype) -> softmax over all E in fp32, the top
+// k, optionally renormalized to sum 1 (Mixtral): weights fp32 [T, k] and int32 ids [T, k], which
+// the alignment and the one-token path read directly. One warp per token instead of four torch
+// kernels (softmax, top-k, sum, divide) and a cast.
 // jm_silu_mul: y[r, j] = silu(x[r, j]) * x[r, I + j] for the gate/up halves of the first expert
 // GEMM's output, 8 values per thread.
 // jm_topk_sum: y[t, j] = sum over k of x[t * top_k + k, j] (the second expert GEMM's output, the
@@ -42,6 +46,8 @@ struct JmMoeParams {
   int32_t inter;
   int32_t top_k;        // topk_sum: slots per token; moe_gather: slots per row of x
   const int* perm;      // moe_gather: [num_experts, inter] column order of each expert's input
+  int* route_ids;       // moe_route: [rows, top_k] int32 out (weights: y, fp32 [rows, top_k]; logits: x)
+  int32_t renorm;       // moe_route: 1 = the k weights renormalized to sum 1
 };
 
 namespace jm {
@@ -249,8 +255,83 @@ JM_DEVICE void moe_gather_body(const JmMoeParams p) {
       make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
+// Router: one warp per token (row r of the [rows, num_experts] logits). Lane l holds logits
+// l, l + 32, ... (up to kRouteMaxPerLane each: E <= 32 * kRouteMaxPerLane); softmax as torch computes
+// it (max, exp(x - max), sum, divide, fp32); then k rounds of a warp arg-max (the larger probability,
+// the lower id on ties), each winner removed; weights renormalized by their fp32 sum when asked.
+constexpr int kRouteMaxPerLane = 16;
+
+template <typename T>
+JM_DEVICE void moe_route_body(const JmMoeParams p) {
+  griddep_launch_dependents();
+  const int r = static_cast<int>((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= p.rows) return;
+  griddep_wait();  // the logits come from the kernel before
+  const int E = p.num_experts;
+  const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(r) * E;
+  float v[kRouteMaxPerLane];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kRouteMaxPerLane; j++) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? static_cast<float>(x[e]) : -INFINITY;
+    mx = fmaxf(mx, v[j]);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, d));
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kRouteMaxPerLane; j++) {
+    v[j] = lane + 32 * j < E ? expf(v[j] - mx) : -1.f;  // probabilities are >= 0: -1 marks no expert
+    sum += v[j] > 0.f ? v[j] : 0.f;
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, d);
+#pragma unroll
+  for (int j = 0; j < kRouteMaxPerLane; j++)
+    if (v[j] >= 0.f) v[j] = v[j] / sum;
+  float picked = 0.f, wsum = 0.f;
+  int picked_id = 0;
+  for (int q = 0; q < p.top_k; q++) {
+    float best = -2.f;
+    int best_e = 0x7FFFFFFF;
+#pragma unroll
+    for (int j = 0; j < kRouteMaxPerLane; j++) {
+      const int e = lane + 32 * j;
+      if (v[j] > best) {  // ascending e within a lane: a tie keeps the lower id
+        best = v[j];
+        best_e = e;
+      }
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      const float ob = __shfl_xor_sync(0xFFFFFFFFu, best, d);
+      const int oe = __shfl_xor_sync(0xFFFFFFFFu, best_e, d);
+      if (ob > best || (ob == best && oe < best_e)) {
+        best = ob;
+        best_e = oe;
+      }
+    }
+    wsum += best;
+    if (lane == q) {
+      picked = best;
+      picked_id = best_e;
+    }
+#pragma unroll
+    for (int j = 0; j < kRouteMaxPerLane; j++)
+      if (lane + 32 * j == best_e) v[j] = -1.f;  // taken
+  }
+  if (lane < p.top_k) {
+    static_cast<float*>(p.y)[static_cast<int64_t>(r) * p.top_k + lane] = p.renorm ? picked / wsum : picked;
+    p.route_ids[static_cast<int64_t>(r) * p.top_k + lane] = picked_id;
+  }
+}
+
 }  // namespace jm
 
+#define JM_MOE_ROUTE_KERNEL(NAME, T) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::moe_route_body<T>(p); }
 #define JM_MOE_ALIGN_KERNEL(NAME) \
   extern "C" __global__ void __launch_bounds__(1024) NAME(const JmMoeParams p) { jm::moe_align_body(p); }
 #define JM_SILU_MUL_KERNEL(NAME, T) \

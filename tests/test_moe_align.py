@@ -210,3 +210,19 @@ def test_one_token_tables_host_rules(monkeypatch):
             with pytest.raises(ValueError, match="ids_shift"):
                 torch.ops.jitmarlin.moe_gemm(x, w, s, None, sorted_ids, table, npad, None, k, k, 8, False, shift,
                                              clamp)
+
+
+def test_route_topk_reference_path():
+    """moe.route_topk off CUDA: torch's softmax in fp32, top-k, renormalized or not; bad top_k refused."""
+    from jitmarlin.ops import moe as M
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, -2.0, 0.5, 0.25]], dtype=torch.float16)
+    w, ids = M.route_topk(logits, 2, True)
+    assert ids.tolist() == [[1, 2], [0, 2]]
+    assert torch.allclose(w.sum(-1), torch.ones(2))
+    p = torch.softmax(logits.float(), -1)
+    w2, _ = M.route_topk(logits, 2, False)
+    assert torch.allclose(w2, torch.stack([p[0, [1, 2]], p[1, [0, 2]]]))
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="top_k"):
+            M.route_topk(logits, bad, True)

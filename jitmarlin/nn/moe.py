@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.moe import fused_marlin_moe
+from ..ops.moe import fused_marlin_moe, route_topk
 from ..quant.checkpoint import QuantConfig, decode_layer, pack_decoded, with_zero_points
 from ..quant.packed import Packed, pack
 from ..quant.rtn import dequantize, quantize
@@ -184,12 +184,9 @@ class MarlinMoE(nn.Module):
 
     def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights fp32 [T, k], topk_ids [T, k]) from router logits [T, E]: softmax in fp32
-        over all experts, top-k, renormalized to sum 1 if the layer renormalizes."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        over all experts, top-k, renormalized to sum 1 if the layer renormalizes (ops.moe.route_topk:
+        one kernel on CUDA, int32 ids; torch ops elsewhere, int64 ids)."""
+        return route_topk(logits, self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:

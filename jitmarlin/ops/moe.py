@@ -154,6 +154,40 @@ def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int
     return y
 
 
+ROUTE_MAX_EXPERTS = 512  # jm_moe_route: 16 logits per lane of one warp (kRouteMaxPerLane)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE routing: softmax of the logits [T, E] in fp32 over all experts, the top_k, divided by
+    their sum when renormalize. Returns (weights fp32 [T, k], ids [T, k]): on CUDA one kernel of ours
+    (jm_moe_route, int32 ids; unless JITMARLIN_MOE_KERNELS=0, E > ROUTE_MAX_EXPERTS or top_k > 32), else
+    torch ops (int64 ids), the reference."""
+    if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"route_topk: logits must be [tokens, experts] with 1 <= top_k <= experts, got "
+                         f"{tuple(logits.shape)} and top_k={top_k}")
+    t, e = logits.shape
+    if not (logits.is_cuda and use_moe_kernels() and logits.dtype in DTYPES and e <= ROUTE_MAX_EXPERTS
+            and top_k <= 32 and logits.is_contiguous()):
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    from .gemm import _cc, use_pdl
+
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t == 0:
+        return weights, ids
+    index = K.cuda_index(logits.device)
+    p = K.MoeParams()
+    p.x, p.y, p.route_ids = logits.data_ptr(), weights.data_ptr(), ids.data_ptr()
+    p.rows, p.num_experts, p.top_k, p.renorm = t, e, top_k, int(renormalize)
+    fn = K.get_moe_util_kernel(f"jm_moe_route_{DTYPES[logits.dtype]}", index, _cc(index))
+    fn.launch(-(-t * 32 // 256), 256, 0, K.current_stream_handle(logits.device), p, pdl=use_pdl(_cc(index)))
+    return weights, ids
+
+
 def silu_mul(c1: torch.Tensor, inter: int) -> torch.Tensor:
     """SiLU(c1[:, :inter]) * c1[:, inter:], one kernel on CUDA (unless JITMARLIN_MOE_KERNELS=0)."""
     if not (c1.is_cuda and use_moe_kernels() and inter % 8 == 0 and c1.is_contiguous()):

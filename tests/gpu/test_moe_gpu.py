@@ -235,10 +235,11 @@ def test_moe_one_token_without_alignment(monkeypatch, shape):
     moe, w13, w2 = make_moe(e, h, i, top_k)
     x = torch.randn(1, h, device="cuda", dtype=torch.float16)
     weights, ids = moe.route(x)
-    assert ids.dtype == torch.int64 and M.one_token_tables(ids) is not None
+    assert ids.dtype == torch.int32 and M.one_token_tables(ids) is not None  # the router kernel's ids
     out = run_fused(moe, x, weights, ids)
     check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "one token")
-    assert torch.equal(run_fused(moe, x, weights, ids.to(torch.int32)), out)
+    assert M.one_token_tables(ids.to(torch.int64))[3] == 1  # torch.topk's ids: read through their low words
+    assert torch.equal(run_fused(moe, x, weights, ids.to(torch.int64)), out)
     monkeypatch.setenv("JITMARLIN_MOE_ONE_TOKEN", "0")
     K.env_flag.cache_clear()
     assert M.one_token_tables(ids) is None

@@ -116,3 +116,30 @@ def test_fused_moe_same_with_and_without_the_kernels(monkeypatch, act_order):
     assert M.use_moe_kernels()
     got = moe(x)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (7, 8, 2), (300, 64, 6), (33, 60, 4), (5, 128, 8), (64, 256, 8),
+                                   (3, 512, 32), (9, 1, 1)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_route_kernel(monkeypatch, dtype, t, e, k, renorm):
+    """jm_moe_route (moe.route_topk on CUDA): the ids of torch's softmax + top-k (distinct logits, so
+    no ties), int32, and its weights within fp32 rounding (renormalized or not); the layer routes with
+    it and its ids feed the alignment and the one-token path."""
+    monkeypatch.delenv("JITMARLIN_MOE_KERNELS", raising=False)
+    g = torch.Generator(device="cuda").manual_seed(t * 1000 + e)
+    # distinct logits: a random permutation of an evenly spaced grid, in the model dtype
+    logits = (torch.randperm(e, device="cuda", generator=g).float() * (8.0 / e) - 4.0)
+    logits = torch.stack([logits[torch.randperm(e, device="cuda", generator=g)] for _ in range(t)]).to(dtype)
+    w, ids = M.route_topk(logits, k, renorm)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    probs = torch.softmax(logits.float(), dim=-1)
+    want_w, want_ids = torch.topk(probs, k, dim=-1)
+    if renorm:
+        want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+    assert torch.equal(ids.long(), want_ids)
+    assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-7)  # sums of up to 512 terms in another order
+    monkeypatch.setenv("JITMARLIN_MOE_KERNELS", "0")
+    K.env_flag.cache_clear()
+    w0, ids0 = M.route_topk(logits, k, renorm)
+    assert ids0.dtype == torch.int64 and torch.equal(ids0, want_ids)
