@@ -160,14 +160,14 @@ ROUTE_MAX_EXPERTS = 512  # jm_moe_route: 16 logits per lane of one warp (kRouteM
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE routing: softmax of the logits [T, E] in fp32 over all experts, the top_k, divided by
     their sum when renormalize. Returns (weights fp32 [T, k], ids [T, k]): on CUDA one kernel of ours
-    (jm_moe_route, int32 ids; unless JITMARLIN_MOE_KERNELS=0, E > ROUTE_MAX_EXPERTS or top_k > 32), else
-    torch ops (int64 ids), the reference."""
+    (jm_moe_route, int32 ids; unless JITMARLIN_MOE_KERNELS=0 or JITMARLIN_MOE_ROUTE=0, E > ROUTE_MAX_EXPERTS
+    or top_k > 32), else torch ops (int64 ids), the reference."""
     if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
         raise ValueError(f"route_topk: logits must be [tokens, experts] with 1 <= top_k <= experts, got "
                          f"{tuple(logits.shape)} and top_k={top_k}")
     t, e = logits.shape
     if not (logits.is_cuda and use_moe_kernels() and logits.dtype in DTYPES and e <= ROUTE_MAX_EXPERTS
-            and top_k <= 32 and logits.is_contiguous()):
+            and top_k <= 32 and logits.is_contiguous() and K.env_flag("JITMARLIN_MOE_ROUTE", default=True)):
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, top_k, dim=-1)
         if renormalize:
