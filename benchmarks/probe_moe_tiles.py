@@ -15,6 +15,10 @@
                       run and taken before the built-in ones of the same (rows, strips), e.g. 64-2-8
     --fw 1|2          strips per warpgroup of the wgmma MoE kernel for blocks of 32 / 64 rows instead of
                       gemm.wgmma_strips (moe.MOE_WGMMA_FW)
+    --pregather       identity act-order permutations: both GEMMs read A pre-gathered in slot-list
+                      order (gather_by_position; the producer form then copies whole blocks)
+    --prod 0|1        the wgmma MoE kernel's producer form for no block size / every block size it is
+                      built for (K.WGMMA_MOE_PROD_CONFIGS) instead of moe.MOE_WGMMA_PROD_BLOCKS
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
 """
@@ -50,7 +54,33 @@ def main() -> None:
     ap.add_argument("--fw", type=int, default=None, choices=(1, 2),
                     help="strips per warpgroup of the wgmma MoE kernel for blocks of 32 / 64 (default: the rule)")
 
+    ap.add_argument("--prod", type=int, default=None, choices=(0, 1),
+                    help="the wgmma MoE kernel's producer form for no / every built block size (default: the rule)")
+    ap.add_argument("--prod-configs", default="",
+                    help="NT-FW-S,..: producer-form MoE configs built for this run and taken first (with --prod 1)")
+    ap.add_argument("--pregather", action="store_true",
+                    help="identity act-order permutations (A pre-gathered in slot-list order for both GEMMs)")
     args = ap.parse_args()
+    if args.pregather:
+        inner = bench_moe.fused_marlin_moe
+        idents = {}
+
+        def ident(e, k, dev):
+            if (e, k) not in idents:
+                idents[e, k] = torch.arange(k, device=dev, dtype=torch.int32).repeat(e, 1)
+            return idents[e, k]
+
+        def pregathered(x, w13, s13, w2, s2, weights, ids, **kw):
+            kw["w13_perm"] = ident(w13.shape[0], x.shape[1], x.device)
+            kw["w2_perm"] = ident(w2.shape[0], w2.shape[2] * 16, x.device)
+            return inner(x, w13, s13, w2, s2, weights, ids, **kw)
+
+        bench_moe.fused_marlin_moe = pregathered
+    if args.prod_configs:  # before the first build: part of the module's cache key
+        K.WGMMA_MOE_PROD_CONFIGS = tuple(tuple(int(x) for x in c.split("-")) for c in args.prod_configs.split(",")) \
+            + K.WGMMA_MOE_PROD_CONFIGS
+    if args.prod is not None:
+        M.MOE_WGMMA_PROD_BLOCKS = tuple(c[0] for c in K.WGMMA_MOE_PROD_CONFIGS) if args.prod else ()
     if args.small_kn is not None:
         G._SMALL_KN = args.small_kn
     if args.block is not None:
@@ -85,7 +115,7 @@ def main() -> None:
     tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "
            f"sum={'torch' if args.torch_sum else 'ours'}" + (f" wgmma={args.wgmma}" if extra else "")
            + (f" tile={args.tile}" if args.tile else "") + (" no-occ" if args.no_occ else "")
-           + (f" fw={args.fw}" if args.fw else ""))
+           + (f" fw={args.fw}" if args.fw else "") + (f" prod={args.prod}" if args.prod is not None else "") + (" pregather" if args.pregather else ""))
     for name, t, ours, _ in bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]):
         us = common.time_graph(lambda _i: ours(), 1, calls=10)
         print(f"[{tag}] {name} T={t}: {us:.1f} us", flush=True)

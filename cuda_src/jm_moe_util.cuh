@@ -17,7 +17,8 @@
 // jm_topk_sum: y[t, j] = sum over k of x[t * top_k + k, j] (the second expert GEMM's output, the
 // routing weights already applied), summed in fp32 in slot order, rounded once, 8 values per thread.
 // jm_moe_gather (act-order experts): y[r, j] = x[slot / top_k, perm[expert, j]] for each position r
-// of the expert-sorted slot list (slot = sorted_ids[r], expert = expert_ids[r / block]); padding
+// of the expert-sorted slot list (slot = sorted_ids[r], expert = expert_ids[r / block]; perm null:
+// y[r, j] = x[slot / top_k, j], the rows in slot-list order for the wgmma producer form); padding
 // positions get zeros, positions at or past *num_padded are not written (no GEMM reads them). One
 // kernel instead of the torch gather through an [L, K] int64 index tensor; 8 values per thread.
 // Programmatic dependent launch (sm_90): both let the kernel after them launch at once, so that
@@ -241,7 +242,15 @@ JM_DEVICE void moe_gather_body(const JmMoeParams p) {
   if (!chunk_of_thread(p, r, j) || r >= *p.num_padded) return;
   const int slot = p.sorted_ids[r];
   uint32_t packed[4] = {0u, 0u, 0u, 0u};
-  if (slot < p.numel) {
+  if (slot < p.numel && p.perm == nullptr) {  // no column order: the slot's row as it is (the MoE
+    // producer-form route, moe.fused_marlin_moe: a block's rows contiguous for one TMA box)
+    const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) +
+                                                    static_cast<int64_t>(slot / p.top_k) * p.inter + j);
+    packed[0] = v.x;
+    packed[1] = v.y;
+    packed[2] = v.z;
+    packed[3] = v.w;
+  } else if (slot < p.numel) {
     const int* perm = p.perm + static_cast<int64_t>(p.expert_ids[r / p.block]) * p.inter + j;
     const int4 c0 = *reinterpret_cast<const int4*>(perm);
     const int4 c1 = *reinterpret_cast<const int4*>(perm + 4);

@@ -232,7 +232,6 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // strips per "warpgroup pair", so the host's shared-memory and workspace formulas see FW * WGS / 2
   static_assert(WGS == 2 || (WGS == 4 && FW == 1 && !MOE) || (WGS == 1 && (FW == 2 || FW == 4) && PROD),
                 "warpgroups per CTA");
-  static_assert(!PROD || !MOE, "the producer form: dense tiles (activations by TMA at every token tile)");
   constexpr int kThreads = 128 * WGS;  // the compute threads (the producer warpgroup comes after them)
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
   constexpr int kWordsPerK16 = 32 * BITS;  // packed words of one strip per 16 k
@@ -922,14 +921,13 @@ static_assert(wg_consumer_regs(1, 2) == 216 && wg_consumer_regs(1, 3) == 120 && 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
           bool PROD = false, int MINB = 1>
 JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
-  constexpr int kStrips = WGS * FW;
-  const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
+  const int m_tiles = p.grid;
   const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
   // TMA activations: one mbarrier per ring slot, its phase parity per slot in act_phase (bit s),
   // kept across the CTA's pieces (stream-K runs several tiles through the same ring)
   __shared__ __align__(8) uint64_t act_bar[STAGES], full_bar[PROD ? STAGES : 1], empty_bar[PROD ? STAGES : 1];
   WgRing ring{act_bar, full_bar, empty_bar, 0u, 0u, 0u, 0u};
-  if constexpr (MOE) {  // CTA = (feature tile, m tile), all of K, written out directly
+  if constexpr (MOE && !PROD) {  // CTA = (feature tile, m tile), all of K, written out directly
     wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, false, 0, MINB>(
         p, c / m_tiles, c % m_tiles, 0, ks, []() { return WgPiece{1, 0, 0, 0, 0}; }, amap, ring);
     return;
@@ -951,12 +949,21 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   }
   if constexpr (PROD) {  // the producer warpgroup gives its registers to the compute warpgroups; the
     // two roles never share code after it (ptxas then keeps one register budget per branch)
+    constexpr auto whole = []() { return WgPiece{1, 0, 0, 0, 0}; };  // MoE: CTA = (feature tile, m tile)
     if (threadIdx.x >= 128 * WGS) {
       setmaxnreg_dec<kWgProdRegs>();
-      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1, MINB>(p, amap, ring);
+      if constexpr (MOE)
+        wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 1, MINB>(
+            p, c / m_tiles, c % m_tiles, 0, ks, whole, amap, ring);
+      else
+        wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1, MINB>(p, amap, ring);
     } else {
       setmaxnreg_inc<wg_consumer_regs(WGS, MINB)>();
-      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2, MINB>(p, amap, ring);
+      if constexpr (MOE)
+        wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 2, MINB>(
+            p, c / m_tiles, c % m_tiles, 0, ks, whole, amap, ring);
+      else
+        wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2, MINB>(p, amap, ring);
     }
   } else if constexpr (!MOE) {
     wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, false, 0, MINB>(p, amap, ring);
@@ -997,4 +1004,14 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   extern "C" __global__ void __launch_bounds__(128 * ((WGS) + 1), MINB)                                  \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
     jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, false, WGS, true, MINB>(p, &amap);      \
+  }
+// The producer form of the MoE kernel (session 25): as above with MOE (expert blocks of NT rows, all
+// of K per CTA), for activations pre-gathered in slot-list order only (p.a_by_position: the host's
+// moe.gather_by_position), so that a block's rows are one TMA box as in the dense form. (Gathering
+// the rows in the kernel, one 1-row TMA box per row issued by the producer warp's lanes, was correct
+// but 2-3x slower on the H200: NOTES.md session 25.)
+#define JM_WGMMA_KERNEL_PROD_MOE(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, MINB)          \
+  extern "C" __global__ void __launch_bounds__(128 * ((WGS) + 1), MINB)                                  \
+      NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \
+    jm::wgmma_body<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, true, WGS, true, MINB>(p, &amap);       \
   }

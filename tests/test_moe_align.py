@@ -178,6 +178,27 @@ def test_gather_by_position_cpu(top_k, block):
         assert int(ids.flatten()[slot]) == ex
         for j in range(k):
             assert got[r, j] == x[row, int(perm[ex, j])]
+    # no column order (the wgmma producer form's input): each real position holds its slot's row
+    same = gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, block)
+    for r in range(int(num_padded)):
+        slot = int(sorted_ids[r])
+        if slot < t * top_k:
+            assert torch.equal(same[r], x[slot // top_k])
+
+
+def test_producer_form_route_host_rules(monkeypatch):
+    """fused_marlin_moe takes the wgmma producer-form route (both inputs gathered in slot-list order)
+    only for blocks in MOE_WGMMA_PROD_BLOCKS with a built config, on CUDA tensors, with our MoE
+    kernels on, and when both GEMMs go to the wgmma kernel."""
+    from jitmarlin.ops import moe as M
+
+    x = torch.zeros(4, 256, dtype=torch.float16)
+    gemms = ((256, 256, torch.zeros(8, 4, 16, 128, dtype=torch.int32), torch.zeros(8, 2, 256, dtype=torch.float16),
+              None),) * 2
+    assert not M._prod_route(x, 32, 16.0, gemms)  # CPU tensors
+    assert M.wgmma_prod_moe_config(32) is not None and M.wgmma_prod_moe_config(64) is None
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", ())
+    assert not M._prod_route(x, 32, 16.0, gemms)
 
 
 def test_one_token_tables_host_rules(monkeypatch):

@@ -341,12 +341,27 @@ def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
 
 
 MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strips per warpgroup for blocks of 32 / 64
+# The wgmma MoE kernel's producer form (K.WGMMA_MOE_PROD_CONFIGS: one compute warpgroup, three CTAs per
+# SM, every copy issued by the producer warpgroup) for expert blocks of these row counts. It reads A
+# pre-gathered in slot-list order (gather_by_position), a block's rows one TMA box, so fused_marlin_moe
+# gathers both GEMMs' inputs for it (act-order experts do anyway). H200 session 25 (probe_moe_tiles,
+# layer us, plain -> producer form with both gathers): Mixtral 64 tokens 412-415 -> 378-380, E=64
+# top-6 96 tokens 157 -> 155, 256 tokens 179 -> 181; act-order experts (gathered either way): Mixtral
+# 64 tokens 420 -> 378, E=64 96 / 256 tokens 166 / 193 -> 155 / 181. Blocks of 64 (the (64, 1, 6)
+# form, probes: --prod-configs 64-1-6): Mixtral 96 / 256 tokens 477 / 709 -> 476 / 696 with act-order,
+# level without. Probe switch: probe_moe_tiles.py --prod 0|1.
+MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (32,)
+
+
+def wgmma_prod_moe_config(block_size: int, fw: int = 1) -> tuple[int, int, int] | None:
+    """The producer-form MoE config (NT, FW, STAGES) for expert blocks of block_size rows, or None."""
+    return next((c for c in K.WGMMA_MOE_PROD_CONFIGS if c[:2] == (block_size, fw)), None)
 
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
-                      top_k, block_size, a_by_position, index, fw: int | None = None) -> None:
+                      top_k, block_size, a_by_position, index, fw: int | None = None, prod: bool | None = None) -> None:
     from ..jit import driver
-    from .gemm import _cc, use_pdl, wgmma_strips
+    from .gemm import _cc, use_pdl, wgmma_act_map, wgmma_strips
 
     if block_size == WGMMA_BLOCK:  # compiled with one strip per warpgroup only
         fw = 1
@@ -359,8 +374,18 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     elif fw is None:  # blocks of 64 (blocks: an upper bound of the expert blocks); session 17: Mixtral 128 /
         # 256 tokens with one strip 467 / 700 us, with two 477 / 668, with this rule 477 / 683
         fw = wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
-    nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
-    fn = K.get_wgmma_kernel(fam, nt, fw, stages, index)
+    if prod is None:
+        prod = block_size in MOE_WGMMA_PROD_BLOCKS
+    # the producer form: A pre-gathered (a block's rows contiguous), read through a TMA descriptor (its
+    # base 16-byte aligned; rows are: K % 64 == 0)
+    prod = prod and a_by_position and wgmma_prod_moe_config(block_size, fw) is not None and a.data_ptr() % 16 == 0
+    if prod:
+        nt, fw, stages = wgmma_prod_moe_config(block_size, fw)
+        amap = wgmma_act_map(a, a.shape[0], k, nt, True)  # boxes of a block's rows
+    else:
+        nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
+        amap = K.NO_TENSOR_MAP
+    fn = K.get_wgmma_kernel(fam, nt, fw, stages, index, prod=prod)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
     p.z = zeros.data_ptr() if zeros is not None else None
@@ -373,7 +398,7 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     p.top_k, p.a_by_position = top_k, int(a_by_position)
     p.grid = -(-sorted_ids.numel() // block_size)  # m tiles, an upper bound (the kernel reads num_padded)
     fn.launch((n // (128 * fw)) * p.grid, 256, K.wgmma_smem_bytes(fam, nt, fw, stages),
-              K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)), extra=K.NO_TENSOR_MAP)
+              K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)), extra=amap)
 
 
 def _check_expert_table(sorted_ids, expert_ids, block_size, ids_shift, num_experts, e):
@@ -430,29 +455,36 @@ def moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weigh
 
 
 def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-                       num_padded: torch.Tensor, perm: torch.Tensor, top_k: int, block_size: int) -> torch.Tensor:
-    """Act-order: A'[pos] = x[slot(pos) // top_k][perm[expert(pos)]] for the positions of the
-    expert-sorted slot list (perm: [E, K]). On CUDA one kernel of ours (jm_moe_gather, unless
-    JITMARLIN_MOE_KERNELS=0): padding positions get zeros, positions at or past num_padded are not
-    written (the expert GEMM reads none of them). Else the torch reference below."""
+                       num_padded: torch.Tensor, perm: torch.Tensor | None, top_k: int,
+                       block_size: int) -> torch.Tensor:
+    """A'[pos] = x[slot(pos) // top_k][perm[expert(pos)]] for the positions of the expert-sorted
+    slot list (perm: [E, K], act-order; None: the rows as they are, for the wgmma producer form).
+    On CUDA one kernel of ours (jm_moe_gather, unless JITMARLIN_MOE_KERNELS=0): padding positions
+    get zeros, positions at or past num_padded are not written (the expert GEMM reads none of
+    them). Else the torch reference below."""
     k = x.shape[1]
     if not (x.is_cuda and use_moe_kernels() and k % 8 == 0 and x.is_contiguous() and x.dtype in DTYPES):
         return _gather_by_position_torch(x, sorted_ids, expert_ids, perm, top_k, block_size)
-    perm32 = perm if perm.dtype == torch.int32 and perm.is_contiguous() else perm.to(torch.int32).contiguous()
-    if perm32.data_ptr() % 16:  # read 8 entries at a time
-        perm32 = perm32.clone()
+    perm_ptr = None
+    if perm is not None:
+        perm32 = perm if perm.dtype == torch.int32 and perm.is_contiguous() else perm.to(torch.int32).contiguous()
+        if perm32.data_ptr() % 16:  # read 8 entries at a time
+            perm32 = perm32.clone()
+        perm_ptr = perm32.data_ptr()
     rows = sorted_ids.numel()
     return _launch_chunked("moe_gather", x, rows, k, top_k, sorted_ids=sorted_ids.data_ptr(),
                            expert_ids=expert_ids.data_ptr(), num_padded=num_padded.data_ptr(),
-                           numel=x.shape[0] * top_k, block=block_size, perm=perm32.data_ptr())
+                           numel=x.shape[0] * top_k, block=block_size, perm=perm_ptr)
 
 
 def _gather_by_position_torch(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-                              perm: torch.Tensor, top_k: int, block_size: int) -> torch.Tensor:
+                              perm: torch.Tensor | None, top_k: int, block_size: int) -> torch.Tensor:
     """The reference: torch ops through an [L, K] int64 index (L = the list's length); every
     position gets a row (padding positions some token's)."""
     numel = x.shape[0] * top_k
     rows = sorted_ids.clamp(max=numel - 1).to(torch.int64) // top_k  # [L]
+    if perm is None:
+        return x[rows]
     experts = expert_ids.to(torch.int64).repeat_interleave(block_size)[: sorted_ids.numel()]  # [L]
     cols = perm.to(torch.int64)[experts]  # [L, K]
     return torch.gather(x[rows], 1, cols)
@@ -475,6 +507,21 @@ def _large_blocks_ok(hidden: torch.Tensor, gemms) -> bool:
         return False
     index = K.cuda_index(hidden.device)
     return all(_use_wgmma_moe(WGMMA_BLOCK, n, k, fam, index) for n, k, fam in gemms)
+
+
+def _prod_route(hidden: torch.Tensor, block_size: int, per_expert: float, gemms) -> bool:
+    """Whether both expert GEMMs ((n, k, w, scales, zeros) each) of blocks of block_size rows at
+    per_expert rows per expert (average) run the wgmma kernel's producer form (MOE_WGMMA_PROD_BLOCKS),
+    which reads its input pre-gathered in slot-list order."""
+    if block_size not in MOE_WGMMA_PROD_BLOCKS or wgmma_prod_moe_config(block_size) is None or not hidden.is_cuda \
+            or not use_moe_kernels():
+        return False
+    index = K.cuda_index(hidden.device)
+    for n, k, w, scales, zeros in gemms:
+        fam = _expert_family(hidden, w, scales, zeros)
+        if fam is None or not _use_wgmma_moe(block_size, n, k, fam, index, per_expert):
+            return False
+    return True
 
 
 # One token, blocks of 8 (decode at batch 1, the most common MoE call): the alignment's tables are known
@@ -561,6 +608,18 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
         shift = clamp = 0
     hidden = hidden.contiguous()
+    if w13_perm is None and w2_perm is None and one is None and _prod_route(hidden, bs, t * top_k / e, (
+            (i2, h, w13, w13_scales, w13_zeros), (h, inter, w2, w2_scales, w2_zeros))):
+        # the wgmma producer form for both GEMMs: their inputs gathered in slot-list order
+        a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, None, top_k, bs)
+        c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
+                      top_k, bs, True)
+        c2 = silu_mul(c1, inter)
+        a2 = gather_by_position(c2, sorted_ids, expert_ids, num_padded, None, 1, bs)
+        c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
+                                                       num_padded, topk_weights.reshape(-1).to(torch.float32),
+                                                       t * top_k, 1, bs, True)
+        return topk_sum(c3, t, top_k)
     if w13_perm is None:
         c1 = moe_gemm(hidden, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                       top_k, bs, False, shift, clamp)  # [T*k, 2I]

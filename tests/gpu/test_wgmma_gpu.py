@@ -501,3 +501,67 @@ def test_act_order_gemm_on_the_wgmma_route_pdl_rule(monkeypatch):
                         1e-3, f"act-order M={m}")
             check_close(jitmarlin.marlin_gemm(a, packed.b, packed.scales), a.float() @ w, 1e-3, f"M={m}")
         assert seen == [after_gather, True] * len(ms), (k, n, seen)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
+                                dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
+def test_moe_producer_form(monkeypatch, kw):
+    """The MoE kernel's producer form (session 25; blocks of 32 rows, both GEMMs' inputs gathered in
+    slot-list order so that a block's rows are one TMA box) against the plain-PyTorch reference and
+    the plain wgmma MoE kernel, with random and skewed routing (two experts take every token: several
+    blocks each, six experts empty) and act-order experts; the output memory poisoned with NaN first."""
+    from .test_moe_gpu import make_moe, reference
+
+    from jitmarlin.ops import moe as M
+
+    launched = []
+    get = K.get_wgmma_kernel
+
+    def spy(fam, nt, fw, stages, index, wide=False, prod=False):
+        launched.append((nt, prod))
+        return get(fam, nt, fw, stages, index, wide, prod)
+
+    monkeypatch.setattr(K, "get_wgmma_kernel", spy)
+    moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
+    dtype = kw.get("dtype", torch.float16)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+
+    def layer(x, weights, ids):
+        torch.full((1 << 24,), float("nan"), device="cuda", dtype=dtype)  # freed: the allocator hands it out next
+        return M.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
+                                  w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
+                                  w2_perm=moe.w2_perm)
+
+    for t, skew in ((37, False), (64, False), (95, False), (64, True)):  # 9.25 / 16 / 23.75 rows per expert
+        x = torch.randn(t, 1024, device="cuda", dtype=dtype)
+        weights, ids = moe.route(x)
+        if skew:
+            ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
+        want = reference(x, w13, w2, weights, ids, dtype)
+        monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", ())
+        launched.clear()
+        plain = layer(x, weights, ids)
+        assert launched == [(32, False), (32, False)], (t, launched)
+        monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", (32,))
+        launched.clear()
+        got = layer(x, weights, ids)
+        torch.cuda.synchronize()
+        assert launched == [(32, True), (32, True)], (t, launched)
+        check_close(got, want, tol, f"producer form, T={t}, skewed={skew}")
+        check_close(got, plain, tol, f"producer form vs plain kernel, T={t}")
+    graph_x = torch.randn(64, 1024, device="cuda", dtype=dtype)  # CUDA graph: capture, replay on new tokens
+    moe(graph_x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = moe(graph_x)
+    for _ in range(2):
+        graph_x.copy_(torch.randn_like(graph_x))
+        g.replay()
+        torch.cuda.synchronize()
+        weights, ids = moe.route(graph_x)
+        check_close(y, reference(graph_x, w13, w2, weights, ids, dtype), tol, "producer form in a CUDA graph")
+    if not kw:  # torch.compile of the layer on the producer-form route: as eager
+        cmoe = torch.compile(moe)
+        for _ in range(2):
+            check_close(cmoe(graph_x), moe(graph_x).float(), tol, "producer form under torch.compile")
