@@ -344,13 +344,16 @@ MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strip
 # The wgmma MoE kernel's producer form (K.WGMMA_MOE_PROD_CONFIGS: one compute warpgroup, three CTAs per
 # SM, every copy issued by the producer warpgroup) for expert blocks of these row counts. It reads A
 # pre-gathered in slot-list order (gather_by_position), a block's rows one TMA box, so fused_marlin_moe
-# gathers both GEMMs' inputs for it (act-order experts do anyway). H200 session 25 (probe_moe_tiles,
-# layer us, plain -> producer form with both gathers): Mixtral 64 tokens 412-415 -> 378-380, E=64
-# top-6 96 tokens 157 -> 155, 256 tokens 179 -> 181; act-order experts (gathered either way): Mixtral
-# 64 tokens 420 -> 378, E=64 96 / 256 tokens 166 / 193 -> 155 / 181. Blocks of 64 (the (64, 1, 6)
-# form, probes: --prod-configs 64-1-6): Mixtral 96 / 256 tokens 477 / 709 -> 476 / 696 with act-order,
-# level without. Probe switch: probe_moe_tiles.py --prod 0|1.
+# gathers both GEMMs' inputs for it (act-order experts do anyway), where the first GEMM's experts hold
+# more than MOE_WGMMA_PROD_MIN_KN weights (act-order experts: any size). H200 session 25
+# (probe_moe_tiles, layer us, plain -> producer form with both gathers, two runs): Mixtral 64 tokens
+# 411-415 -> 376-380; E=64 top-6 (experts of 2048 x 2816: the gathers cost what the kernel saves) 96
+# tokens 157 -> 155 / 161 / 163, 256 tokens 179 -> 181 / 183 / 184; act-order experts (gathered either
+# way): Mixtral 64 tokens 420 -> 378, E=64 96 / 256 tokens 166 / 193 -> 155 / 181. Blocks of 64 (the
+# (64, 1, 6) form, probes: --prod-configs 64-1-6): Mixtral 96 / 256 tokens 477 / 709 -> 476 / 696 with
+# act-order, level without. Probe switch: probe_moe_tiles.py --prod 0|1.
 MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (32,)
+MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 
 
 def wgmma_prod_moe_config(block_size: int, fw: int = 1) -> tuple[int, int, int] | None:
@@ -608,7 +611,8 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
         shift = clamp = 0
     hidden = hidden.contiguous()
-    if w13_perm is None and w2_perm is None and one is None and _prod_route(hidden, bs, t * top_k / e, (
+    if w13_perm is None and w2_perm is None and one is None and i2 * h > MOE_WGMMA_PROD_MIN_KN \
+            and _prod_route(hidden, bs, t * top_k / e, (
             (i2, h, w13, w13_scales, w13_zeros), (h, inter, w2, w2_scales, w2_zeros))):
         # the wgmma producer form for both GEMMs: their inputs gathered in slot-list order
         a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, None, top_k, bs)

@@ -522,6 +522,7 @@ def test_moe_producer_form(monkeypatch, kw):
         return get(fam, nt, fw, stages, index, wide, prod)
 
     monkeypatch.setattr(K, "get_wgmma_kernel", spy)
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)  # (these experts are small: the route's size rule off)
     moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
