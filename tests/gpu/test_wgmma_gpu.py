@@ -510,7 +510,7 @@ def test_moe_producer_form(monkeypatch, kw):
     slot-list order so that a block's rows are one TMA box) against the plain-PyTorch reference and
     the plain wgmma MoE kernel, with random and skewed routing (two experts take every token: several
     blocks each, six experts empty) and act-order experts; the output memory poisoned with NaN first."""
-    from .test_moe_gpu import make_moe, reference
+    from .test_moe_gpu import check_graph_replays, make_moe, reference
 
     from jitmarlin.ops import moe as M
 
@@ -551,17 +551,7 @@ def test_moe_producer_form(monkeypatch, kw):
         check_close(got, want, tol, f"producer form, T={t}, skewed={skew}")
         check_close(got, plain, tol, f"producer form vs plain kernel, T={t}")
     graph_x = torch.randn(64, 1024, device="cuda", dtype=dtype)  # CUDA graph: capture, replay on new tokens
-    moe(graph_x)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = moe(graph_x)
-    for _ in range(2):
-        graph_x.copy_(torch.randn_like(graph_x))
-        g.replay()
-        torch.cuda.synchronize()
-        weights, ids = moe.route(graph_x)
-        check_close(y, reference(graph_x, w13, w2, weights, ids, dtype), tol, "producer form in a CUDA graph")
+    check_graph_replays(moe, w13, w2, graph_x, 2, tol, "producer form in a CUDA graph")
     if not kw:  # torch.compile of the layer on the producer-form route: as eager
         cmoe = torch.compile(moe)
         for _ in range(2):
