@@ -201,6 +201,44 @@ def test_producer_form_route_host_rules(monkeypatch):
     assert not M._prod_route(x, 32, 16.0, gemms)
 
 
+@pytest.mark.parametrize("route", [False, True])
+def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route):
+    """Where the producer-form route applies, fused_marlin_moe gathers the first GEMM's input in
+    slot-list order (no column order) and runs that GEMM on positions; elsewhere it passes the hidden
+    states as they are (the second GEMM's side runs on CUDA only)."""
+    from jitmarlin.ops import moe as M
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_gather(x, sorted_ids, expert_ids, num_padded, perm, top_k, block):
+        calls.append(("gather", perm, top_k, block))
+        return torch.zeros(sorted_ids.numel(), x.shape[1], dtype=x.dtype)
+
+    def fake_gemm(a, *args):
+        calls.append(("gemm", tuple(a.shape), args[10]))  # a_by_position
+        raise Stop
+
+    monkeypatch.setattr(M, "_prod_route", lambda *a: route)
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)
+    monkeypatch.setattr(M, "gather_by_position", fake_gather)
+    monkeypatch.setattr(M, "moe_gemm", fake_gemm)
+    e, h, inter, top_k, t = 8, 256, 128, 2, 64
+    w13 = torch.zeros(e, 2 * inter // 64, h // 16, 128, dtype=torch.int32)
+    w2 = torch.zeros(e, h // 64, inter // 16, 128, dtype=torch.int32)
+    s13, s2 = torch.zeros(e, 2, 2 * inter, dtype=torch.float16), torch.zeros(e, 1, h, dtype=torch.float16)
+    ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(t)])
+    with pytest.raises(Stop):
+        M.fused_marlin_moe(torch.zeros(t, h, dtype=torch.float16), w13, s13, w2, s2, torch.ones(t, top_k), ids,
+                           block_size=32)
+    if route:
+        assert calls[0] == ("gather", None, top_k, 32) and calls[1][0] == "gemm" and calls[1][2] is True
+    else:
+        assert calls == [("gemm", (t, h), False)]
+
+
 def test_one_token_tables_host_rules(monkeypatch):
     """moe.one_token_tables (the MoE layer at one token without the alignment kernel) declines what its
     kernels cannot read: CPU ids, more than one token, float or non-contiguous ids, the switch off; and

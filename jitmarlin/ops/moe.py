@@ -611,20 +611,12 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, bs, e)
         shift = clamp = 0
     hidden = hidden.contiguous()
-    if w13_perm is None and w2_perm is None and one is None and i2 * h > MOE_WGMMA_PROD_MIN_KN \
-            and _prod_route(hidden, bs, t * top_k / e, (
-            (i2, h, w13, w13_scales, w13_zeros), (h, inter, w2, w2_scales, w2_zeros))):
-        # the wgmma producer form for both GEMMs: their inputs gathered in slot-list order
-        a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, None, top_k, bs)
-        c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
-                      top_k, bs, True)
-        c2 = silu_mul(c1, inter)
-        a2 = gather_by_position(c2, sorted_ids, expert_ids, num_padded, None, 1, bs)
-        c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
-                                                       num_padded, topk_weights.reshape(-1).to(torch.float32),
-                                                       t * top_k, 1, bs, True)
-        return topk_sum(c3, t, top_k)
-    if w13_perm is None:
+    # blocks on the wgmma kernel's producer form read both GEMMs' inputs gathered in slot-list order
+    # (no column order), as act-order experts do (theirs in each expert's column order)
+    gathered = w13_perm is None and w2_perm is None and one is None and i2 * h > MOE_WGMMA_PROD_MIN_KN \
+        and _prod_route(hidden, bs, t * top_k / e, ((i2, h, w13, w13_scales, w13_zeros),
+                                                    (h, inter, w2, w2_scales, w2_zeros)))
+    if w13_perm is None and not gathered:
         c1 = moe_gemm(hidden, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                       top_k, bs, False, shift, clamp)  # [T*k, 2I]
     else:
@@ -633,7 +625,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
                       top_k, bs, True)
     c2 = silu_mul(c1, inter)  # [T*k, I]
     tw = topk_weights.reshape(-1).to(torch.float32)
-    if w2_perm is None:
+    if w2_perm is None and not gathered:
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs, False, shift, clamp)
     else:
