@@ -362,7 +362,7 @@ def wgmma_prod_moe_config(block_size: int, fw: int = 1) -> tuple[int, int, int] 
 
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
-                      top_k, block_size, a_by_position, index, fw: int | None = None, prod: bool | None = None) -> None:
+                      top_k, block_size, a_by_position, index, fw: int | None = None) -> None:
     from ..jit import driver
     from .gemm import _cc, use_pdl, wgmma_act_map, wgmma_strips
 
@@ -377,11 +377,10 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     elif fw is None:  # blocks of 64 (blocks: an upper bound of the expert blocks); session 17: Mixtral 128 /
         # 256 tokens with one strip 467 / 700 us, with two 477 / 668, with this rule 477 / 683
         fw = wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
-    if prod is None:
-        prod = block_size in MOE_WGMMA_PROD_BLOCKS
     # the producer form: A pre-gathered (a block's rows contiguous), read through a TMA descriptor (its
     # base 16-byte aligned; rows are: K % 64 == 0)
-    prod = prod and a_by_position and wgmma_prod_moe_config(block_size, fw) is not None and a.data_ptr() % 16 == 0
+    prod = block_size in MOE_WGMMA_PROD_BLOCKS and a_by_position and wgmma_prod_moe_config(block_size, fw) is not None \
+        and a.data_ptr() % 16 == 0
     if prod:
         nt, fw, stages = wgmma_prod_moe_config(block_size, fw)
         amap = wgmma_act_map(a, a.shape[0], k, nt, True)  # boxes of a block's rows
