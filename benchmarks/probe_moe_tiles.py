@@ -15,6 +15,8 @@
                       run and taken before the built-in ones of the same (rows, strips), e.g. 64-2-8
     --fw 1|2          strips per warpgroup of the wgmma MoE kernel for blocks of 32 / 64 rows instead of
                       gemm.wgmma_strips (moe.MOE_WGMMA_FW)
+    --prod-fw 1|2     strips per warpgroup pair of the producer form for blocks of 32 (2: four strips on
+                      its compute warpgroup, 256 features per CTA; builds (32, 2, 6) and (32, 2, 8))
     --pregather       identity act-order permutations: both GEMMs read A pre-gathered in slot-list
                       order (gather_by_position; the producer form then copies whole blocks)
     --prod 0|1        the wgmma MoE kernel's producer form for no block size / every block size it is
@@ -58,6 +60,9 @@ def main() -> None:
                     help="the wgmma MoE kernel's producer form for no / every built block size (default: the rule)")
     ap.add_argument("--prod-configs", default="",
                     help="NT-FW-S,..: producer-form MoE configs built for this run and taken first (with --prod 1)")
+    ap.add_argument("--prod-fw", type=int, default=None, choices=(1, 2),
+                    help="strips per warpgroup pair of the producer form for blocks of 32 (moe.MOE_WGMMA_PROD_FW; "
+                         "2 builds the (32, 2, 6) and (32, 2, 8) configs for this run and takes the first)")
     ap.add_argument("--pregather", action="store_true",
                     help="identity act-order permutations (A pre-gathered in slot-list order for both GEMMs)")
     args = ap.parse_args()
@@ -79,6 +84,10 @@ def main() -> None:
     if args.prod_configs:  # before the first build: part of the module's cache key
         K.WGMMA_MOE_PROD_CONFIGS = tuple(tuple(int(x) for x in c.split("-")) for c in args.prod_configs.split(",")) \
             + K.WGMMA_MOE_PROD_CONFIGS
+    if args.prod_fw is not None:
+        M.MOE_WGMMA_PROD_FW = args.prod_fw
+        if args.prod_fw == 2 and not args.prod_configs:  # before the first build
+            K.WGMMA_MOE_PROD_CONFIGS = ((32, 2, 6), (32, 2, 8)) + K.WGMMA_MOE_PROD_CONFIGS
     if args.prod is not None:
         M.MOE_WGMMA_PROD_BLOCKS = tuple(c[0] for c in K.WGMMA_MOE_PROD_CONFIGS) if args.prod else ()
     if args.small_kn is not None:
@@ -115,7 +124,7 @@ def main() -> None:
     tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "
            f"sum={'torch' if args.torch_sum else 'ours'}" + (f" wgmma={args.wgmma}" if extra else "")
            + (f" tile={args.tile}" if args.tile else "") + (" no-occ" if args.no_occ else "")
-           + (f" fw={args.fw}" if args.fw else "") + (f" prod={args.prod}" if args.prod is not None else "") + (" pregather" if args.pregather else ""))
+           + (f" fw={args.fw}" if args.fw else "") + (f" prod={args.prod}" if args.prod is not None else "") + (" pregather" if args.pregather else "") + (f" prod_fw={args.prod_fw}" if args.prod_fw else ""))
     for name, t, ours, _ in bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]):
         us = common.time_graph(lambda _i: ours(), 1, calls=10)
         print(f"[{tag}] {name} T={t}: {us:.1f} us", flush=True)

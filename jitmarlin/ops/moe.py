@@ -354,6 +354,11 @@ MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strip
 # act-order, level without. Probe switch: probe_moe_tiles.py --prod 0|1.
 MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (32,)
 MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
+# Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
+# strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features
+# per CTA (as Humming's MoE blocks of 24 x 512 / 32 x 256), two CTAs per SM — prepared for session 26,
+# not measured: probe_moe_tiles.py --prod 1 --prod-fw 2.
+MOE_WGMMA_PROD_FW = 1
 
 
 def wgmma_prod_moe_config(block_size: int, fw: int = 1) -> tuple[int, int, int] | None:
@@ -366,6 +371,7 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     from ..jit import driver
     from .gemm import _cc, use_pdl, wgmma_act_map, wgmma_strips
 
+    fw_asked = fw if fw is not None else MOE_WGMMA_FW
     if block_size == WGMMA_BLOCK:  # compiled with one strip per warpgroup only
         fw = 1
     elif fw is None and MOE_WGMMA_FW:
@@ -379,10 +385,11 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
         fw = wgmma_strips(n, -(-sorted_ids.numel() // block_size), driver.device(index).sm_count)
     # the producer form: A pre-gathered (a block's rows contiguous), read through a TMA descriptor (its
     # base 16-byte aligned; rows are: K % 64 == 0)
-    prod = block_size in MOE_WGMMA_PROD_BLOCKS and a_by_position and wgmma_prod_moe_config(block_size, fw) is not None \
+    pfw = fw_asked or MOE_WGMMA_PROD_FW
+    prod = block_size in MOE_WGMMA_PROD_BLOCKS and a_by_position and wgmma_prod_moe_config(block_size, pfw) is not None \
         and a.data_ptr() % 16 == 0
     if prod:
-        nt, fw, stages = wgmma_prod_moe_config(block_size, fw)
+        nt, fw, stages = wgmma_prod_moe_config(block_size, pfw)
         amap = wgmma_act_map(a, a.shape[0], k, nt, True)  # boxes of a block's rows
     else:
         nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
@@ -515,7 +522,8 @@ def _prod_route(hidden: torch.Tensor, block_size: int, per_expert: float, gemms)
     """Whether both expert GEMMs ((n, k, w, scales, zeros) each) of blocks of block_size rows at
     per_expert rows per expert (average) run the wgmma kernel's producer form (MOE_WGMMA_PROD_BLOCKS),
     which reads its input pre-gathered in slot-list order."""
-    if block_size not in MOE_WGMMA_PROD_BLOCKS or wgmma_prod_moe_config(block_size) is None or not hidden.is_cuda \
+    if block_size not in MOE_WGMMA_PROD_BLOCKS or wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW) is None \
+            or not hidden.is_cuda \
             or not use_moe_kernels():
         return False
     index = K.cuda_index(hidden.device)

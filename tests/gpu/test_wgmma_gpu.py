@@ -503,13 +503,26 @@ def test_act_order_gemm_on_the_wgmma_route_pdl_rule(monkeypatch):
         assert seen == [after_gather, True] * len(ms), (k, n, seen)
 
 
+@pytest.fixture(params=[1, 2], ids=["fw1", "fw2"])
+def moe_prod_fw(request, monkeypatch):
+    """Strips per warpgroup pair of the MoE producer form: 1 (the built (32, 1, 6)), or 2 (four strips,
+    (32, 2, 6) built for this test: moe.MOE_WGMMA_PROD_FW)."""
+    from jitmarlin.ops import moe as M
+
+    if request.param == 2:
+        monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((32, 2, 6),) + K.WGMMA_MOE_PROD_CONFIGS)
+        monkeypatch.setattr(M, "MOE_WGMMA_PROD_FW", 2)
+    yield from _rebuilt(request.param)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
                                 dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
-def test_moe_producer_form(monkeypatch, kw):
+def test_moe_producer_form(monkeypatch, kw, moe_prod_fw):
     """The MoE kernel's producer form (session 25; blocks of 32 rows, both GEMMs' inputs gathered in
-    slot-list order so that a block's rows are one TMA box) against the plain-PyTorch reference and
-    the plain wgmma MoE kernel, with random and skewed routing (two experts take every token: several
-    blocks each, six experts empty) and act-order experts; the output memory poisoned with NaN first."""
+    slot-list order so that a block's rows are one TMA box; two or four strips on its compute
+    warpgroup) against the plain-PyTorch reference and the plain wgmma MoE kernel, with random and
+    skewed routing (two experts take every token: several blocks each, six experts empty) and
+    act-order experts; the output memory poisoned with NaN first."""
     from .test_moe_gpu import check_graph_replays, make_moe, reference
 
     from jitmarlin.ops import moe as M
@@ -518,7 +531,7 @@ def test_moe_producer_form(monkeypatch, kw):
     get = K.get_wgmma_kernel
 
     def spy(fam, nt, fw, stages, index, wide=False, prod=False):
-        launched.append((nt, prod))
+        launched.append((nt, prod) if not prod else (nt, prod, fw))
         return get(fam, nt, fw, stages, index, wide, prod)
 
     monkeypatch.setattr(K, "get_wgmma_kernel", spy)
@@ -547,7 +560,7 @@ def test_moe_producer_form(monkeypatch, kw):
         launched.clear()
         got = layer(x, weights, ids)
         torch.cuda.synchronize()
-        assert launched == [(32, True), (32, True)], (t, launched)
+        assert launched == [(32, True, moe_prod_fw), (32, True, moe_prod_fw)], (t, launched)
         check_close(got, want, tol, f"producer form, T={t}, skewed={skew}")
         check_close(got, plain, tol, f"producer form vs plain kernel, T={t}")
     graph_x = torch.randn(64, 1024, device="cuda", dtype=dtype)  # CUDA graph: capture, replay on new tokens
