@@ -21,6 +21,9 @@
                       order (gather_by_position; the producer form then copies whole blocks)
     --prod 0|1        the wgmma MoE kernel's producer form for no block size / every block size it is
                       built for (K.WGMMA_MOE_PROD_CONFIGS) instead of moe.MOE_WGMMA_PROD_BLOCKS
+    --down-splits S,..  the down projection's wgmma launch split S ways along K (fp32 partial sums added
+                      by the top-k sum; moe.MOE_DOWN_SPLITS; 1 = none; 0 = the rule, moe.down_splits),
+                      each value timed in turn (one process)
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
 """
@@ -65,6 +68,9 @@ def main() -> None:
                          "2 builds the (32, 2, 6) and (32, 2, 8) configs for this run and takes the first)")
     ap.add_argument("--pregather", action="store_true",
                     help="identity act-order permutations (A pre-gathered in slot-list order for both GEMMs)")
+    ap.add_argument("--down-splits", default="",
+                    help="S,..: K splits of the down projection's wgmma launch, each timed (moe.MOE_DOWN_SPLITS; "
+                         "0 = the rule, the default)")
     args = ap.parse_args()
     if args.pregather:
         inner = bench_moe.fused_marlin_moe
@@ -120,14 +126,20 @@ def main() -> None:
         if args.fw == 2:  # blocks of 32 with two strips: not in the built set since session 17
             K.WGMMA_MOE_CONFIGS = tuple(dict.fromkeys(K.WGMMA_MOE_CONFIGS + ((32, 2, 8),)))
     if args.torch_sum:
-        M.topk_sum = lambda c3, t, k: c3.view(t, k, -1).sum(1)
+        M.topk_sum = lambda c3, t, k, dtype=None: (c3.view(t, k, -1).sum(1) if c3.dim() == 2
+                                                   else c3.view(c3.shape[0], t, k, -1).sum((0, 2)).to(dtype))
     tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "
            f"sum={'torch' if args.torch_sum else 'ours'}" + (f" wgmma={args.wgmma}" if extra else "")
            + (f" tile={args.tile}" if args.tile else "") + (" no-occ" if args.no_occ else "")
-           + (f" fw={args.fw}" if args.fw else "") + (f" prod={args.prod}" if args.prod is not None else "") + (" pregather" if args.pregather else "") + (f" prod_fw={args.prod_fw}" if args.prod_fw else ""))
-    for name, t, ours, _ in bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]):
-        us = common.time_graph(lambda _i: ours(), 1, calls=10)
-        print(f"[{tag}] {name} T={t}: {us:.1f} us", flush=True)
+           + (f" fw={args.fw}" if args.fw else "") + (f" prod={args.prod}" if args.prod is not None else "")
+           + (" pregather" if args.pregather else "") + (f" prod_fw={args.prod_fw}" if args.prod_fw else ""))
+    cases = list(bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]))
+    for splits in [int(v) for v in args.down_splits.split(",") if v] or [0]:
+        M.MOE_DOWN_SPLITS = splits or None
+        for name, t, ours, _ in cases:
+            us = common.time_graph(lambda _i: ours(), 1, calls=10)
+            print(f"[{tag}{f' down_splits={splits}' if args.down_splits else ''}] {name} T={t}: {us:.1f} us",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@
 // jm_silu_mul: y[r, j] = silu(x[r, j]) * x[r, I + j] for the gate/up halves of the first expert
 // GEMM's output, 8 values per thread.
 // jm_topk_sum: y[t, j] = sum over k of x[t * top_k + k, j] (the second expert GEMM's output, the
-// routing weights already applied), summed in fp32 in slot order, rounded once, 8 values per thread.
+// routing weights already applied), summed in fp32 in slot order, rounded once, 8 values per thread;
+// jm_topk_sum_f32: the same over fp32 x [splits, T * top_k, H] (that GEMM split along K), split by split.
 // jm_moe_gather (act-order experts): y[r, j] = x[slot / top_k, perm[expert, j]] for each position r
 // of the expert-sorted slot list (slot = sorted_ids[r], expert = expert_ids[r / block]; perm null:
 // y[r, j] = x[slot / top_k, j], the rows in slot-list order for the wgmma producer form); padding
@@ -49,6 +50,7 @@ struct JmMoeParams {
   const int* perm;      // moe_gather: [num_experts, inter] column order of each expert's input
   int* route_ids;       // moe_route: [rows, top_k] int32 out (weights: y, fp32 [rows, top_k]; logits: x)
   int32_t renorm;       // moe_route: 1 = the k weights renormalized to sum 1
+  int32_t splits;       // topk_sum with fp32 input: x is [splits, rows * top_k, inter] (K-split partials)
 };
 
 namespace jm {
@@ -210,19 +212,32 @@ JM_DEVICE void silu_mul_body(const JmMoeParams p) {
   *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(r) * p.inter + j) = out;
 }
 
-template <typename T>
+// X = T: x [rows * top_k, inter]; X = float: x [p.splits, rows * top_k, inter], the fp32 partial
+// sums of an expert GEMM split along K, summed split by split, each in slot order
+template <typename T, typename X>
 JM_DEVICE void topk_sum_body(const JmMoeParams p) {
   int r, j;
   if (!chunk_of_thread(p, r, j)) return;
   float acc[8];
 #pragma unroll
   for (int i = 0; i < 8; i++) acc[i] = 0.f;
-  const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(r) * p.top_k * p.inter + j;
-  for (int s = 0; s < p.top_k; s++) {
-    const uint4 v = *reinterpret_cast<const uint4*>(x + static_cast<int64_t>(s) * p.inter);
-    const T* e = reinterpret_cast<const T*>(&v);
+  const int splits = sizeof(X) == 4 ? p.splits : 1;
+  const int64_t slice = static_cast<int64_t>(p.rows) * p.top_k * p.inter;
+  for (int sp = 0; sp < splits; sp++) {
+    const X* x = static_cast<const X*>(p.x) + sp * slice + static_cast<int64_t>(r) * p.top_k * p.inter + j;
+    for (int s = 0; s < p.top_k; s++) {
+      if constexpr (sizeof(X) == 4) {
+        const float4 v0 = *reinterpret_cast<const float4*>(x + static_cast<int64_t>(s) * p.inter);
+        const float4 v1 = *reinterpret_cast<const float4*>(x + static_cast<int64_t>(s) * p.inter + 4);
+        acc[0] += v0.x, acc[1] += v0.y, acc[2] += v0.z, acc[3] += v0.w;
+        acc[4] += v1.x, acc[5] += v1.y, acc[6] += v1.z, acc[7] += v1.w;
+      } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(x + static_cast<int64_t>(s) * p.inter);
+        const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
-    for (int i = 0; i < 8; i++) acc[i] += static_cast<float>(e[i]);
+        for (int i = 0; i < 8; i++) acc[i] += static_cast<float>(e[i]);
+      }
+    }
   }
   uint4 out;
   T* o = reinterpret_cast<T*>(&out);
@@ -346,6 +361,8 @@ JM_DEVICE void moe_route_body(const JmMoeParams p) {
 #define JM_SILU_MUL_KERNEL(NAME, T) \
   extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::silu_mul_body<T>(p); }
 #define JM_TOPK_SUM_KERNEL(NAME, T) \
-  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::topk_sum_body<T>(p); }
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::topk_sum_body<T, T>(p); }
+#define JM_TOPK_SUM_F32_KERNEL(NAME, T) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::topk_sum_body<T, float>(p); }
 #define JM_MOE_GATHER_KERNEL(NAME, T) \
   extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::moe_gather_body<T>(p); }

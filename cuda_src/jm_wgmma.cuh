@@ -805,6 +805,16 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   T* cbase = static_cast<T*>(p.c);
   const T* bias = static_cast<const T*>(p.bias);
   const int t4 = lane & 3;
+  // MoE with K splits: fp32 partial sums, split s into slice s of [k_splits, m, ldc] (summed by the
+  // top-k sum kernel); the split is recomputed from the CTA index (wgmma_body's mapping)
+  // (not with 128-token blocks: the branch costs the 8-bit bf16 form registers it does not have)
+  constexpr bool kSplitOut = MOE && NT <= 64;
+  float* c32 = nullptr;
+  if constexpr (kSplitOut) {
+    if (p.k_splits > 1)
+      c32 = static_cast<float*>(p.c) + static_cast<int64_t>((static_cast<int>(blockIdx.x) / m_tiles) % p.k_splits) *
+                                           p.m * p.ldc;
+  }
 #pragma unroll
   for (int j = 0; j < FW; j++) {
     const int f_lo = (strip0 + wg * FW + j) * 64 + 16 * warp + g, f_hi = f_lo + 8;
@@ -821,6 +831,14 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
           if (tok < p.m && p.topk_weights != nullptr) w = __ldg(p.topk_weights + tok);
         }
         if (tok >= p.m) continue;
+        if constexpr (kSplitOut) {
+          if (c32 != nullptr) {
+            float* row32 = c32 + static_cast<int64_t>(tok) * p.ldc;
+            row32[f_lo] = (d[j][4 * i + c] + b_lo) * w;
+            row32[f_hi] = (d[j][4 * i + 2 + c] + b_hi) * w;
+            continue;
+          }
+        }
         T* row = cbase + static_cast<int64_t>(tok) * p.ldc;
         row[f_lo] = from_float<T>((d[j][4 * i + c] + b_lo) * w);
         row[f_hi] = from_float<T>((d[j][4 * i + 2 + c] + b_hi) * w);
@@ -831,7 +849,8 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 }
 
 // One launch: a CTA's pieces of output tiles.
-// * MoE: CTA = (feature tile, m tile), all of K.
+// * MoE: CTA = ((feature tile, split), m tile), all of K or (p.k_splits > 1) one contiguous run of its
+//   stages, the split's fp32 partial sums in its own output slice (no workspace, no arrivals).
 // * Dense, p.k_splits >= 1: CTA = (feature tile, split, m tile), feature-tile-major (CTAs running
 //   together share weights in L2); `splits` CTAs share a tile, each over a contiguous run of its
 //   64-k stages.
@@ -927,9 +946,14 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   // kept across the CTA's pieces (stream-K runs several tiles through the same ring)
   __shared__ __align__(8) uint64_t act_bar[STAGES], full_bar[PROD ? STAGES : 1], empty_bar[PROD ? STAGES : 1];
   WgRing ring{act_bar, full_bar, empty_bar, 0u, 0u, 0u, 0u};
-  if constexpr (MOE && !PROD) {  // CTA = (feature tile, m tile), all of K, written out directly
+  // MoE: CTA = ((feature tile, split), m tile); split s of p.k_splits > 1 takes the s-th contiguous
+  // run of K's stages and writes fp32 partial sums into its own output slice (wgmma_tile's epilogue)
+  const int moe_splits = MOE && NT <= 64 && p.k_splits > 1 ? p.k_splits : 1, moe_fs = c / m_tiles;
+  const int moe_split = moe_fs % moe_splits, moe_kt0 = moe_split * ks / moe_splits;
+  const int moe_f = moe_fs / moe_splits, moe_kts = (moe_split + 1) * ks / moe_splits - moe_kt0;
+  if constexpr (MOE && !PROD) {  // CTA = (feature tile, m tile), its run of K, written out directly
     wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, false, 0, MINB>(
-        p, c / m_tiles, c % m_tiles, 0, ks, []() { return WgPiece{1, 0, 0, 0, 0}; }, amap, ring);
+        p, moe_f, c % m_tiles, moe_kt0, moe_kts, []() { return WgPiece{1, 0, 0, 0, 0}; }, amap, ring);
     return;
   }
   if constexpr (wg_tma(NT, MOE) || PROD) {
@@ -949,19 +973,19 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   }
   if constexpr (PROD) {  // the producer warpgroup gives its registers to the compute warpgroups; the
     // two roles never share code after it (ptxas then keeps one register budget per branch)
-    constexpr auto whole = []() { return WgPiece{1, 0, 0, 0, 0}; };  // MoE: CTA = (feature tile, m tile)
+    constexpr auto whole = []() { return WgPiece{1, 0, 0, 0, 0}; };  // MoE: CTA = ((feature tile, split), m tile)
     if (threadIdx.x >= 128 * WGS) {
       setmaxnreg_dec<kWgProdRegs>();
       if constexpr (MOE)
         wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 1, MINB>(
-            p, c / m_tiles, c % m_tiles, 0, ks, whole, amap, ring);
+            p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);
       else
         wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1, MINB>(p, amap, ring);
     } else {
       setmaxnreg_inc<wg_consumer_regs(WGS, MINB)>();
       if constexpr (MOE)
         wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 2, MINB>(
-            p, c / m_tiles, c % m_tiles, 0, ks, whole, amap, ring);
+            p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);
       else
         wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2, MINB>(p, amap, ring);
     }

@@ -146,14 +146,82 @@ def test_fused_moe_block_choice(monkeypatch, wgmma):
 
 
 def test_moe_gemm_ready_tables_op_mirrors_moe_gemm():
-    """The private op of fused_marlin_moe's second expert GEMM takes exactly moe_gemm's arguments
-    (and shares its fake implementation, so torch.compile traces it the same way)."""
+    """The private op of fused_marlin_moe's second expert GEMM takes moe_gemm's arguments, then
+    k_splits (and shares its fake implementation, so torch.compile traces it the same way)."""
     import jitmarlin.ops.moe  # noqa: F401  (registers the ops)
 
     a = torch.ops.jitmarlin.moe_gemm.default._schema
     b = torch.ops.jitmarlin.moe_gemm_ready_tables.default._schema
-    assert [(x.name, str(x.type)) for x in a.arguments] == [(x.name, str(x.type)) for x in b.arguments]
+    assert [(x.name, str(x.type)) for x in a.arguments] + [("k_splits", "int")] == \
+        [(x.name, str(x.type)) for x in b.arguments]
     assert [str(x.type) for x in a.returns] == [str(x.type) for x in b.returns]
+
+
+def _meta_down_args(e=8, h=256, inter=512, slots=128, block=32):
+    meta = dict(device="meta")
+    return (torch.empty(slots, inter, dtype=torch.float16, **meta),
+            torch.empty(e, h // 64, inter // 16, 128, dtype=torch.int32, **meta),
+            torch.empty(e, inter // 128, h, dtype=torch.float16, **meta), None,
+            torch.empty(slots + e * (block - 1), dtype=torch.int32, **meta),
+            torch.empty(-(-(slots + e * (block - 1)) // block), dtype=torch.int32, **meta),
+            torch.empty(1, dtype=torch.int32, **meta), torch.empty(slots, dtype=torch.float32, **meta),
+            slots, 1, block)
+
+
+def test_moe_gemm_k_splits_shapes_and_bounds():
+    """k_splits > 1: fp32 partial sums [k_splits, T*k, N]; k_splits outside [1, K/64] is a clear error
+    (the fake implementation, as torch.compile sees the op)."""
+    import jitmarlin.ops.moe  # noqa: F401
+
+    op = torch.ops.jitmarlin.moe_gemm_ready_tables
+    args = _meta_down_args()
+    out = op(*args)
+    assert out.shape == (128, 256) and out.dtype == torch.float16
+    out = op(*args, False, 0, 0, 3)
+    assert out.shape == (3, 128, 256) and out.dtype == torch.float32
+    assert op(*args, False, 0, 0, 8).shape == (8, 128, 256)  # K = 512: 8 stages, each its own split
+    for bad in (0, -1, 9):
+        with pytest.raises(ValueError, match=f"k_splits={bad} must be in \\[1, K/64 = 8\\]"):
+            op(*args, False, 0, 0, bad)
+
+
+def test_topk_sum_of_k_split_partials_cpu():
+    """topk_sum over fp32 partial sums [S, T*k, H]: the sum over splits and each token's k slots,
+    rounded once to the asked dtype; without a dtype (or not fp32) a clear error."""
+    from jitmarlin.ops.moe import topk_sum
+
+    t, k, h, s = 5, 3, 64, 4
+    part = torch.randn(s, t * k, h)
+    got = topk_sum(part, t, k, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, h)
+    want = sum(part[i].view(t, k, h)[:, j] for i in range(s) for j in range(k))
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="fp32"):
+        topk_sum(part, t, k)
+    with pytest.raises(ValueError, match="fp32"):
+        topk_sum(part.half(), t, k, torch.float16)
+
+
+def test_down_splits_host_rules(monkeypatch):
+    """The down projection is split only on CUDA tensors where the wgmma kernel runs it (blocks of 32 or
+    64), never with MOE_DOWN_SPLITS = 1; the rule keeps at least MOE_DOWN_MIN_STAGES stages per split."""
+    from jitmarlin.ops import moe as M
+
+    x = torch.zeros(64, 256, dtype=torch.float16)
+    w2 = torch.zeros(8, 4, 32, 128, dtype=torch.int32)
+    s2 = torch.zeros(8, 4, 256, dtype=torch.float16)
+    assert M._down_splits(x, 32, 128, 8, 512, w2, s2, None, True) == 1  # CPU tensors
+    monkeypatch.setattr(M, "MOE_DOWN_SPLITS", 4)
+    assert M._down_splits(x, 32, 128, 8, 512, w2, s2, None, True) == 1
+    for n, k, blocks, slots in ((4096, 14336, 9, 396), (4096, 14336, 9, 264), (2048, 1408, 70, 396),
+                                (28672, 4096, 9, 396), (4096, 14336, 40, 264), (1024, 512, 8, 396)):
+        s = M.down_splits(n, k, blocks, slots)
+        assert 1 <= s and (s == 1 or k // 64 // s >= M.MOE_DOWN_MIN_STAGES), (n, k, blocks, slots, s)
+    # Mixtral's down projection at 64 tokens (8 blocks of 32 estimated, 396 slots of the producer form):
+    # three splits (the H200's best, with four); CTAs that fill the slots, or experts of 22 stages: none
+    assert M.down_splits(4096, 14336, 8, 396) == 3
+    assert M.down_splits(4096, 14336, 13, 396) == 1
+    assert M.down_splits(2048, 1408, 8, 396) == 1
 
 
 @pytest.mark.parametrize("top_k,block", [(2, 8), (1, 16), (6, 8)])

@@ -241,6 +241,7 @@ class MoeParams(ctypes.Structure):  # mirrors JmMoeParams
         ("max_len", ctypes.c_int32), ("blocks", ctypes.c_int32), ("ids_64", ctypes.c_int32),
         ("rows", ctypes.c_int32), ("inter", ctypes.c_int32), ("top_k", ctypes.c_int32),
         ("perm", ctypes.c_void_p), ("route_ids", ctypes.c_void_p), ("renorm", ctypes.c_int32),
+        ("splits", ctypes.c_int32),
     ]
 
 
@@ -249,6 +250,8 @@ MOE_UTIL_KERNELS = (("jm_moe_align", "JM_MOE_ALIGN_KERNEL(jm_moe_align)"),
                     ("jm_silu_mul_bf16", "JM_SILU_MUL_KERNEL(jm_silu_mul_bf16, __nv_bfloat16)"),
                     ("jm_topk_sum_f16", "JM_TOPK_SUM_KERNEL(jm_topk_sum_f16, half)"),
                     ("jm_topk_sum_bf16", "JM_TOPK_SUM_KERNEL(jm_topk_sum_bf16, __nv_bfloat16)"),
+                    ("jm_topk_sum_f32_f16", "JM_TOPK_SUM_F32_KERNEL(jm_topk_sum_f32_f16, half)"),
+                    ("jm_topk_sum_f32_bf16", "JM_TOPK_SUM_F32_KERNEL(jm_topk_sum_f32_bf16, __nv_bfloat16)"),
                     ("jm_moe_gather_f16", "JM_MOE_GATHER_KERNEL(jm_moe_gather_f16, half)"),
                     ("jm_moe_gather_bf16", "JM_MOE_GATHER_KERNEL(jm_moe_gather_bf16, __nv_bfloat16)"),
                     ("jm_moe_route_f16", "JM_MOE_ROUTE_KERNEL(jm_moe_route_f16, half)"),

@@ -131,14 +131,16 @@ def _align_smem_bytes(numel: int, num_experts: int) -> int:
     return 8 * num_experts
 
 
-def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int = 0, **fields) -> torch.Tensor:
+def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int = 0, dtype: torch.dtype | None = None,
+                    **fields) -> torch.Tensor:
     """y [rows, cols] = one of our elementwise MoE kernels (jm_<name>_f16 / _bf16) on x: one thread
     per 8-value chunk (jm_moe_util.cuh, chunk_of_thread); `fields`: more JmMoeParams fields. A
     programmatic dependent of the kernel before it when its grid is small (the rule of the act-order
     gather: a large grid parked beside a running GEMM costs more than it saves)."""
     from .gemm import _cc, gather_pdl, use_pdl
 
-    y = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    dtype = x.dtype if dtype is None else dtype
+    y = torch.empty(rows, cols, dtype=dtype, device=x.device)
     if rows == 0:
         return y
     index = K.cuda_index(x.device)
@@ -148,7 +150,7 @@ def _launch_chunked(name: str, x: torch.Tensor, rows: int, cols: int, top_k: int
         if not hasattr(K.MoeParams, key):  # a ctypes Structure would take a misspelt name silently
             raise TypeError(f"JmMoeParams has no field {key!r}")
         setattr(p, key, value)
-    fn = K.get_moe_util_kernel(f"jm_{name}_{'bf16' if x.dtype == torch.bfloat16 else 'f16'}", index, _cc(index))
+    fn = K.get_moe_util_kernel(f"jm_{name}_{'bf16' if dtype == torch.bfloat16 else 'f16'}", index, _cc(index))
     grid = -(-(rows * (cols // 8)) // 256)
     fn.launch(grid, 256, 0, K.current_stream_handle(x.device), p, pdl=use_pdl(_cc(index)) and gather_pdl(grid))
     return y
@@ -195,10 +197,20 @@ def silu_mul(c1: torch.Tensor, inter: int) -> torch.Tensor:
     return _launch_chunked("silu_mul", c1, c1.shape[0], inter)
 
 
-def topk_sum(c3: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+def topk_sum(c3: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """c3 [T*k, H] -> [T, H], the sum over each token's k slots (fp32 accumulation in slot order,
     one rounding), one kernel of ours on CUDA that launches as a programmatic dependent of the
-    expert GEMM before it (unless JITMARLIN_MOE_KERNELS=0: torch's sum)."""
+    expert GEMM before it (unless JITMARLIN_MOE_KERNELS=0: torch's sum). c3 fp32 [S, T*k, H] (the
+    expert GEMM split along K, moe_gemm_ready_tables with k_splits = S): the sum over the S partial
+    sums too, rounded once to dtype."""
+    if c3.dim() == 3:
+        if c3.dtype != torch.float32 or dtype is None:
+            raise ValueError(f"topk_sum of K-split partial sums needs fp32 [S, T*k, H] and an output dtype, got "
+                             f"{c3.dtype} {tuple(c3.shape)}, dtype={dtype}")
+        s, _, h = c3.shape
+        if not (c3.is_cuda and use_moe_kernels() and h % 8 == 0 and c3.is_contiguous()):
+            return c3.view(s, tokens, top_k, h).sum((0, 2)).to(dtype)
+        return _launch_chunked("topk_sum_f32", c3, tokens, h, top_k, dtype=dtype, splits=s)
     h = c3.shape[1]
     if not (c3.is_cuda and use_moe_kernels() and h % 8 == 0 and c3.is_contiguous()) or top_k == 1:
         return c3.view(tokens, top_k, h).sum(1)
@@ -282,7 +294,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
                    sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_padded: torch.Tensor,
                    topk_weights: Optional[torch.Tensor], size_m: int, top_k: int, block_size: int,
                    a_by_position: bool = False, ids_shift: int = 0, num_experts: int = 0,
-                   tables_ready: bool = False) -> torch.Tensor:
+                   tables_ready: bool = False, k_splits: int = 1) -> torch.Tensor:
     """Grouped expert GEMM: out[slot] = A[row(slot)] @ dequant(b[expert of slot]) (* topk weight).
 
     a: [rows, K]; row(slot) = slot // top_k, or the slot's position in sorted_ids when
@@ -291,14 +303,23 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     Returns [size_m, N]; every slot's row is written exactly once. ids_shift = 1: the expert of
     block i is expert_ids[2 i] (int64 ids viewed as int32 pairs: one_token_tables); num_experts > 0
     clamps the expert ids read to num_experts - 1 (memory safety for ids not checked by an alignment).
+    k_splits > 1 (the wgmma kernel only): K cut into k_splits contiguous runs of 64-k stages, one CTA
+    each, returning their fp32 partial sums [k_splits, size_m, N] (topk_sum adds them up).
     """
     n, k, fam = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
                                 top_k, block_size)
     _check_expert_table(sorted_ids, expert_ids, block_size, ids_shift, num_experts, b.shape[0])
-    out = torch.empty(size_m, n, dtype=a.dtype, device=a.device)
+    _check_k_splits(k_splits, k)
+    if k_splits > 1:
+        out = torch.empty(k_splits, size_m, n, dtype=torch.float32, device=a.device)
+    else:
+        out = torch.empty(size_m, n, dtype=a.dtype, device=a.device)
     if size_m == 0:
         return out
     index = K.cuda_index(a.device)
+    if k_splits > 1 and (block_size > 64 or not _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0])):
+        raise ValueError(f"k_splits={k_splits} needs the sm_90a wgmma MoE kernel with blocks of 32 or 64 rows "
+                         f"(blocks of {block_size} rows, N={n}, K={k} do not take it here); use k_splits=1")
     if block_size == WGMMA_BLOCK and not _use_wgmma_moe(block_size, n, k, fam, index):
         raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel: compute capability 9.0, "
                          f"N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), JITMARLIN_WGMMA not 0")
@@ -307,7 +328,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
             raise ValueError(f"ids_shift={ids_shift}: the wgmma MoE kernel (blocks of {block_size}) reads int32 "
                              "alignment tables only")
         _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k,
-                          fam, top_k, block_size, a_by_position, index)
+                          fam, top_k, block_size, a_by_position, index, k_splits=k_splits)
         return out
     launch = prepare_launch(block_size, sorted_ids.numel(), n, k, fam, index, tuned=False,
                             experts=min(b.shape[0], size_m))
@@ -367,7 +388,7 @@ def wgmma_prod_moe_config(block_size: int, fw: int = 1) -> tuple[int, int, int] 
 
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
-                      top_k, block_size, a_by_position, index, fw: int | None = None) -> None:
+                      top_k, block_size, a_by_position, index, fw: int | None = None, k_splits: int = 1) -> None:
     from ..jit import driver
     from .gemm import _cc, use_pdl, wgmma_act_map, wgmma_strips
 
@@ -404,10 +425,15 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     p.s_expert_stride = scales.shape[1] * scales.shape[2]
     p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
     p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, n
-    p.top_k, p.a_by_position = top_k, int(a_by_position)
+    p.top_k, p.a_by_position, p.k_splits = top_k, int(a_by_position), k_splits
     p.grid = -(-sorted_ids.numel() // block_size)  # m tiles, an upper bound (the kernel reads num_padded)
-    fn.launch((n // (128 * fw)) * p.grid, 256, K.wgmma_smem_bytes(fam, nt, fw, stages),
+    fn.launch((n // (128 * fw)) * k_splits * p.grid, 256, K.wgmma_smem_bytes(fam, nt, fw, stages),
               K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)), extra=amap)
+
+
+def _check_k_splits(k_splits: int, k: int) -> None:
+    if not 1 <= k_splits <= k // 64:
+        raise ValueError(f"k_splits={k_splits} must be in [1, K/64 = {k // 64}] (runs of whole 64-k stages)")
 
 
 def _check_expert_table(sorted_ids, expert_ids, block_size, ids_shift, num_experts, e):
@@ -420,10 +446,13 @@ def _check_expert_table(sorted_ids, expert_ids, block_size, ids_shift, num_exper
 
 
 def _moe_gemm_fake(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
-                   block_size, a_by_position=False, ids_shift=0, num_experts=0):
-    n, _, _ = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
+                   block_size, a_by_position=False, ids_shift=0, num_experts=0, k_splits=1):
+    n, k, _ = _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
                               top_k, block_size)
     _check_expert_table(sorted_ids, expert_ids, block_size, ids_shift, num_experts, b.shape[0])
+    _check_k_splits(k_splits, k)
+    if k_splits > 1:
+        return a.new_empty(k_splits, size_m, n, dtype=torch.float32)
     return a.new_empty(size_m, n)
 
 
@@ -442,13 +471,13 @@ torch.library.register_fake("jitmarlin::moe_gemm", _moe_gemm_fake, lib=_lib)
 # early read would see them half-written.
 _lib.define("moe_gemm_ready_tables(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor sorted_ids, "
             "Tensor expert_ids, Tensor num_padded, Tensor? topk_weights, int size_m, int top_k, int block_size, "
-            "bool a_by_position=False, int ids_shift=0, int num_experts=0) -> Tensor")
+            "bool a_by_position=False, int ids_shift=0, int num_experts=0, int k_splits=1) -> Tensor")
 
 
 def _moe_gemm_ready_tables_cuda(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m,
-                                top_k, block_size, a_by_position=False, ids_shift=0, num_experts=0):
+                                top_k, block_size, a_by_position=False, ids_shift=0, num_experts=0, k_splits=1):
     return _moe_gemm_cuda(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m, top_k,
-                          block_size, a_by_position, ids_shift, num_experts, tables_ready=True)
+                          block_size, a_by_position, ids_shift, num_experts, tables_ready=True, k_splits=k_splits)
 
 
 _lib.impl("moe_gemm_ready_tables", _moe_gemm_ready_tables_cuda, "CUDA")
@@ -532,6 +561,63 @@ def _prod_route(hidden: torch.Tensor, block_size: int, per_expert: float, gemms)
         if fam is None or not _use_wgmma_moe(block_size, n, k, fam, index, per_expert):
             return False
     return True
+
+
+# K splits of the down projection (the second expert GEMM) on the wgmma MoE kernel: each CTA takes one
+# contiguous run of K (= I) and writes fp32 partial sums into its own slice, which the top-k sum adds up
+# (no workspace, no arrival counters). The kernel's time per CTA is a chain of 64-k stages at a rate
+# nearly fixed per CTA, so a down projection whose (feature tile, expert block) CTAs fill few of the
+# resident slots (Mixtral at 64 tokens: 32 feature tiles x ~9 blocks on 396 slots, each CTA 224 stages)
+# runs as long as one CTA's chain; splits put more CTAs on the SMs with shorter chains. Routed on the
+# producer form (blocks of 32) only. H200 session 26 (probe_moe_tiles --down-splits, layer us, splits
+# 1 / 2 / 3 / 4 / 6 / 8 / the rule): Mixtral 64 tokens 382.7 / 360.3 / 345.5 / 347.5 / 354.0 / 366.1 / 344.1,
+# 80 tokens 388.4 / 360.9 / 349.7 / 356.2 / 360.5 / 371.9 / 354.7; blocks of 64 on the plain form lose
+# (Mixtral 96 / 128 / 256 tokens, splits 1 / 2 / 3: 474.6 / 484.5 / 493.1, 477.4 / 487.6 / 494.5, 657.6 /
+# 685.8 / 658.5); E=64 (22 stages, the rule keeps 1) 96 / 256 tokens with 2 splits 169.4 / 185.6 vs 158.9 / 171.7.
+MOE_DOWN_SPLITS: int | None = None  # probe / test switch: this many splits where the wgmma kernel runs it
+MOE_DOWN_MIN_STAGES = 16  # 64-k stages per split at least
+
+
+def down_splits(n: int, k: int, blocks_est: int, slots: int) -> int:
+    """K splits for the down projection's wgmma launch: n output features in tiles of 128 times an
+    estimate of the expert blocks that hold rows, on `slots` resident CTAs. Where those CTAs leave
+    slots idle, the split count whose waves of CTAs cost least per split (at least
+    MOE_DOWN_MIN_STAGES stages each), taken only when it saves over 5%."""
+    ctas, stages = n // 128 * blocks_est, k // 64
+    if ctas >= slots:
+        return 1
+    best, best_cost = 1, 1.0
+    for s in range(2, 9):
+        if stages // s < MOE_DOWN_MIN_STAGES:
+            break
+        cost = -(-ctas * s // slots) / s
+        if cost < best_cost - 0.05:
+            best, best_cost = s, cost
+    return best
+
+
+def _down_splits(hidden: torch.Tensor, block_size: int, slots_used: int, num_experts: int, inter: int,
+                 w2: torch.Tensor, w2_scales: torch.Tensor, w2_zeros, prod: bool) -> int:
+    """The k_splits of fused_marlin_moe's down projection (1 unless the wgmma kernel runs it)."""
+    if not hidden.is_cuda or MOE_DOWN_SPLITS == 1:
+        return 1
+    fam = _expert_family(hidden, w2, w2_scales, w2_zeros)
+    h = w2.shape[1] * 64
+    index = K.cuda_index(hidden.device)
+    if block_size > 64 or fam is None or not _use_wgmma_moe(block_size, h, inter, fam, index,
+                                                             slots_used / num_experts):
+        return 1
+    if MOE_DOWN_SPLITS is not None:
+        return max(1, min(MOE_DOWN_SPLITS, inter // 64))
+    cfg = wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW)
+    if not prod or cfg is None:  # the plain form lost with splits (blocks of 64, above)
+        return 1
+    from ..jit import driver
+
+    slots = driver.device(index).sm_count * K.prod_ctas(cfg)
+    # blocks that hold rows: at least one per expert that has any, and the slots' share
+    blocks_est = max(-(-slots_used // block_size), min(num_experts, slots_used))
+    return down_splits(h, inter, blocks_est, slots)
 
 
 # One token, blocks of 8 (decode at batch 1, the most common MoE call): the alignment's tables are known
@@ -632,11 +718,14 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
                       top_k, bs, True)
     c2 = silu_mul(c1, inter)  # [T*k, I]
     tw = topk_weights.reshape(-1).to(torch.float32)
-    if w2_perm is None and not gathered:
+    by_position = w2_perm is not None or gathered
+    splits = 1 if shift else _down_splits(hidden, bs, t * top_k, e, inter, w2, w2_scales, w2_zeros,
+                                          by_position and bs in MOE_WGMMA_PROD_BLOCKS)
+    if not by_position:
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
-                                                       num_padded, tw, t * top_k, 1, bs, False, shift, clamp)
+                                                       num_padded, tw, t * top_k, 1, bs, False, shift, clamp, splits)
     else:
         a2 = gather_by_position(c2, sorted_ids, expert_ids, num_padded, w2_perm, 1, bs)
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
-                                                       num_padded, tw, t * top_k, 1, bs, True)
-    return topk_sum(c3, t, top_k)  # [T, H]
+                                                       num_padded, tw, t * top_k, 1, bs, True, 0, 0, splits)
+    return topk_sum(c3, t, top_k, hidden.dtype)  # [T, H] (c3: [T*k, H], or [splits, T*k, H] fp32)

@@ -569,3 +569,99 @@ def test_moe_producer_form(monkeypatch, kw, moe_prod_fw):
         cmoe = torch.compile(moe)
         for _ in range(2):
             check_close(cmoe(graph_x), moe(graph_x).float(), tol, "producer form under torch.compile")
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
+                                dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
+@pytest.mark.parametrize("form", ["plain32", "prod32", "plain64"])
+def test_moe_down_splits(monkeypatch, kw, form):
+    """The down projection split along K (moe.MOE_DOWN_SPLITS: fp32 partial sums per split, added by the
+    top-k sum) on the plain wgmma MoE kernel (blocks of 32 and 64) and its producer form, against the
+    reference and the unsplit layer; splits that do not divide K's stages evenly, every stage its own
+    split; random and skewed routing; output memory poisoned with NaN first; CUDA-graph replays."""
+    from .test_moe_gpu import check_graph_replays, make_moe, reference
+
+    from jitmarlin.ops import moe as M
+
+    launched = []
+    orig = M._launch_wgmma_moe
+
+    def spy(*a, **kw2):
+        launched.append(kw2.get("k_splits", 1))
+        return orig(*a, **kw2)
+
+    monkeypatch.setattr(M, "_launch_wgmma_moe", spy)
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", (32,) if form == "prod32" else ())
+    bs = 64 if form == "plain64" else 32
+    moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)  # the down projection: K = 512, 8 stages
+    dtype = kw.get("dtype", torch.float16)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+
+    def layer(x, weights, ids):
+        torch.full((1 << 24,), float("nan"), device="cuda", dtype=dtype)  # freed: the allocator hands it out next
+        return M.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
+                                  w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
+                                  w2_perm=moe.w2_perm, block_size=bs)
+
+    for t, skew in ((37, False), (64, False), (64, True)):
+        x = torch.randn(t, 1024, device="cuda", dtype=dtype)
+        weights, ids = moe.route(x)
+        if skew:
+            ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
+        want = reference(x, w13, w2, weights, ids, dtype)
+        monkeypatch.setattr(M, "MOE_DOWN_SPLITS", 1)
+        whole = layer(x, weights, ids)
+        for splits in (2, 3, 8):
+            monkeypatch.setattr(M, "MOE_DOWN_SPLITS", splits)
+            launched.clear()
+            got = layer(x, weights, ids)
+            torch.cuda.synchronize()
+            assert launched == [1, splits], (t, splits, launched)
+            assert got.dtype == dtype and got.shape == x.shape
+            check_close(got, want, tol, f"{form} down projection in {splits} K splits, T={t}, skewed={skew}")
+            check_close(got, whole, tol, f"{form} {splits} K splits vs unsplit, T={t}")
+        if form == "prod32":  # the rule's own choice (its stage floor lowered for these small experts)
+            monkeypatch.setattr(M, "MOE_DOWN_SPLITS", None)
+            monkeypatch.setattr(M, "MOE_DOWN_MIN_STAGES", 1)
+            launched.clear()
+            got = layer(x, weights, ids)
+            torch.cuda.synchronize()
+            assert launched[0] == 1 and launched[1] > 1, (t, launched)
+            check_close(got, want, tol, f"the rule's {launched[1]} K splits, T={t}, skewed={skew}")
+            monkeypatch.setattr(M, "MOE_DOWN_MIN_STAGES", 16)
+    monkeypatch.setattr(M, "MOE_DOWN_SPLITS", 3)
+    if bs == 32:  # (the module routes its own block size: blocks of 32 at 16 rows per expert)
+        check_graph_replays(moe, w13, w2, torch.randn(64, 1024, device="cuda", dtype=dtype), 2, tol,
+                            f"{form} K splits in a CUDA graph")
+
+
+def test_moe_gemm_k_splits_op():
+    """moe_gemm_ready_tables with k_splits: [splits, T*k, N] fp32 partial sums whose sum is the unsplit
+    output; the rule's bounds and the blocks it takes as clear errors."""
+    from .test_moe_gpu import make_moe
+
+    from jitmarlin.ops import moe as M
+
+    moe, _, _ = make_moe(8, 1024, 512, 2)
+    t, top_k = 64, 2
+    x = torch.randn(t * top_k, 512, device="cuda", dtype=torch.float16)
+    ids = torch.randint(0, 8, (t, top_k), device="cuda", dtype=torch.int32)
+    tw = torch.rand(t * top_k, device="cuda")
+    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, 32, 8)
+    args = (x, moe.w2_qweight, moe.w2_scales, None, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, 32)
+    op = torch.ops.jitmarlin.moe_gemm_ready_tables
+    whole = op(*args)
+    for splits in (2, 5, 8):
+        part = op(*args, False, 0, 0, splits)
+        assert part.dtype == torch.float32 and part.shape == (splits, t * top_k, 1024)
+        check_close(part.sum(0), whole.float(), 1e-3, f"{splits} K splits summed")
+        summed = M.topk_sum(part, t, top_k, torch.float16)
+        check_close(summed, whole.view(t, top_k, -1).float().sum(1), 1e-3, f"topk_sum of {splits} splits")
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=f"k_splits={bad} must be in"):
+            op(*args, False, 0, 0, bad)
+    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, 128, 8)
+    with pytest.raises(ValueError, match="blocks of 32 or 64 rows"):
+        op(x, moe.w2_qweight, moe.w2_scales, None, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, 128,
+           False, 0, 0, 2)
