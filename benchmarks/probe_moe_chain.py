@@ -6,7 +6,11 @@ routing tables, next to the dense GEMM of the same weight bytes on its route (th
 columns side by side: N x experts); with --tiles, each GEMM alone on candidate tiles.
 
     python benchmarks/probe_moe_chain.py [--shapes mixtral,e64] [--tokens 1,16] [--tiles TAG,...]
-        [--env-ab JITMARLIN_MOE_ONE_TOKEN]
+        [--env-ab JITMARLIN_MOE_ONE_TOKEN] [--gathered]
+
+--gathered: the chain of fused_marlin_moe's producer-form route instead (blocks of its wgmma rule; both
+GEMMs' inputs gathered in slot-list order: align, gather, gate/up GEMM, SiLU-mul, gather, down GEMM,
+top-k sum), only the prefix times.
 """
 
 from __future__ import annotations
@@ -54,7 +58,13 @@ def main() -> None:
     ap.add_argument("--tiles", default="", help="comma-separated mma.sync tile tags (e.g. w8_k128_s6_bk_dr1): each "
                     "expert GEMM alone and the whole layer with that tile first for expert blocks of its row count, "
                     "built into the MoE family for this run (also where tile_fits keeps it out)")
+    ap.add_argument("--gathered", action="store_true",
+                    help="the producer-form route's chain (inputs gathered in slot-list order), prefix times only")
+    ap.add_argument("--stream-k", type=int, default=None, choices=(0, 1),
+                    help="the producer form's stream-K launch off / on (moe.MOE_STREAM_K)")
     args = ap.parse_args()
+    if args.stream_k is not None:
+        M.MOE_STREAM_K = bool(args.stream_k)
     cands = [K.Tile.from_tag(tg) for tg in args.tiles.split(",") if tg]
     forced: list = [None]  # the tile taken first while a candidate is timed
     if cands:  # before the first build: the MoE family's module (and cache key) then holds them
@@ -92,6 +102,41 @@ def main() -> None:
             active = int(torch.unique(ids).numel())
             bs = M.choose_block_size(t, top_k, e)
             tw = weights.reshape(-1).to(torch.float32)
+            if args.gathered:
+                gbs = M.choose_block_size(t, top_k, e, True, 2 * i * h)
+
+                def gchain(upto: int):  # the first upto + 1 kernels of the route
+                    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, gbs, e)
+                    if upto == 0:
+                        return sorted_ids
+                    a1 = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, gbs)
+                    if upto == 1:
+                        return a1
+                    c1 = M.moe_gemm(a1, moe.w13_qweight, moe.w13_scales, None, sorted_ids, expert_ids, num_padded,
+                                    None, t * top_k, top_k, gbs, True)
+                    if upto == 2:
+                        return c1
+                    c2 = M.silu_mul(c1, i)
+                    if upto == 3:
+                        return c2
+                    a2 = M.gather_by_position(c2, sorted_ids, expert_ids, num_padded, None, 1, gbs)
+                    if upto == 4:
+                        return a2
+                    c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, moe.w2_qweight, moe.w2_scales, None, sorted_ids,
+                                                                   expert_ids, num_padded, tw, t * top_k, 1, gbs, True)
+                    if upto == 5:
+                        return c3
+                    return M.topk_sum(c3, t, top_k, x.dtype)
+
+                full = bench_moe.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales,
+                                                  weights, ids).float()
+                ref = gchain(6).float()
+                assert ((full - ref).norm() / ref.norm()).item() < 1e-3, "the probe's chain differs from the layer"
+                names = ["align", "+gather", "+gemm1", "+silu", "+gather", "+gemm2", "+topk_sum"]
+                times = [common.time_graph(lambda _i, u=u: gchain(u), 1, calls=10) for u in range(7)]
+                steps = " ".join(f"{nm} {tm:.1f}" for nm, tm in zip(names, times))
+                print(f"{name} T={t} block {gbs} gathered ({active} experts): prefix graph us: {steps}", flush=True)
+                continue
 
             def chain(upto: int):
                 sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, bs, e)

@@ -24,6 +24,7 @@
     --down-splits S,..  the down projection's wgmma launch split S ways along K (fp32 partial sums added
                       by the top-k sum; moe.MOE_DOWN_SPLITS; 1 = none; 0 = the rule, moe.down_splits),
                       each value timed in turn (one process)
+    --stream-k 0,1    the producer form's stream-K launch off / on (moe.MOE_STREAM_K), each timed in turn
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
 """
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--down-splits", default="",
                     help="S,..: K splits of the down projection's wgmma launch, each timed (moe.MOE_DOWN_SPLITS; "
                          "0 = the rule, the default)")
+    ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
+                                                   "(moe.MOE_STREAM_K; default: as set)")
     args = ap.parse_args()
     if args.pregather:
         inner = bench_moe.fused_marlin_moe
@@ -134,12 +137,15 @@ def main() -> None:
            + (f" fw={args.fw}" if args.fw else "") + (f" prod={args.prod}" if args.prod is not None else "")
            + (" pregather" if args.pregather else "") + (f" prod_fw={args.prod_fw}" if args.prod_fw else ""))
     cases = list(bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]))
-    for splits in [int(v) for v in args.down_splits.split(",") if v] or [0]:
-        M.MOE_DOWN_SPLITS = splits or None
-        for name, t, ours, _ in cases:
-            us = common.time_graph(lambda _i: ours(), 1, calls=10)
-            print(f"[{tag}{f' down_splits={splits}' if args.down_splits else ''}] {name} T={t}: {us:.1f} us",
-                  flush=True)
+    for sk in [int(v) for v in args.stream_k.split(",") if v] or [None]:
+        if sk is not None:
+            M.MOE_STREAM_K = bool(sk)
+        for splits in [int(v) for v in args.down_splits.split(",") if v] or [0]:
+            M.MOE_DOWN_SPLITS = splits or None
+            more = (f" stream_k={sk}" if sk is not None else "") + (f" down_splits={splits}" if args.down_splits else "")
+            for name, t, ours, _ in cases:
+                us = common.time_graph(lambda _i: ours(), 1, calls=10)
+                print(f"[{tag}{more}] {name} T={t}: {us:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

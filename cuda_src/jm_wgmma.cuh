@@ -860,23 +860,37 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 //   the same work when the tiles do not divide the resident CTAs (4096x28672, 8192x28672: 112
 //   tiles of two strips on 132 SMs). A tile cut between CTAs is summed by the last piece to
 //   arrive; region of CTA c's piece: 2c for its first tile, 2c + 1 for its last.
-// The dense piece loop (see wgmma_body); ROLE: 0 every thread (plain form), 1 the producer
-// warpgroup, 2 the compute warpgroups of the producer form.
+// The piece loop (see wgmma_body); ROLE: 0 every thread (plain form), 1 the producer
+// warpgroup, 2 the compute warpgroups of the producer form. MOE (the producer form, stream-K only):
+// the tiles are (feature tile, expert block) over the blocks that hold rows (the alignment's padded
+// count, read after griddep_wait), so W is known on the device only; with fewer stages than CTAs
+// the CTAs past W take none and leave at once (G = min(gridDim.x, W) in the formulas).
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, int WGS, bool PROD,
-          int ROLE, int MINB>
+          int ROLE, int MINB, bool MOE = false>
 JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRing& ring) {
-  constexpr bool MOE = false;
+  static_assert(!MOE || PROD, "the MoE piece loop is the producer form's");
   constexpr int kStrips = WGS * FW;
-  const int f_tiles = p.n / (64 * kStrips), m_tiles = p.grid;
+  const int f_tiles = p.n / (64 * kStrips);
   const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
+  int m_tiles = p.grid;
+  if constexpr (MOE) {
+    griddep_wait();  // the routing tables are the previous kernels' output
+    m_tiles = *p.num_padded / NT;
+  }
   // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)
-  const bool stream = NT <= 64 && p.k_splits < 0;
-  const int splits = p.k_splits < 1 ? 1 : p.k_splits;
+  const bool stream = MOE || (NT <= 64 && p.k_splits < 0);
+  const int splits = MOE || p.k_splits < 1 ? 1 : p.k_splits;
+  // the CTAs that share the W stages (MoE: none past W)
+  auto stream_ctas = [](int64_t w) -> int64_t {
+    if constexpr (MOE) return w < static_cast<int64_t>(gridDim.x) ? w : static_cast<int64_t>(gridDim.x);
+    return gridDim.x;
+  };
   // stream-K: this CTA's run [u0, u1) of the W stages (W < 2^31: gemm.wgmma_stream_grid); split:
   // one piece, and the loop below runs once
   int u0 = 0, u1 = 1;
   if (stream) {
-    const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = gridDim.x;
+    const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = stream_ctas(W);
+    if (MOE && c >= G) return;
     u0 = static_cast<int>(c * W / G);
     u1 = static_cast<int>((c + 1) * W / G);
   }
@@ -892,7 +906,7 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
       k_tiles = e - u;
       next = e;
       if (k_tiles < ks) {  // cut between CTAs: CTAs c_first .. c_last hold its pieces
-        const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = gridDim.x;
+        const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = stream_ctas(W);
         const int c_first = static_cast<int>(((x + 1) * G + W - 1) / W) - 1;
         const int c_last = static_cast<int>((static_cast<int64_t>(x_end) * G + W - 1) / W) - 1;
         piece = WgPiece{c_last - c_first + 1, 2 * c + (u0 >= x ? 0 : 1), 2 * c_first, 2,
@@ -974,20 +988,29 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   if constexpr (PROD) {  // the producer warpgroup gives its registers to the compute warpgroups; the
     // two roles never share code after it (ptxas then keeps one register budget per branch)
     constexpr auto whole = []() { return WgPiece{1, 0, 0, 0, 0}; };  // MoE: CTA = ((feature tile, split), m tile)
+    // MoE, p.k_splits == -1: stream-K over the blocks that hold rows (wgmma_pieces)
     if (threadIdx.x >= 128 * WGS) {
       setmaxnreg_dec<kWgProdRegs>();
-      if constexpr (MOE)
-        wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 1, MINB>(
-            p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);
-      else
+      if constexpr (MOE) {
+        if (p.k_splits >= 0)
+          wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 1, MINB>(
+              p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);
+        else
+          wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1, MINB, true>(p, amap, ring);
+      } else {
         wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1, MINB>(p, amap, ring);
+      }
     } else {
       setmaxnreg_inc<wg_consumer_regs(WGS, MINB)>();
-      if constexpr (MOE)
-        wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 2, MINB>(
-            p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);
-      else
+      if constexpr (MOE) {
+        if (p.k_splits >= 0)
+          wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 2, MINB>(
+              p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);
+        else
+          wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2, MINB, true>(p, amap, ring);
+      } else {
         wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2, MINB>(p, amap, ring);
+      }
     }
   } else if constexpr (!MOE) {
     wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, false, 0, MINB>(p, amap, ring);

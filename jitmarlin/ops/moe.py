@@ -380,6 +380,16 @@ MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # per CTA (as Humming's MoE blocks of 24 x 512 / 32 x 256), two CTAs per SM — prepared for session 26,
 # not measured: probe_moe_tiles.py --prod 1 --prod-fw 2.
 MOE_WGMMA_PROD_FW = 1
+# The producer form runs stream-K (as the dense kernel): every resident CTA takes an even run of all
+# (feature tile, expert block) tiles' 64-k stages over the blocks that hold rows (counted on the device),
+# tiles cut between CTAs summed through the workspace by their last piece in a fixed order, so neither
+# GEMM ends on a partly filled wave of whole tiles. H200 session 26 (probe_moe_chain --gathered, Mixtral
+# 64 tokens, marginal us, stream-K on / off): gate/up GEMM 205.7 / 206.7, down projection 105.2 / 144.1;
+# the layer (probe_moe_tiles --stream-k, off = the K splits of down_splits' rule instead) 336.2 / 340.8
+# vs 332.4 / 342.8, 80 tokens 344.3 / 341.5 vs 348.3 / 344.9, E=64 act-order-like (pre-gathered) 96 / 256
+# tokens 166.3 / 184.6 vs 165.6 / 185.7: level with the split rule, kept for needing no estimate of the
+# blocks (skewed routing) and covering both GEMMs. Probe switch: probe_moe_tiles.py --stream-k 0,1.
+MOE_STREAM_K = True
 
 
 def wgmma_prod_moe_config(block_size: int, fw: int = 1) -> tuple[int, int, int] | None:
@@ -410,7 +420,8 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     prod = block_size in MOE_WGMMA_PROD_BLOCKS and a_by_position and wgmma_prod_moe_config(block_size, pfw) is not None \
         and a.data_ptr() % 16 == 0
     if prod:
-        nt, fw, stages = wgmma_prod_moe_config(block_size, pfw)
+        cfg = wgmma_prod_moe_config(block_size, pfw)
+        nt, fw, stages = cfg
         amap = wgmma_act_map(a, a.shape[0], k, nt, True)  # boxes of a block's rows
     else:
         nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
@@ -427,8 +438,35 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, n
     p.top_k, p.a_by_position, p.k_splits = top_k, int(a_by_position), k_splits
     p.grid = -(-sorted_ids.numel() // block_size)  # m tiles, an upper bound (the kernel reads num_padded)
-    fn.launch((n // (128 * fw)) * k_splits * p.grid, 256, K.wgmma_smem_bytes(fam, nt, fw, stages),
-              K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)), extra=amap)
+    grid, smem = (n // (128 * fw)) * k_splits * p.grid, K.wgmma_smem_bytes(fam, nt, fw, stages)
+    if prod and k_splits == 1 and MOE_STREAM_K:
+        per_sm = fn.occupancy(256, smem)  # three (8-bit stages: two)
+        ws = _stream_k_workspace(a.device, index, n, fw, nt, p.grid, per_sm)
+        if ws is not None:
+            grid = driver.device(index).sm_count * per_sm  # every resident CTA slot
+            p.k_splits = -1
+            p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
+    fn.launch(grid, 256, smem, K.current_stream_handle(a.device), p, pdl=use_pdl(_cc(index)), extra=amap)
+
+
+def _stream_k_workspace(device: torch.device, index: int, n: int, fw: int, nt: int, m_tiles: int, per_sm: int):
+    """The shared workspace for a stream-K launch of the MoE producer form (two partial-sum regions per
+    CTA, one arrival counter per (feature tile, block) of the bound), grown at least to the dense
+    kernel's bound; None while a CUDA graph is captured and it would have to grow (the launch then
+    takes whole tiles)."""
+    from ..jit import driver
+    from .gemm import wgmma_split_bound
+
+    sms = driver.device(index).sm_count
+    floats = 2 * sms * per_sm * 256 * fw * (nt // 2)  # mirrors the kernel's kRegion
+    counters = (n // (128 * fw)) * m_tiles
+    ws = K.default_workspace(device)
+    if floats <= ws.ws.numel() and counters <= ws.counters.numel():
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    ws.ensure(max(floats, wgmma_split_bound(sms)), counters)
+    return ws
 
 
 def _check_k_splits(k_splits: int, k: int) -> None:
@@ -568,8 +606,9 @@ def _prod_route(hidden: torch.Tensor, block_size: int, per_expert: float, gemms)
 # (no workspace, no arrival counters). The kernel's time per CTA is a chain of 64-k stages at a rate
 # nearly fixed per CTA, so a down projection whose (feature tile, expert block) CTAs fill few of the
 # resident slots (Mixtral at 64 tokens: 32 feature tiles x ~9 blocks on 396 slots, each CTA 224 stages)
-# runs as long as one CTA's chain; splits put more CTAs on the SMs with shorter chains. Routed on the
-# producer form (blocks of 32) only. H200 session 26 (probe_moe_tiles --down-splits, layer us, splits
+# runs as long as one CTA's chain; splits put more CTAs on the SMs with shorter chains. On the producer
+# form (blocks of 32) with MOE_STREAM_K off only (stream-K does the same job without the rule's estimate;
+# see MOE_STREAM_K). H200 session 26 (probe_moe_tiles --down-splits, layer us, splits
 # 1 / 2 / 3 / 4 / 6 / 8 / the rule): Mixtral 64 tokens 382.7 / 360.3 / 345.5 / 347.5 / 354.0 / 366.1 / 344.1,
 # 80 tokens 388.4 / 360.9 / 349.7 / 356.2 / 360.5 / 371.9 / 354.7; blocks of 64 on the plain form lose
 # (Mixtral 96 / 128 / 256 tokens, splits 1 / 2 / 3: 474.6 / 484.5 / 493.1, 477.4 / 487.6 / 494.5, 657.6 /
@@ -610,8 +649,8 @@ def _down_splits(hidden: torch.Tensor, block_size: int, slots_used: int, num_exp
     if MOE_DOWN_SPLITS is not None:
         return max(1, min(MOE_DOWN_SPLITS, inter // 64))
     cfg = wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW)
-    if not prod or cfg is None:  # the plain form lost with splits (blocks of 64, above)
-        return 1
+    if not prod or cfg is None or MOE_STREAM_K:  # the plain form lost with splits (blocks of 64, above);
+        return 1  # stream-K evens the producer form's work without them
     from ..jit import driver
 
     slots = driver.device(index).sm_count * K.prod_ctas(cfg)

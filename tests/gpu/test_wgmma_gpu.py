@@ -621,15 +621,18 @@ def test_moe_down_splits(monkeypatch, kw, form):
             assert got.dtype == dtype and got.shape == x.shape
             check_close(got, want, tol, f"{form} down projection in {splits} K splits, T={t}, skewed={skew}")
             check_close(got, whole, tol, f"{form} {splits} K splits vs unsplit, T={t}")
-        if form == "prod32":  # the rule's own choice (its stage floor lowered for these small experts)
+        if form == "prod32":  # the rule's own choice (its stage floor lowered for these small experts;
+            # without stream-K, which takes its place on the producer form)
             monkeypatch.setattr(M, "MOE_DOWN_SPLITS", None)
             monkeypatch.setattr(M, "MOE_DOWN_MIN_STAGES", 1)
+            monkeypatch.setattr(M, "MOE_STREAM_K", False)
             launched.clear()
             got = layer(x, weights, ids)
             torch.cuda.synchronize()
             assert launched[0] == 1 and launched[1] > 1, (t, launched)
             check_close(got, want, tol, f"the rule's {launched[1]} K splits, T={t}, skewed={skew}")
             monkeypatch.setattr(M, "MOE_DOWN_MIN_STAGES", 16)
+            monkeypatch.setattr(M, "MOE_STREAM_K", True)
     monkeypatch.setattr(M, "MOE_DOWN_SPLITS", 3)
     if bs == 32:  # (the module routes its own block size: blocks of 32 at 16 rows per expert)
         check_graph_replays(moe, w13, w2, torch.randn(64, 1024, device="cuda", dtype=dtype), 2, tol,
@@ -665,3 +668,70 @@ def test_moe_gemm_k_splits_op():
     with pytest.raises(ValueError, match="blocks of 32 or 64 rows"):
         op(x, moe.w2_qweight, moe.w2_scales, None, sorted_ids, expert_ids, num_padded, tw, t * top_k, 1, 128,
            False, 0, 0, 2)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
+                                dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
+def test_moe_stream_k(monkeypatch, kw):
+    """The MoE producer form's stream-K launch (moe.MOE_STREAM_K: every resident CTA an even run of all
+    tiles' stages over the blocks that hold rows, tiles cut between CTAs summed through the workspace)
+    against the reference and the whole-tile launch: random and skewed routing, fewer stages than CTAs
+    (the CTAs past them take none), output memory poisoned with NaN first, repeat calls identical
+    (fixed summation order), the arrival counters all zero after each launch, CUDA-graph replays."""
+    from .test_moe_gpu import check_graph_replays, make_moe, reference
+
+    from jitmarlin.ops import moe as M
+
+    grids = []
+    orig = K.get_wgmma_kernel
+
+    def spy(fam, nt, fw, stages, index, wide=False, prod=False):
+        fn = orig(fam, nt, fw, stages, index, wide, prod)
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(fn, name)
+
+            def launch(self, grid, *a, **kw2):
+                grids.append((grid, a[3].k_splits))
+                return fn.launch(grid, *a, **kw2)
+        return Spy()
+
+    monkeypatch.setattr(K, "get_wgmma_kernel", spy)
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)
+    dtype = kw.get("dtype", torch.float16)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for e, top_k, cases in ((8, 2, ((37, False), (64, False), (64, True))), (2, 1, ((20, False),))):
+        moe, w13, w2 = make_moe(e, 1024, 512, top_k, **kw)
+
+        def layer(x, weights, ids):
+            torch.full((1 << 24,), float("nan"), device="cuda", dtype=dtype)  # freed: handed out next
+            return M.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights,
+                                      ids, w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
+                                      w2_perm=moe.w2_perm, block_size=32)
+
+        for t, skew in cases:  # E=2, 20 tokens: 2 blocks x 8 feature tiles x 8 stages < the CTAs
+            x = torch.randn(t, 1024, device="cuda", dtype=dtype)
+            weights, ids = moe.route(x)
+            if skew:
+                ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
+            want = reference(x, w13, w2, weights, ids, dtype)
+            monkeypatch.setattr(M, "MOE_STREAM_K", False)
+            grids.clear()
+            whole = layer(x, weights, ids)
+            assert len(grids) == 2 and all(s == 1 for _, s in grids), grids  # whole tiles
+            monkeypatch.setattr(M, "MOE_STREAM_K", True)
+            grids.clear()
+            got = layer(x, weights, ids)
+            again = layer(x, weights, ids)
+            torch.cuda.synchronize()
+            # both GEMMs, twice, on every resident CTA slot (three per SM; two with 8-bit stages)
+            assert grids == [((2 if kw.get("bits") == 8 else 3) * sms, -1)] * 4, (t, grids)
+            check_close(got, want, tol, f"stream-K, E={e}, T={t}, skewed={skew}")
+            check_close(got, whole, tol, f"stream-K vs whole tiles, E={e}, T={t}")
+            assert torch.equal(got, again), "stream-K sums in a fixed order: repeat calls are identical"
+            assert not K.default_workspace(x.device).counters.any(), "arrival counters left non-zero"
+    graph_x = torch.randn(64, 1024, device="cuda", dtype=dtype)
+    moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
+    check_graph_replays(moe, w13, w2, graph_x, 2, tol, "stream-K in a CUDA graph")
