@@ -211,6 +211,7 @@ struct WgPiece {
   int arrivals, region, first, stride, first_extra;
 };
 
+
 // Named barrier 1 over the compute warps (the producer form's producer warpgroup is not in it;
 // the plain form's compute warps are the whole CTA).
 template <int kThreads>
@@ -988,30 +989,26 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
   if constexpr (PROD) {  // the producer warpgroup gives its registers to the compute warpgroups; the
     // two roles never share code after it (ptxas then keeps one register budget per branch)
     constexpr auto whole = []() { return WgPiece{1, 0, 0, 0, 0}; };  // MoE: CTA = ((feature tile, split), m tile)
-    // MoE, p.k_splits == -1: stream-K over the blocks that hold rows (wgmma_pieces)
+    // one role's code, written once and expanded in each role's branch: dense, the piece loop; MoE, the
+    // CTA's tile over its run of K, or with p.k_splits == -1 stream-K over the blocks that hold rows
+#define JM_WG_PROD_ROLE(ROLE)                                                                                \
+  if constexpr (MOE) {                                                                                       \
+    if (p.k_splits >= 0)                                                                                     \
+      wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, ROLE, MINB>(                 \
+          p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);                                       \
+    else                                                                                                     \
+      wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, ROLE, MINB, true>(p, amap, ring); \
+  } else {                                                                                                   \
+    wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, ROLE, MINB>(p, amap, ring);       \
+  }
     if (threadIdx.x >= 128 * WGS) {
       setmaxnreg_dec<kWgProdRegs>();
-      if constexpr (MOE) {
-        if (p.k_splits >= 0)
-          wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 1, MINB>(
-              p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);
-        else
-          wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1, MINB, true>(p, amap, ring);
-      } else {
-        wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 1, MINB>(p, amap, ring);
-      }
+      JM_WG_PROD_ROLE(1)
     } else {
       setmaxnreg_inc<wg_consumer_regs(WGS, MINB)>();
-      if constexpr (MOE) {
-        if (p.k_splits >= 0)
-          wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, true, 2, MINB>(
-              p, moe_f, c % m_tiles, moe_kt0, moe_kts, whole, amap, ring);
-        else
-          wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2, MINB, true>(p, amap, ring);
-      } else {
-        wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, true, 2, MINB>(p, amap, ring);
-      }
+      JM_WG_PROD_ROLE(2)
     }
+#undef JM_WG_PROD_ROLE
   } else if constexpr (!MOE) {
     wgmma_pieces<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, false, 0, MINB>(p, amap, ring);
   }

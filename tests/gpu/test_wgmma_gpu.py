@@ -515,6 +515,20 @@ def moe_prod_fw(request, monkeypatch):
     yield from _rebuilt(request.param)
 
 
+def _poisoned_moe_layer(moe, dtype, block_size=None):
+    """fused_marlin_moe on the layer's experts (block_size None: its own rule), with 32 MB of NaN
+    allocated and freed first: the caching allocator hands that memory out next, so an output row
+    left unwritten shows."""
+    from jitmarlin.ops import moe as M
+
+    def layer(x, weights, ids):
+        torch.full((1 << 24,), float("nan"), device="cuda", dtype=dtype)
+        return M.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
+                                  w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
+                                  w2_perm=moe.w2_perm, block_size=block_size)
+    return layer
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
                                 dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
 def test_moe_producer_form(monkeypatch, kw, moe_prod_fw):
@@ -540,11 +554,7 @@ def test_moe_producer_form(monkeypatch, kw, moe_prod_fw):
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
 
-    def layer(x, weights, ids):
-        torch.full((1 << 24,), float("nan"), device="cuda", dtype=dtype)  # freed: the allocator hands it out next
-        return M.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
-                                  w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
-                                  w2_perm=moe.w2_perm)
+    layer = _poisoned_moe_layer(moe, dtype)
 
     for t, skew in ((37, False), (64, False), (95, False), (64, True)):  # 9.25 / 16 / 23.75 rows per expert
         x = torch.randn(t, 1024, device="cuda", dtype=dtype)
@@ -598,11 +608,7 @@ def test_moe_down_splits(monkeypatch, kw, form):
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
 
-    def layer(x, weights, ids):
-        torch.full((1 << 24,), float("nan"), device="cuda", dtype=dtype)  # freed: the allocator hands it out next
-        return M.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights, ids,
-                                  w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
-                                  w2_perm=moe.w2_perm, block_size=bs)
+    layer = _poisoned_moe_layer(moe, dtype, bs)
 
     for t, skew in ((37, False), (64, False), (64, True)):
         x = torch.randn(t, 1024, device="cuda", dtype=dtype)
@@ -705,11 +711,7 @@ def test_moe_stream_k(monkeypatch, kw):
     for e, top_k, cases in ((8, 2, ((37, False), (64, False), (64, True))), (2, 1, ((20, False),))):
         moe, w13, w2 = make_moe(e, 1024, 512, top_k, **kw)
 
-        def layer(x, weights, ids):
-            torch.full((1 << 24,), float("nan"), device="cuda", dtype=dtype)  # freed: handed out next
-            return M.fused_marlin_moe(x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, weights,
-                                      ids, w13_zeros=moe.w13_qzeros, w2_zeros=moe.w2_qzeros, w13_perm=moe.w13_perm,
-                                      w2_perm=moe.w2_perm, block_size=32)
+        layer = _poisoned_moe_layer(moe, dtype, 32)
 
         for t, skew in cases:  # E=2, 20 tokens: 2 blocks x 8 feature tiles x 8 stages < the CTAs
             x = torch.randn(t, 1024, device="cuda", dtype=dtype)
