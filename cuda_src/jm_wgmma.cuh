@@ -202,7 +202,7 @@ struct WgmmaStage {
   static constexpr int kBytes = (kAct + kW + kS + kZ + 1023) / 1024 * 1024;  // swizzled tiles: 1 KB aligned
 };
 
-// How a CTA's piece of an output tile ends (dense; MoE pieces are always whole tiles):
+// How a CTA's piece of an output tile ends (MoE: whole tiles but for the producer form's stream-K):
 // `arrivals` == 1: the piece is the whole tile, written out directly. Else the piece stores its
 // partial sums in region `region` of the workspace and arrives on the tile's counter; the last of
 // the tile's `arrivals` pieces to arrive adds the regions first + i * stride (+ first_extra for
@@ -210,7 +210,6 @@ struct WgmmaStage {
 struct WgPiece {
   int arrivals, region, first, stride, first_extra;
 };
-
 
 // Named barrier 1 over the compute warps (the producer form's producer warpgroup is not in it;
 // the plain form's compute warps are the whole CTA).
