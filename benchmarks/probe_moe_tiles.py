@@ -22,8 +22,8 @@
     --prod 0|1        the wgmma MoE kernel's producer form for no block size / every block size it is
                       built for (K.WGMMA_MOE_PROD_CONFIGS) instead of moe.MOE_WGMMA_PROD_BLOCKS
     --down-splits S,..  the down projection's wgmma launch split S ways along K (fp32 partial sums added
-                      by the top-k sum; moe.MOE_DOWN_SPLITS; 1 = none; 0 = the rule, moe.down_splits),
-                      each value timed in turn (one process)
+                      by the top-k sum; moe.MOE_DOWN_SPLITS; 1 = none), each value timed in turn (one
+                      process; with the producer form, add --stream-k 0)
     --stream-k 0,1    the producer form's stream-K launch off / on (moe.MOE_STREAM_K), each timed in turn
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
@@ -71,7 +71,7 @@ def main() -> None:
                     help="identity act-order permutations (A pre-gathered in slot-list order for both GEMMs)")
     ap.add_argument("--down-splits", default="",
                     help="S,..: K splits of the down projection's wgmma launch, each timed (moe.MOE_DOWN_SPLITS; "
-                         "0 = the rule, the default)")
+                         "default 1: none)")
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
     args = ap.parse_args()
@@ -140,8 +140,9 @@ def main() -> None:
     for sk in [int(v) for v in args.stream_k.split(",") if v] or [None]:
         if sk is not None:
             M.MOE_STREAM_K = bool(sk)
-        for splits in [int(v) for v in args.down_splits.split(",") if v] or [0]:
-            M.MOE_DOWN_SPLITS = splits or None
+        for splits in [int(v) for v in args.down_splits.split(",") if v] or [None]:
+            if splits is not None:
+                M.MOE_DOWN_SPLITS = splits
             more = (f" stream_k={sk}" if sk is not None else "") + (f" down_splits={splits}" if args.down_splits else "")
             for name, t, ours, _ in cases:
                 us = common.time_graph(lambda _i: ours(), 1, calls=10)

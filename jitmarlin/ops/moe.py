@@ -377,15 +377,15 @@ MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (32,)
 MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
 # strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features
-# per CTA (as Humming's MoE blocks of 24 x 512 / 32 x 256), two CTAs per SM — prepared for session 26,
-# not measured: probe_moe_tiles.py --prod 1 --prod-fw 2.
+# per CTA (as Humming's MoE blocks of 24 x 512 / 32 x 256), two CTAs per SM — slower (H200 session 26,
+# probe_moe_tiles --prod 1 --prod-fw 1 / 2, Mixtral 64 tokens 374.9-377.5 / 406.4-408.7 us): a probe switch.
 MOE_WGMMA_PROD_FW = 1
 # The producer form runs stream-K (as the dense kernel): every resident CTA takes an even run of all
 # (feature tile, expert block) tiles' 64-k stages over the blocks that hold rows (counted on the device),
 # tiles cut between CTAs summed through the workspace by their last piece in a fixed order, so neither
 # GEMM ends on a partly filled wave of whole tiles. H200 session 26 (probe_moe_chain --gathered, Mixtral
 # 64 tokens, marginal us, stream-K on / off): gate/up GEMM 205.7 / 206.7, down projection 105.2 / 144.1;
-# the layer (probe_moe_tiles --stream-k, off = the K splits of down_splits' rule instead) 336.2 / 340.8
+# the layer (probe_moe_tiles --stream-k, off = the K splits of a rule since dropped instead) 336.2 / 340.8
 # vs 332.4 / 342.8, 80 tokens 344.3 / 341.5 vs 348.3 / 344.9, E=64 act-order-like (pre-gathered) 96 / 256
 # tokens 166.3 / 184.6 vs 165.6 / 185.7: level with the split rule, kept for needing no estimate of the
 # blocks (skewed routing) and covering both GEMMs. Probe switch: probe_moe_tiles.py --stream-k 0,1.
@@ -601,62 +601,32 @@ def _prod_route(hidden: torch.Tensor, block_size: int, per_expert: float, gemms)
     return True
 
 
-# K splits of the down projection (the second expert GEMM) on the wgmma MoE kernel: each CTA takes one
-# contiguous run of K (= I) and writes fp32 partial sums into its own slice, which the top-k sum adds up
-# (no workspace, no arrival counters). The kernel's time per CTA is a chain of 64-k stages at a rate
-# nearly fixed per CTA, so a down projection whose (feature tile, expert block) CTAs fill few of the
-# resident slots (Mixtral at 64 tokens: 32 feature tiles x ~9 blocks on 396 slots, each CTA 224 stages)
-# runs as long as one CTA's chain; splits put more CTAs on the SMs with shorter chains. On the producer
-# form (blocks of 32) with MOE_STREAM_K off only (stream-K does the same job without the rule's estimate;
-# see MOE_STREAM_K). H200 session 26 (probe_moe_tiles --down-splits, layer us, splits
-# 1 / 2 / 3 / 4 / 6 / 8 / the rule): Mixtral 64 tokens 382.7 / 360.3 / 345.5 / 347.5 / 354.0 / 366.1 / 344.1,
-# 80 tokens 388.4 / 360.9 / 349.7 / 356.2 / 360.5 / 371.9 / 354.7; blocks of 64 on the plain form lose
-# (Mixtral 96 / 128 / 256 tokens, splits 1 / 2 / 3: 474.6 / 484.5 / 493.1, 477.4 / 487.6 / 494.5, 657.6 /
-# 685.8 / 658.5); E=64 (22 stages, the rule keeps 1) 96 / 256 tokens with 2 splits 169.4 / 185.6 vs 158.9 / 171.7.
-MOE_DOWN_SPLITS: int | None = None  # probe / test switch: this many splits where the wgmma kernel runs it
-MOE_DOWN_MIN_STAGES = 16  # 64-k stages per split at least
-
-
-def down_splits(n: int, k: int, blocks_est: int, slots: int) -> int:
-    """K splits for the down projection's wgmma launch: n output features in tiles of 128 times an
-    estimate of the expert blocks that hold rows, on `slots` resident CTAs. Where those CTAs leave
-    slots idle, the split count whose waves of CTAs cost least per split (at least
-    MOE_DOWN_MIN_STAGES stages each), taken only when it saves over 5%."""
-    ctas, stages = n // 128 * blocks_est, k // 64
-    if ctas >= slots:
-        return 1
-    best, best_cost = 1, 1.0
-    for s in range(2, 9):
-        if stages // s < MOE_DOWN_MIN_STAGES:
-            break
-        cost = -(-ctas * s // slots) / s
-        if cost < best_cost - 0.05:
-            best, best_cost = s, cost
-    return best
+# K splits of the down projection (the second expert GEMM) on the wgmma MoE kernel, a probe switch: each
+# CTA takes one contiguous run of K (= I) and writes fp32 partial sums into its own slice, which the top-k
+# sum adds up (no workspace, no arrival counters). A down projection whose (feature tile, expert block) CTAs
+# fill few of the resident slots (Mixtral at 64 tokens: 32 feature tiles x ~8 blocks on 396 slots, each CTA
+# 224 stages) runs as long as one CTA's chain of stages; splits put more CTAs on the SMs. Stream-K on the
+# producer form does the same without an estimate of the blocks (MOE_STREAM_K), so no rule routes splits.
+# H200 session 26 (probe_moe_tiles --down-splits, layer us, stream-K off, splits 1 / 2 / 3 / 4 / 6 / 8):
+# Mixtral 64 tokens 382.7 / 360.3 / 345.5 / 347.5 / 354.0 / 366.1, 80 tokens 388.4 / 360.9 / 349.7 / 356.2 /
+# 360.5 / 371.9; blocks of 64 on the plain form lose (Mixtral 96 / 128 / 256 tokens, splits 1 / 2 / 3: 474.6
+# / 484.5 / 493.1, 477.4 / 487.6 / 494.5, 657.6 / 685.8 / 658.5), E=64 too (22 stages; 96 / 256 tokens with
+# 2 splits 169.4 / 185.6 vs 158.9 / 171.7).
+MOE_DOWN_SPLITS = 1  # this many splits (at most K/64) where the wgmma kernel runs the down projection
 
 
 def _down_splits(hidden: torch.Tensor, block_size: int, slots_used: int, num_experts: int, inter: int,
-                 w2: torch.Tensor, w2_scales: torch.Tensor, w2_zeros, prod: bool) -> int:
-    """The k_splits of fused_marlin_moe's down projection (1 unless the wgmma kernel runs it)."""
-    if not hidden.is_cuda or MOE_DOWN_SPLITS == 1:
+                 w2: torch.Tensor, w2_scales: torch.Tensor, w2_zeros) -> int:
+    """The k_splits of fused_marlin_moe's down projection: MOE_DOWN_SPLITS where the wgmma kernel runs it
+    with blocks of up to 64 rows, else 1."""
+    if not hidden.is_cuda or MOE_DOWN_SPLITS <= 1 or block_size > 64:
         return 1
     fam = _expert_family(hidden, w2, w2_scales, w2_zeros)
     h = w2.shape[1] * 64
-    index = K.cuda_index(hidden.device)
-    if block_size > 64 or fam is None or not _use_wgmma_moe(block_size, h, inter, fam, index,
-                                                             slots_used / num_experts):
+    if fam is None or not _use_wgmma_moe(block_size, h, inter, fam, K.cuda_index(hidden.device),
+                                         slots_used / num_experts):
         return 1
-    if MOE_DOWN_SPLITS is not None:
-        return max(1, min(MOE_DOWN_SPLITS, inter // 64))
-    cfg = wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW)
-    if not prod or cfg is None or MOE_STREAM_K:  # the plain form lost with splits (blocks of 64, above);
-        return 1  # stream-K evens the producer form's work without them
-    from ..jit import driver
-
-    slots = driver.device(index).sm_count * K.prod_ctas(cfg)
-    # blocks that hold rows: at least one per expert that has any, and the slots' share
-    blocks_est = max(-(-slots_used // block_size), min(num_experts, slots_used))
-    return down_splits(h, inter, blocks_est, slots)
+    return min(MOE_DOWN_SPLITS, inter // 64)
 
 
 # One token, blocks of 8 (decode at batch 1, the most common MoE call): the alignment's tables are known
@@ -758,8 +728,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     c2 = silu_mul(c1, inter)  # [T*k, I]
     tw = topk_weights.reshape(-1).to(torch.float32)
     by_position = w2_perm is not None or gathered
-    splits = 1 if shift else _down_splits(hidden, bs, t * top_k, e, inter, w2, w2_scales, w2_zeros,
-                                          by_position and bs in MOE_WGMMA_PROD_BLOCKS)
+    splits = 1 if shift else _down_splits(hidden, bs, t * top_k, e, inter, w2, w2_scales, w2_zeros)
     if not by_position:
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs, False, shift, clamp, splits)

@@ -627,18 +627,6 @@ def test_moe_down_splits(monkeypatch, kw, form):
             assert got.dtype == dtype and got.shape == x.shape
             check_close(got, want, tol, f"{form} down projection in {splits} K splits, T={t}, skewed={skew}")
             check_close(got, whole, tol, f"{form} {splits} K splits vs unsplit, T={t}")
-        if form == "prod32":  # the rule's own choice (its stage floor lowered for these small experts;
-            # without stream-K, which takes its place on the producer form)
-            monkeypatch.setattr(M, "MOE_DOWN_SPLITS", None)
-            monkeypatch.setattr(M, "MOE_DOWN_MIN_STAGES", 1)
-            monkeypatch.setattr(M, "MOE_STREAM_K", False)
-            launched.clear()
-            got = layer(x, weights, ids)
-            torch.cuda.synchronize()
-            assert launched[0] == 1 and launched[1] > 1, (t, launched)
-            check_close(got, want, tol, f"the rule's {launched[1]} K splits, T={t}, skewed={skew}")
-            monkeypatch.setattr(M, "MOE_DOWN_MIN_STAGES", 16)
-            monkeypatch.setattr(M, "MOE_STREAM_K", True)
     monkeypatch.setattr(M, "MOE_DOWN_SPLITS", 3)
     if bs == 32:  # (the module routes its own block size: blocks of 32 at 16 rows per expert)
         check_graph_replays(moe, w13, w2, torch.randn(64, 1024, device="cuda", dtype=dtype), 2, tol,
