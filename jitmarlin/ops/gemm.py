@@ -762,6 +762,12 @@ def wgmma_split_workspace(m_tiles: int, f_tiles: int, splits: int, nt: int, fw: 
     return m_tiles * f_tiles * splits * 256 * fw * (nt // 2), m_tiles * f_tiles
 
 
+def wgmma_stream_workspace(grid: int, m_tiles: int, f_tiles: int, nt: int, fw: int) -> tuple[int, int]:
+    """(floats, counters) a stream-K launch of `grid` CTAs needs: two regions of 256 * fw * nt / 2
+    partial sums per CTA (its first and last tile's pieces), one arrival counter per output tile."""
+    return 2 * grid * 256 * fw * (nt // 2), m_tiles * f_tiles
+
+
 def wgmma_split_bound(sms: int) -> int:
     """Partial-sum floats that cover every split launch the heuristic makes (grid <= resident
     slots, region <= 256 x 64 floats per slot). The first split launch reserves this much, so a
@@ -820,7 +826,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         if m_tiles * f_tiles * (k // 64) < grid:  # (wgmma_stream_grid: an empty run breaks the sums)
             raise ValueError(f"stream-K (splits=-1) needs at least one 64-k stage per CTA: {m_tiles * f_tiles} "
                              f"tiles x {k // 64} stages < {grid} CTAs (M={m}, N={n}, K={k})")
-        floats, counters = 2 * grid * 256 * fw * (nt // 2), m_tiles * f_tiles
+        floats, counters = wgmma_stream_workspace(grid, m_tiles, f_tiles, nt, fw)
     elif not 1 <= splits <= k // 64:
         raise ValueError(f"wgmma K splits must be in [1, K/64 = {k // 64}] (or -1: stream-K), got {splits}")
     else:

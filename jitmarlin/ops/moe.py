@@ -455,11 +455,10 @@ def _stream_k_workspace(device: torch.device, index: int, n: int, fw: int, nt: i
     kernel's bound; None while a CUDA graph is captured and it would have to grow (the launch then
     takes whole tiles)."""
     from ..jit import driver
-    from .gemm import wgmma_split_bound
+    from .gemm import wgmma_split_bound, wgmma_stream_workspace
 
     sms = driver.device(index).sm_count
-    floats = 2 * sms * per_sm * 256 * fw * (nt // 2)  # mirrors the kernel's kRegion
-    counters = (n // (128 * fw)) * m_tiles
+    floats, counters = wgmma_stream_workspace(sms * per_sm, m_tiles, n // (128 * fw), nt, fw)
     ws = K.default_workspace(device)
     if floats <= ws.ws.numel() and counters <= ws.counters.numel():
         return ws
