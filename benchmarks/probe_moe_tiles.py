@@ -27,6 +27,8 @@
     --stream-k 0,1    the producer form's stream-K launch off / on (moe.MOE_STREAM_K), each timed in turn
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
+    python benchmarks/probe_moe_tiles.py --tokens 48,64 --shapes mixtral --block 24 --prod 1 --prod-configs 24-1-6
+        (blocks of 24 rows on the producer form, m64n24k16: built for the run)
 """
 
 from __future__ import annotations

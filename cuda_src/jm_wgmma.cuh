@@ -109,6 +109,17 @@ struct WgmmaRS;
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
 
 // TY: "f16" or "bf16" (a string literal, pasted into the instruction)
+#define JM_WGMMA_RS_N24(TY)                                                                  \
+  asm volatile(                                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"                                          \
+      "wgmma.mma_async.sync.aligned.m64n24k16.f32." TY "." TY " "                          \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "  \
+      "{%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}\n"                                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
+
+// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
 #define JM_WGMMA_RS_N32(TY)                                                                  \
   asm volatile(                                                                            \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                          \
@@ -154,6 +165,15 @@ struct WgmmaRS<16> {
   static JM_DEVICE void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
     if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N16("bf16");
     else JM_WGMMA_RS_N16("f16");
+  }
+};
+
+template <>
+struct WgmmaRS<24> {  // MoE blocks of 24 rows (Humming's Mixtral 64-token gate/up blocks are 24 x 512)
+  template <typename T>
+  static JM_DEVICE void run(float (&d)[12], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N24("bf16");
+    else JM_WGMMA_RS_N24("f16");
   }
 };
 
@@ -224,7 +244,7 @@ template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, i
           bool PROD, int ROLE, int MINB, typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
                           const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, WgRing& ring) {
-  static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128, "token tile");
+  static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128 || (NT == 24 && MOE && PROD), "token tile");
   static_assert(FW == 1 || FW == 2 || (FW == 4 && WGS == 1 && PROD), "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
   // WGS warpgroups per CTA (2; 4 in the "wide" form: 512 threads, one strip each, sharing the

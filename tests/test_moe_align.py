@@ -347,3 +347,32 @@ def test_route_topk_reference_path():
     for bad in (0, 5):
         with pytest.raises(ValueError, match="top_k"):
             M.route_topk(logits, bad, True)
+
+
+def test_blocks_of_24_host_rules(monkeypatch):
+    """Blocks of 24 rows: accepted by the argument checks (the wgmma producer form's blocks), the
+    alignment pads to them, the (24, 1, 6) producer-form MoE kernel is built only where configured
+    (three CTAs per SM), and other block sizes outside BLOCK_SIZES stay a clear error."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import moe as M
+
+    op = torch.ops.jitmarlin.moe_gemm
+    args = list(_meta_down_args(block=24))
+    assert op(*args).shape == (128, 256)
+    args[-1] = 20
+    with pytest.raises(ValueError, match="block_size=20 must be one of"):
+        op(*args)
+    ids = torch.randint(0, 8, (37, 2))
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, 24, 8)
+    assert int(num_padded) % 24 == 0 and sorted_ids.numel() == 74 + 8 * 23
+    fam = K.Family("f16", 4, False, 128, moe=True)
+    names = [n for n, _ in K.wgmma_build_spec(fam, (9, 0)).sources]
+    assert not any("_n24_" in n for n in names)
+    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),) + K.WGMMA_MOE_PROD_CONFIGS)
+    K.wgmma_build_spec.cache_clear()
+    try:
+        names = [n for n, _ in K.wgmma_build_spec(fam, (9, 0)).sources]
+        assert "jm_wgmma_f16_u4b8_g128_moe_n24_f1_s6_prod_c3" in names
+        assert M.wgmma_prod_moe_config(24) == (24, 1, 6) and K.prod_ctas((24, 1, 6)) == 3
+    finally:
+        K.wgmma_build_spec.cache_clear()

@@ -311,7 +311,7 @@ WGMMA_PROD_FW2_MAX_NT = 32
 # per compute thread, one accumulator set: FW = 1 and token tiles of up to 32 only, where ptxas keeps
 # the wgmma pipelined; six stages of a 4-bit 32-token tile take 3 x 55 KB of shared memory). Kernel
 # names end in _c3.
-WGMMA_PROD_CTAS: dict[tuple[int, int, int], int] = {(32, 1, 6): 3}
+WGMMA_PROD_CTAS: dict[tuple[int, int, int], int] = {(32, 1, 6): 3, (24, 1, 6): 3}
 
 
 def prod_ctas(cfg: tuple[int, int, int]) -> int:
@@ -325,7 +325,8 @@ WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (
 # the dense producer configs (one compute warpgroup of 2 FW strips, prod_ctas CTAs per SM: three for
 # (32, 1, 6)), reading activations pre-gathered in slot-list order (moe.MOE_WGMMA_PROD_BLOCKS).
 # (64, 1, 6) measured level with the plain kernel (moe.py): probes build it (probe_moe_tiles.py
-# --prod-configs 64-1-6).
+# --prod-configs 64-1-6). (24, 1, 6): blocks of 24 rows (m64n24k16, MoE producer form only; prepared
+# for session 27, not in the built set: probe_moe_tiles.py --block 24 --prod 1 --prod-configs 24-1-6).
 WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6),)
 
 

@@ -19,6 +19,10 @@ from ._kernels import DTYPES, Family
 from .gemm import check_perm_values, launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
+# Blocks of 24 rows: the sm_90a wgmma kernel's producer form only (m64n24k16 on inputs gathered by
+# position), where its (24, FW, STAGES) config is built (K.WGMMA_MOE_PROD_CONFIGS; prepared for session
+# 27, not built by default, never chosen by choose_block_size)
+PROD_ONLY_BLOCK = 24
 # On sm_90 the wgmma MoE kernel (blocks of 64 or 128 rows) costs less than the mma.sync kernel's
 # blocks of 32-64 even when half the rows are padding. H200, 2026-11-30 (benchmarks/NOTES.md, "MoE
 # block sizes"): Mixtral at 64 tokens (16 rows per expert) blocks of 64 452 us vs 32 534; at 256
@@ -268,9 +272,9 @@ def _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, top
     groups = scales.shape[1]
     if zeros is not None and (zeros.dtype != torch.int32 or tuple(zeros.shape) != (e, groups, n * bits // 32)):
         raise ValueError(f"expert zero points must be int32 [{e}, {groups}, {n * bits // 32}], got {tuple(zeros.shape)}")
-    if block_size not in BLOCK_SIZES and block_size != WGMMA_BLOCK:
+    if block_size not in BLOCK_SIZES and block_size not in (WGMMA_BLOCK, PROD_ONLY_BLOCK):
         raise ValueError(f"block_size={block_size} must be one of {BLOCK_SIZES} (or {WGMMA_BLOCK} on the sm_90a "
-                         "wgmma path)")
+                         f"wgmma path, {PROD_ONLY_BLOCK} on its producer form)")
     for name, t in (("sorted_ids", sorted_ids), ("expert_ids", expert_ids), ("num_padded", num_padded)):
         if t.dtype != torch.int32 or t.device != a.device:
             raise ValueError(f"{name} must be int32 on {a.device} (from moe_align_block_size), got {t.dtype} on {t.device}")
@@ -323,6 +327,13 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     if block_size == WGMMA_BLOCK and not _use_wgmma_moe(block_size, n, k, fam, index):
         raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel: compute capability 9.0, "
                          f"N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), JITMARLIN_WGMMA not 0")
+    if block_size == PROD_ONLY_BLOCK and not (a_by_position and block_size in MOE_WGMMA_PROD_BLOCKS
+                                              and a.data_ptr() % 16 == 0
+                                              and _use_wgmma_moe(block_size, n, k, fam, index)):
+        raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel's producer form: compute "
+                         f"capability 9.0, N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), a built ({block_size}, "
+                         f"{MOE_WGMMA_PROD_FW}, stages) config in K.WGMMA_MOE_PROD_CONFIGS, {block_size} in "
+                         f"MOE_WGMMA_PROD_BLOCKS, and A gathered by position (a_by_position=True, 16-byte aligned)")
     if _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0]):
         if ids_shift:
             raise ValueError(f"ids_shift={ids_shift}: the wgmma MoE kernel (blocks of {block_size}) reads int32 "
@@ -354,7 +365,9 @@ def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
     2157 (blocks of 64) -> 1899 (128)."""
     from .gemm import wgmma_allowed
 
-    if block_size == 32:
+    if block_size == PROD_ONLY_BLOCK:
+        wanted = wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW) is not None
+    elif block_size == 32:
         wanted = per_expert is not None and wgmma_block32(per_expert, n * k)
     else:
         wanted = block_size in (64, WGMMA_BLOCK)

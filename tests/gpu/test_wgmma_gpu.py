@@ -725,3 +725,75 @@ def test_moe_stream_k(monkeypatch, kw):
     graph_x = torch.randn(64, 1024, device="cuda", dtype=dtype)
     moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
     check_graph_replays(moe, w13, w2, graph_x, 2, tol, "stream-K in a CUDA graph")
+
+
+@pytest.fixture
+def moe_blocks24(monkeypatch):
+    """The MoE producer form's (24, 1, 6) config built for the test, blocks of 24 and 32 on that form."""
+    from jitmarlin.ops import moe as M
+
+    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),) + K.WGMMA_MOE_PROD_CONFIGS)
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", (24, 32))
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)
+    yield from _rebuilt((24, 1, 6))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
+                                dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
+def test_moe_blocks_of_24(monkeypatch, kw, moe_blocks24):
+    """Expert blocks of 24 rows (m64n24k16, the producer form only) against the reference and blocks of
+    32: random and skewed routing (several blocks per expert), stream-K on and off, output memory
+    poisoned with NaN first, a CUDA graph replayed on new tokens and routing; blocks of 24 where the
+    producer form cannot take them are a clear error."""
+    from .test_moe_gpu import make_moe, reference
+
+    from jitmarlin.ops import moe as M
+
+    launched = []
+    get = K.get_wgmma_kernel
+
+    def spy(fam, nt, fw, stages, index, wide=False, prod=False):
+        launched.append((nt, prod))
+        return get(fam, nt, fw, stages, index, wide, prod)
+
+    monkeypatch.setattr(K, "get_wgmma_kernel", spy)
+    moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
+    dtype = kw.get("dtype", torch.float16)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    layer24, layer32 = _poisoned_moe_layer(moe, dtype, 24), _poisoned_moe_layer(moe, dtype, 32)
+    for t, skew in ((37, False), (64, False), (64, True)):
+        x = torch.randn(t, 1024, device="cuda", dtype=dtype)
+        weights, ids = moe.route(x)
+        if skew:
+            ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
+        want = reference(x, w13, w2, weights, ids, dtype)
+        b32 = layer32(x, weights, ids)
+        for stream in (True, False):
+            monkeypatch.setattr(M, "MOE_STREAM_K", stream)
+            launched.clear()
+            got = layer24(x, weights, ids)
+            torch.cuda.synchronize()
+            assert launched == [(24, True), (24, True)], (t, launched)
+            check_close(got, want, tol, f"blocks of 24, T={t}, skewed={skew}, stream-K {stream}")
+            check_close(got, b32, tol, f"blocks of 24 vs 32, T={t}")
+    # a CUDA graph of the layer on blocks of 24, replayed on new tokens and routing
+    x = torch.randn(48, 1024, device="cuda", dtype=dtype)
+    weights, ids = moe.route(x)
+    layer24(x, weights, ids)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer24(x, weights, ids)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        w_new, ids_new = moe.route(x)
+        weights.copy_(w_new)
+        ids.copy_(ids_new)
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(y, reference(x, w13, w2, weights, ids, dtype), tol, "blocks of 24 in a CUDA graph")
+    # blocks of 24 on the plain form (A not gathered by position): a clear error, not a launch
+    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, 24, 8)
+    with pytest.raises(ValueError, match="block_size=24 needs the sm_90a wgmma MoE kernel's producer form"):
+        M.moe_gemm(x, moe.w13_qweight, moe.w13_scales, moe.w13_qzeros, sorted_ids, expert_ids, num_padded, None,
+                   48 * 2, 2, 24)
