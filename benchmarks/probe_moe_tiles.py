@@ -27,8 +27,8 @@
     --stream-k 0,1    the producer form's stream-K launch off / on (moe.MOE_STREAM_K), each timed in turn
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
-    python benchmarks/probe_moe_tiles.py --tokens 48,64 --shapes mixtral --block 24 --prod 1 --prod-configs 24-1-6
-        (blocks of 24 rows on the producer form, m64n24k16: built for the run)
+    python benchmarks/probe_moe_tiles.py --tokens 48,64 --shapes mixtral --block 24 --prod 1
+        (blocks of 24 rows on the producer form, m64n24k16)
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ def main() -> None:
 
         bench_moe.fused_marlin_moe = pregathered
     if args.prod_configs:  # before the first build: part of the module's cache key
-        K.WGMMA_MOE_PROD_CONFIGS = tuple(tuple(int(x) for x in c.split("-")) for c in args.prod_configs.split(",")) \
-            + K.WGMMA_MOE_PROD_CONFIGS
+        K.WGMMA_MOE_PROD_CONFIGS = tuple(dict.fromkeys(tuple(tuple(int(x) for x in c.split("-"))
+                                                             for c in args.prod_configs.split(","))
+                                                       + K.WGMMA_MOE_PROD_CONFIGS))
     if args.prod_fw is not None:
         M.MOE_WGMMA_PROD_FW = args.prod_fw
         if args.prod_fw == 2 and not args.prod_configs:  # before the first build

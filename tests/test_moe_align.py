@@ -73,7 +73,8 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert choose_block_size(1024, 2, 8, True) == M.WGMMA_BLOCK  # 256 rows per expert
     assert choose_block_size(192, 2, 8, True) == M.WGMMA_BLOCK  # 48
     assert choose_block_size(191, 2, 8, True) == 64
-    assert choose_block_size(64, 2, 8, True) == 32  # 16 rows: the wgmma kernel's blocks of 32 ...
+    assert choose_block_size(64, 2, 8, True) == 24  # 16 rows (large experts): its producer form's 24 ...
+    assert choose_block_size(72, 2, 8, True) == 32  # 18 rows: the wgmma kernel's blocks of 32 ...
     assert choose_block_size(96, 2, 8, True) == 64  # ... 24 rows (large experts): its blocks of 64
     assert choose_block_size(40, 2, 8, True) == 16  # 10 rows (large experts): the mma.sync kernel's
     small = 2048 * 2816  # E=64 experts: blocks of 32 from 9 to 24 rows per expert
@@ -349,10 +350,10 @@ def test_route_topk_reference_path():
             M.route_topk(logits, bad, True)
 
 
-def test_blocks_of_24_host_rules(monkeypatch):
+def test_blocks_of_24_host_rules():
     """Blocks of 24 rows: accepted by the argument checks (the wgmma producer form's blocks), the
-    alignment pads to them, the (24, 1, 6) producer-form MoE kernel is built only where configured
-    (three CTAs per SM), and other block sizes outside BLOCK_SIZES stay a clear error."""
+    alignment pads to them, the (24, 1, 6) producer-form MoE kernel is built (three CTAs per SM) and
+    chosen by the rule's rows per expert, and other block sizes outside BLOCK_SIZES stay a clear error."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import moe as M
 
@@ -365,14 +366,13 @@ def test_blocks_of_24_host_rules(monkeypatch):
     ids = torch.randint(0, 8, (37, 2))
     sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, 24, 8)
     assert int(num_padded) % 24 == 0 and sorted_ids.numel() == 74 + 8 * 23
-    fam = K.Family("f16", 4, False, 128, moe=True)
-    names = [n for n, _ in K.wgmma_build_spec(fam, (9, 0)).sources]
-    assert not any("_n24_" in n for n in names)
-    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),) + K.WGMMA_MOE_PROD_CONFIGS)
-    K.wgmma_build_spec.cache_clear()
-    try:
-        names = [n for n, _ in K.wgmma_build_spec(fam, (9, 0)).sources]
-        assert "jm_wgmma_f16_u4b8_g128_moe_n24_f1_s6_prod_c3" in names
-        assert M.wgmma_prod_moe_config(24) == (24, 1, 6) and K.prod_ctas((24, 1, 6)) == 3
-    finally:
-        K.wgmma_build_spec.cache_clear()
+    names = [n for n, _ in K.wgmma_build_spec(K.Family("f16", 4, False, 128, moe=True), (9, 0)).sources]
+    assert "jm_wgmma_f16_u4b8_g128_moe_n24_f1_s6_prod_c3" in names
+    assert M.wgmma_prod_moe_config(24) == (24, 1, 6) and K.prod_ctas((24, 1, 6)) == 3
+    assert 24 in M.MOE_WGMMA_PROD_BLOCKS
+    # the rule: experts above 2^24 weights at 14-17 rows per expert (Mixtral 56-64 tokens), with large blocks
+    mixtral_kn = 4096 * 28672
+    assert [M.choose_block_size(t, 2, 8, True, mixtral_kn) for t in (48, 56, 64, 68, 72)] == [16, 24, 24, 32, 32]
+    assert M.choose_block_size(64, 2, 8, True, mixtral_kn, blocks24=False) == 32
+    assert M.choose_block_size(64, 2, 8, True, 2048 * 2816) == 32  # small experts: the gathers do not pay
+    assert M.choose_block_size(64, 2, 8) == 32  # the mma.sync choice never takes 24

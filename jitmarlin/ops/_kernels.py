@@ -325,9 +325,9 @@ WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (
 # the dense producer configs (one compute warpgroup of 2 FW strips, prod_ctas CTAs per SM: three for
 # (32, 1, 6)), reading activations pre-gathered in slot-list order (moe.MOE_WGMMA_PROD_BLOCKS).
 # (64, 1, 6) measured level with the plain kernel (moe.py): probes build it (probe_moe_tiles.py
-# --prod-configs 64-1-6). (24, 1, 6): blocks of 24 rows (m64n24k16, MoE producer form only; prepared
-# for session 27, not in the built set: probe_moe_tiles.py --block 24 --prod 1 --prod-configs 24-1-6).
-WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6),)
+# --prod-configs 64-1-6). (24, 1, 6): blocks of 24 rows (m64n24k16, MoE producer form only, session 26:
+# moe.WGMMA_24_ROWS).
+WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6), (24, 1, 6))
 
 
 def _checked_prod_configs() -> tuple[tuple[int, int, int], ...]:

@@ -20,8 +20,7 @@ from .gemm import check_perm_values, launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
 # Blocks of 24 rows: the sm_90a wgmma kernel's producer form only (m64n24k16 on inputs gathered by
-# position), where its (24, FW, STAGES) config is built (K.WGMMA_MOE_PROD_CONFIGS; prepared for session
-# 27, not built by default, never chosen by choose_block_size)
+# position), where its (24, FW, STAGES) config is built (K.WGMMA_MOE_PROD_CONFIGS)
 PROD_ONLY_BLOCK = 24
 # On sm_90 the wgmma MoE kernel (blocks of 64 or 128 rows) costs less than the mma.sync kernel's
 # blocks of 32-64 even when half the rows are padding. H200, 2026-11-30 (benchmarks/NOTES.md, "MoE
@@ -47,16 +46,27 @@ def wgmma_block32(per_expert: float, kn: int) -> bool:
     return lo <= per_expert < hi
 
 
+# Blocks of 24 rows (the producer form, m64n24k16) for experts above WGMMA_32_SMALL_KN weights at these rows
+# per expert (average). H200 session 26 (probe_moe_tiles, Mixtral layer us, the route then / blocks of 24):
+# 40 tokens (10 rows) 296.9 / 306.2, 48 (12) 300.4 / 309.7 and 308.4, 56 (14) 335.7 / 317.7, 64 (16) 339.1
+# and 331.3 / 320.1, 321.8 and 319.8, 72 (18) 334.4 / 357.6 and 350.5 (experts past 24 rows stream twice).
+WGMMA_24_ROWS = (14, 17)
+
+
 def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_blocks: bool = False,
-                      expert_kn: int = 1 << 30) -> int:
+                      expert_kn: int = 1 << 30, blocks24: bool = True) -> int:
     """Rows per expert block (= the kernel's m tile): the first B with T*k/E/B < 0.9, else 64.
     Small blocks waste few padded rows at small batch; large ones reuse weights at large batch.
     With large_blocks (the wgmma MoE kernel runs both GEMMs): 128 from WGMMA_BLOCK_MIN_ROWS rows
-    per expert, 32 where wgmma_block32 says so for experts of K*N = expert_kn (the first GEMM's),
-    else 64 from WGMMA_64_MIN_ROWS."""
+    per expert, 24 in WGMMA_24_ROWS for experts of K*N = expert_kn (the first GEMM's) above
+    WGMMA_32_SMALL_KN (unless not blocks24: the producer form cannot take them), 32 where
+    wgmma_block32 says so, else 64 from WGMMA_64_MIN_ROWS."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if large_blocks and per_expert >= WGMMA_BLOCK_MIN_ROWS:
         return WGMMA_BLOCK
+    if large_blocks and blocks24 and expert_kn > WGMMA_32_SMALL_KN \
+            and WGMMA_24_ROWS[0] <= per_expert < WGMMA_24_ROWS[1]:
+        return PROD_ONLY_BLOCK
     if large_blocks and wgmma_block32(per_expert, expert_kn):
         return 32
     if large_blocks and per_expert >= WGMMA_64_MIN_ROWS:
@@ -386,7 +396,7 @@ MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strip
 # way): Mixtral 64 tokens 420 -> 378, E=64 96 / 256 tokens 166 / 193 -> 155 / 181. Blocks of 64 (the
 # (64, 1, 6) form, probes: --prod-configs 64-1-6): Mixtral 96 / 256 tokens 477 / 709 -> 476 / 696 with
 # act-order, level without. Probe switch: probe_moe_tiles.py --prod 0|1.
-MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (32,)
+MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (24, 32)
 MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
 # strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features
@@ -714,6 +724,10 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         if wide != bs and _large_blocks_ok(hidden, ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
                                                     (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))):
             bs = wide
+        if bs == PROD_ONLY_BLOCK and not _prod_route(hidden, bs, t * top_k / e,
+                                                     ((i2, h, w13, w13_scales, w13_zeros),
+                                                      (h, inter, w2, w2_scales, w2_zeros))):
+            bs = choose_block_size(t, top_k, e, True, i2 * h, blocks24=False)  # the producer form cannot take them
     one = None
     if t == 1 and bs == 8 and w13_perm is None and w2_perm is None and topk_ids.device == hidden.device \
             and use_moe_kernels():

@@ -727,20 +727,9 @@ def test_moe_stream_k(monkeypatch, kw):
     check_graph_replays(moe, w13, w2, graph_x, 2, tol, "stream-K in a CUDA graph")
 
 
-@pytest.fixture
-def moe_blocks24(monkeypatch):
-    """The MoE producer form's (24, 1, 6) config built for the test, blocks of 24 and 32 on that form."""
-    from jitmarlin.ops import moe as M
-
-    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),) + K.WGMMA_MOE_PROD_CONFIGS)
-    monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", (24, 32))
-    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)
-    yield from _rebuilt((24, 1, 6))
-
-
 @pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
                                 dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
-def test_moe_blocks_of_24(monkeypatch, kw, moe_blocks24):
+def test_moe_blocks_of_24(monkeypatch, kw):
     """Expert blocks of 24 rows (m64n24k16, the producer form only) against the reference and blocks of
     32: random and skewed routing (several blocks per expert), stream-K on and off, output memory
     poisoned with NaN first, a CUDA graph replayed on new tokens and routing; blocks of 24 where the
@@ -757,6 +746,7 @@ def test_moe_blocks_of_24(monkeypatch, kw, moe_blocks24):
         return get(fam, nt, fw, stages, index, wide, prod)
 
     monkeypatch.setattr(K, "get_wgmma_kernel", spy)
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)  # (small experts: both GEMMs' inputs gathered anyway)
     moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
