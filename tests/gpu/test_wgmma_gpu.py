@@ -515,6 +515,18 @@ def moe_prod_fw(request, monkeypatch):
     yield from _rebuilt(request.param)
 
 
+def _routed_case(moe, w13, w2, t, skew, dtype):
+    """Random tokens for the layer, routed by its router (skew: every token to experts 3 and 5, so that
+    they hold several blocks each and six experts none), and the reference output: (x, weights, ids, want)."""
+    from .test_moe_gpu import reference
+
+    x = torch.randn(t, 1024, device="cuda", dtype=dtype)
+    weights, ids = moe.route(x)
+    if skew:
+        ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
+    return x, weights, ids, reference(x, w13, w2, weights, ids, dtype)
+
+
 def _poisoned_moe_layer(moe, dtype, block_size=None):
     """fused_marlin_moe on the layer's experts (block_size None: its own rule), with 32 MB of NaN
     allocated and freed first: the caching allocator hands that memory out next, so an output row
@@ -537,7 +549,7 @@ def test_moe_producer_form(monkeypatch, kw, moe_prod_fw):
     warpgroup) against the plain-PyTorch reference and the plain wgmma MoE kernel, with random and
     skewed routing (two experts take every token: several blocks each, six experts empty) and
     act-order experts; the output memory poisoned with NaN first."""
-    from .test_moe_gpu import check_graph_replays, make_moe, reference
+    from .test_moe_gpu import check_graph_replays, make_moe
 
     from jitmarlin.ops import moe as M
 
@@ -557,11 +569,7 @@ def test_moe_producer_form(monkeypatch, kw, moe_prod_fw):
     layer = _poisoned_moe_layer(moe, dtype)
 
     for t, skew in ((37, False), (64, False), (95, False), (64, True)):  # 9.25 / 16 / 23.75 rows per expert
-        x = torch.randn(t, 1024, device="cuda", dtype=dtype)
-        weights, ids = moe.route(x)
-        if skew:
-            ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
-        want = reference(x, w13, w2, weights, ids, dtype)
+        x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
         monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", ())
         launched.clear()
         plain = layer(x, weights, ids)
@@ -589,7 +597,7 @@ def test_moe_down_splits(monkeypatch, kw, form):
     top-k sum) on the plain wgmma MoE kernel (blocks of 32 and 64) and its producer form, against the
     reference and the unsplit layer; splits that do not divide K's stages evenly, every stage its own
     split; random and skewed routing; output memory poisoned with NaN first; CUDA-graph replays."""
-    from .test_moe_gpu import check_graph_replays, make_moe, reference
+    from .test_moe_gpu import check_graph_replays, make_moe
 
     from jitmarlin.ops import moe as M
 
@@ -611,11 +619,7 @@ def test_moe_down_splits(monkeypatch, kw, form):
     layer = _poisoned_moe_layer(moe, dtype, bs)
 
     for t, skew in ((37, False), (64, False), (64, True)):
-        x = torch.randn(t, 1024, device="cuda", dtype=dtype)
-        weights, ids = moe.route(x)
-        if skew:
-            ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
-        want = reference(x, w13, w2, weights, ids, dtype)
+        x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
         monkeypatch.setattr(M, "MOE_DOWN_SPLITS", 1)
         whole = layer(x, weights, ids)
         for splits in (2, 3, 8):
@@ -672,7 +676,7 @@ def test_moe_stream_k(monkeypatch, kw):
     against the reference and the whole-tile launch: random and skewed routing, fewer stages than CTAs
     (the CTAs past them take none), output memory poisoned with NaN first, repeat calls identical
     (fixed summation order), the arrival counters all zero after each launch, CUDA-graph replays."""
-    from .test_moe_gpu import check_graph_replays, make_moe, reference
+    from .test_moe_gpu import check_graph_replays, make_moe
 
     from jitmarlin.ops import moe as M
 
@@ -702,11 +706,7 @@ def test_moe_stream_k(monkeypatch, kw):
         layer = _poisoned_moe_layer(moe, dtype, 32)
 
         for t, skew in cases:  # E=2, 20 tokens: 2 blocks x 8 feature tiles x 8 stages < the CTAs
-            x = torch.randn(t, 1024, device="cuda", dtype=dtype)
-            weights, ids = moe.route(x)
-            if skew:
-                ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
-            want = reference(x, w13, w2, weights, ids, dtype)
+            x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
             monkeypatch.setattr(M, "MOE_STREAM_K", False)
             grids.clear()
             whole = layer(x, weights, ids)
@@ -752,11 +752,7 @@ def test_moe_blocks_of_24(monkeypatch, kw):
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     layer24, layer32 = _poisoned_moe_layer(moe, dtype, 24), _poisoned_moe_layer(moe, dtype, 32)
     for t, skew in ((37, False), (64, False), (64, True)):
-        x = torch.randn(t, 1024, device="cuda", dtype=dtype)
-        weights, ids = moe.route(x)
-        if skew:
-            ids = torch.tensor([[3, 5]] * t, device="cuda", dtype=ids.dtype)
-        want = reference(x, w13, w2, weights, ids, dtype)
+        x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
         b32 = layer32(x, weights, ids)
         for stream in (True, False):
             monkeypatch.setattr(M, "MOE_STREAM_K", stream)
