@@ -2,7 +2,8 @@
 
     --small-kn N      override gemm._SMALL_KN before any launch (session 8: 0 = every expert GEMM
                       on the large-problem routes, now the default on sm_90)
-    --block B         force the expert block size (rows per m tile) instead of choose_block_size
+    --block B,..      force the expert block size (rows per m tile; 0: choose_block_size's); a
+                      list is timed value by value in one process
     --ready-tables 0  the second expert GEMM through the plain moe_gemm op (waits for SiLU-mul
                       before it reads the routing tables or streams a weight tile)
     --torch-sum       the top-k sum by torch (view + sum) instead of our jm_topk_sum kernel
@@ -25,6 +26,8 @@
                       by the top-k sum; moe.MOE_DOWN_SPLITS; 1 = none), each value timed in turn (one
                       process; with the producer form, add --stream-k 0)
     --stream-k 0,1    the producer form's stream-K launch off / on (moe.MOE_STREAM_K), each timed in turn
+    --silu-gather 0,1 SiLU-mul then the gather by position (two kernels) / jm_silu_gather (one) where the
+                      down projection reads its input by position (moe.MOE_SILU_GATHER), each timed in turn
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
     python benchmarks/probe_moe_tiles.py --tokens 48,64 --shapes mixtral --block 24 --prod 1
@@ -53,7 +56,10 @@ def main() -> None:
     ap.add_argument("--small-kn", type=int, default=None, help="override gemm._SMALL_KN (before any launch)")
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--shapes", default="mixtral,e64")
-    ap.add_argument("--block", type=int, default=None)
+    ap.add_argument("--block", default="", help="B,..: expert block sizes, each timed in turn (default: the rule)")
+    ap.add_argument("--prod-min-kn", type=int, default=None,
+                    help="moe.MOE_WGMMA_PROD_MIN_KN: gather both GEMMs' inputs for the producer form from experts "
+                         "of more than this many weights (0: any expert, e.g. E=64's)")
     ap.add_argument("--ready-tables", type=int, default=1)
     ap.add_argument("--torch-sum", action="store_true")
     ap.add_argument("--wgmma", default="")
@@ -76,6 +82,7 @@ def main() -> None:
                          "default 1: none)")
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
+    ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()
     if args.pregather:
         inner = bench_moe.fused_marlin_moe
@@ -104,8 +111,9 @@ def main() -> None:
         M.MOE_WGMMA_PROD_BLOCKS = tuple(c[0] for c in K.WGMMA_MOE_PROD_CONFIGS) if args.prod else ()
     if args.small_kn is not None:
         G._SMALL_KN = args.small_kn
-    if args.block is not None:
-        bench_moe.fused_marlin_moe = functools.partial(M.fused_marlin_moe, block_size=args.block)
+    if args.prod_min_kn is not None:
+        M.MOE_WGMMA_PROD_MIN_KN = args.prod_min_kn
+    fused = bench_moe.fused_marlin_moe
     if not args.ready_tables:  # the op namespace caches attributes: this shadows the op for this process
         torch.ops.jitmarlin.moe_gemm_ready_tables = torch.ops.jitmarlin.moe_gemm
     if args.tile:  # before the first build: the MoE family's module (and cache key) then holds it
@@ -134,11 +142,14 @@ def main() -> None:
     if args.torch_sum:
         M.topk_sum = lambda c3, t, k, dtype=None: (c3.view(t, k, -1).sum(1) if c3.dim() == 2
                                                    else c3.view(c3.shape[0], t, k, -1).sum((0, 2)).to(dtype))
-    tag = (f"small_kn={G._SMALL_KN} block={args.block or 'auto'} ready_tables={args.ready_tables} "
+    tag = (f"small_kn={G._SMALL_KN} ready_tables={args.ready_tables} "
            f"sum={'torch' if args.torch_sum else 'ours'}" + (f" wgmma={args.wgmma}" if extra else "")
            + (f" tile={args.tile}" if args.tile else "") + (" no-occ" if args.no_occ else "")
            + (f" fw={args.fw}" if args.fw else "") + (f" prod={args.prod}" if args.prod is not None else "")
-           + (" pregather" if args.pregather else "") + (f" prod_fw={args.prod_fw}" if args.prod_fw else ""))
+           + (" pregather" if args.pregather else "") + (f" prod_fw={args.prod_fw}" if args.prod_fw else "")
+           + (f" prod_min_kn={args.prod_min_kn}" if args.prod_min_kn is not None else ""))
+    blocks = [int(v) or None for v in args.block.split(",") if v] or [None]  # (0: the rule)
+    # the cases (weights, inputs, routing) once; each block size times the same ones
     cases = list(bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]))
     for sk in [int(v) for v in args.stream_k.split(",") if v] or [None]:
         if sk is not None:
@@ -148,8 +159,14 @@ def main() -> None:
                 M.MOE_DOWN_SPLITS = splits
             more = (f" stream_k={sk}" if sk is not None else "") + (f" down_splits={splits}" if args.down_splits else "")
             for name, t, ours, _ in cases:
-                us = common.time_graph(lambda _i: ours(), 1, calls=10)
-                print(f"[{tag}{more}] {name} T={t}: {us:.1f} us", flush=True)
+                for block in blocks:
+                    bench_moe.fused_marlin_moe = fused if block is None else functools.partial(fused, block_size=block)
+                    for sg in [int(v) for v in args.silu_gather.split(",") if v] or [None]:
+                        if sg is not None:
+                            M.MOE_SILU_GATHER = bool(sg)
+                        us = common.time_graph(lambda _i: ours(), 1, calls=10)
+                        print(f"[{tag}{more} block={block or 'auto'}" + (f" silu_gather={sg}" if sg is not None else "")
+                              + f"] {name} T={t}: {us:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

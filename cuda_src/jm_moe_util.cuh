@@ -22,6 +22,9 @@
 // y[r, j] = x[slot / top_k, j], the rows in slot-list order for the wgmma producer form); padding
 // positions get zeros, positions at or past *num_padded are not written (no GEMM reads them). One
 // kernel instead of the torch gather through an [L, K] int64 index tensor; 8 values per thread.
+// jm_silu_gather: jm_moe_gather of SiLU(gate) * up straight from the first expert GEMM's output (the
+// down projection's input by position for the producer form and act-order experts), no [slots, I]
+// intermediate and one kernel boundary less.
 // Programmatic dependent launch (sm_90): both let the kernel after them launch at once, so that
 // the expert GEMM's CTAs are resident and set up when they finish (the GEMMs read nothing of
 // ours before their own griddep_wait); silu_mul, launched as a dependent of the first GEMM,
@@ -191,6 +194,14 @@ JM_DEVICE bool chunk_of_thread(const JmMoeParams& p, int& r, int& j) {
   return true;
 }
 
+// SiLU(g) * u rounded to the activation dtype between the two, as F.silu(gate) * up does
+template <typename T>
+JM_DEVICE T silu_times(const T g, const T u) {
+  const float gf = static_cast<float>(g);
+  const T s = static_cast<T>(gf / (1.f + __expf(-gf)));
+  return static_cast<T>(static_cast<float>(s) * static_cast<float>(u));
+}
+
 template <typename T>
 JM_DEVICE void silu_mul_body(const JmMoeParams p) {
   int r, j;
@@ -203,12 +214,7 @@ JM_DEVICE void silu_mul_body(const JmMoeParams p) {
   uint4 out;
   T* o = reinterpret_cast<T*>(&out);
 #pragma unroll
-  for (int i = 0; i < 8; i++) {
-    // rounded to the activation dtype between the two, as F.silu(gate) * up does
-    const float gf = static_cast<float>(g[i]);
-    const T s = static_cast<T>(gf / (1.f + __expf(-gf)));
-    o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
-  }
+  for (int i = 0; i < 8; i++) o[i] = silu_times<T>(g[i], u[i]);
   *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(r) * p.inter + j) = out;
 }
 
@@ -250,17 +256,28 @@ JM_DEVICE void topk_sum_body(const JmMoeParams p) {
 // from its slot's row of x (rows x p.inter output; p.numel slots, p.block positions per expert
 // block). The sorted list and the expert of each block come from the align kernel, x from the
 // kernel just before (the hidden states' producer, or SiLU-mul): all read after griddep_wait.
-template <typename T>
+// SILU (jm_silu_gather): x is the first expert GEMM's [slots, 2 * p.inter] output (p.top_k = 1) and
+// each gathered value is silu_times(gate, up) of its column: SiLU-mul and the down projection's gather
+// in one pass, the same values as the two kernels.
+template <typename T, bool SILU>
 JM_DEVICE void moe_gather_body(const JmMoeParams p) {
   static_assert(sizeof(T) == 2, "2-byte activations");
   int r, j;
   if (!chunk_of_thread(p, r, j) || r >= *p.num_padded) return;
   const int slot = p.sorted_ids[r];
+  const int64_t ld = SILU ? 2 * static_cast<int64_t>(p.inter) : p.inter;  // x's row length
   uint32_t packed[4] = {0u, 0u, 0u, 0u};
   if (slot < p.numel && p.perm == nullptr) {  // no column order: the slot's row as it is (the MoE
     // producer-form route, moe.fused_marlin_moe: a block's rows contiguous for one TMA box)
-    const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) +
-                                                    static_cast<int64_t>(slot / p.top_k) * p.inter + j);
+    const T* src = static_cast<const T*>(p.x) + static_cast<int64_t>(slot / p.top_k) * ld + j;
+    uint4 v = *reinterpret_cast<const uint4*>(src);
+    if constexpr (SILU) {
+      const uint4 uv = *reinterpret_cast<const uint4*>(src + p.inter);
+      T* g = reinterpret_cast<T*>(&v);
+      const T* u = reinterpret_cast<const T*>(&uv);
+#pragma unroll
+      for (int i = 0; i < 8; i++) g[i] = silu_times<T>(g[i], u[i]);
+    }
     packed[0] = v.x;
     packed[1] = v.y;
     packed[2] = v.z;
@@ -270,10 +287,15 @@ JM_DEVICE void moe_gather_body(const JmMoeParams p) {
     const int4 c0 = *reinterpret_cast<const int4*>(perm);
     const int4 c1 = *reinterpret_cast<const int4*>(perm + 4);
     const int cols[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-    const unsigned short* src = static_cast<const unsigned short*>(p.x) + static_cast<int64_t>(slot / p.top_k) * p.inter;
+    const T* src = static_cast<const T*>(p.x) + static_cast<int64_t>(slot / p.top_k) * ld;
+    T o[8];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-      packed[i] = static_cast<uint32_t>(src[cols[2 * i]]) | (static_cast<uint32_t>(src[cols[2 * i + 1]]) << 16);
+    for (int i = 0; i < 8; i++) o[i] = SILU ? silu_times<T>(src[cols[i]], src[p.inter + cols[i]]) : src[cols[i]];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      packed[i] = static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&o[2 * i])) |
+                  (static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&o[2 * i + 1])) << 16);
+    }
   }
   *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(r) * p.inter + j) =
       make_uint4(packed[0], packed[1], packed[2], packed[3]);
@@ -365,4 +387,6 @@ JM_DEVICE void moe_route_body(const JmMoeParams p) {
 #define JM_TOPK_SUM_F32_KERNEL(NAME, T) \
   extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::topk_sum_body<T, float>(p); }
 #define JM_MOE_GATHER_KERNEL(NAME, T) \
-  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::moe_gather_body<T>(p); }
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::moe_gather_body<T, false>(p); }
+#define JM_SILU_GATHER_KERNEL(NAME, T) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const JmMoeParams p) { jm::moe_gather_body<T, true>(p); }

@@ -120,6 +120,47 @@ struct WgmmaRS;
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
 
 // TY: "f16" or "bf16" (a string literal, pasted into the instruction)
+#define JM_WGMMA_RS_N48(TY)                                                                  \
+  asm volatile(                                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"                                          \
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32." TY "." TY " "                          \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "  \
+      "{%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"                                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
+
+// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
+#define JM_WGMMA_RS_N80(TY)                                                                  \
+  asm volatile(                                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"                                          \
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32." TY "." TY " "                          \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "  \
+      "{%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"                                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
+
+// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
+#define JM_WGMMA_RS_N96(TY)                                                                  \
+  asm volatile(                                                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"                                          \
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32." TY "." TY " "                          \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "  \
+      "{%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"                                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
+
+// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
 #define JM_WGMMA_RS_N32(TY)                                                                  \
   asm volatile(                                                                            \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                          \
@@ -178,6 +219,33 @@ struct WgmmaRS<24> {  // MoE blocks of 24 rows (Humming's Mixtral 64-token gate/
 };
 
 template <>
+struct WgmmaRS<48> {  // MoE blocks of 48 rows (producer form)
+  template <typename T>
+  static JM_DEVICE void run(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N48("bf16");
+    else JM_WGMMA_RS_N48("f16");
+  }
+};
+
+template <>
+struct WgmmaRS<80> {  // MoE blocks of 80 rows (producer form)
+  template <typename T>
+  static JM_DEVICE void run(float (&d)[40], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N80("bf16");
+    else JM_WGMMA_RS_N80("f16");
+  }
+};
+
+template <>
+struct WgmmaRS<96> {  // MoE blocks of 96 rows (producer form)
+  template <typename T>
+  static JM_DEVICE void run(float (&d)[48], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N96("bf16");
+    else JM_WGMMA_RS_N96("f16");
+  }
+};
+
+template <>
 struct WgmmaRS<32> {
   template <typename T>
   static JM_DEVICE void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
@@ -203,6 +271,11 @@ struct WgmmaRS<128> {
     else JM_WGMMA_RS_N128("f16");
   }
 };
+
+// float4 loads in flight per partial-sum region in the stream-K fixup: the largest divisor of the
+// n8 blocks q8 = NT / 8 that is at most 8 (NT = 80: 5, 96: 6; else min(q8, 8))
+constexpr int wg_sum_chunk_below(int q8, int c) { return q8 % c == 0 ? c : wg_sum_chunk_below(q8, c - 1); }
+constexpr int wg_sum_chunk(int q8) { return q8 <= 8 ? q8 : (q8 % 8 == 0 ? 8 : wg_sum_chunk_below(q8, 7)); }
 
 constexpr int wgmma_group_rows(int group_blocks) {  // group rows per 64-k stage (0: per channel)
   return group_blocks <= 0 ? 0 : (group_blocks >= 4 ? 1 : 4 / group_blocks);
@@ -244,7 +317,9 @@ template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, i
           bool PROD, int ROLE, int MINB, typename PieceOf>
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
                           const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, WgRing& ring) {
-  static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128 || (NT == 24 && MOE && PROD), "token tile");
+  static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128 ||
+                    ((NT == 24 || NT == 48 || NT == 80 || NT == 96) && MOE && PROD),
+                "token tile (24, 48, 80, 96: MoE expert blocks on the producer form only)");
   static_assert(FW == 1 || FW == 2 || (FW == 4 && WGS == 1 && PROD), "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
   // WGS warpgroups per CTA (2; 4 in the "wide" form: 512 threads, one strip each, sharing the
@@ -797,7 +872,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     if (tid == 0) p.counters[unit] = 0;  // all the tile's pieces have arrived: zero for the next launch
 #pragma unroll
     for (int j = 0; j < FW; j++) {
-      constexpr int kChunk = NT / 8 < 8 ? NT / 8 : 8;  // float4 loads in flight per region
+      constexpr int kChunk = wg_sum_chunk(NT / 8);  // float4 loads in flight per region
 #pragma unroll
       for (int q0 = 0; q0 < NT / 8; q0 += kChunk) {
 #pragma unroll

@@ -65,20 +65,30 @@ def test_align_errors():
 
 
 def test_large_blocks_only_when_asked_and_experts_are_full():
-    """With the wgmma MoE kernel (sm_90): blocks of 64 rows from 14 rows per expert on average,
-    of 128 from 48; never without large_blocks; CPU tensors never ask for them."""
+    """With the wgmma MoE kernel (sm_90), rows per expert r (average): on large experts from 14 rows
+    the smallest block of 24 / 32 / 48 / 64 / 80 / 96 that holds r + 2.2 binomial standard deviations,
+    else 128; on small experts (or without the producer form) 128 where 64 does not, 32 in the
+    wgmma_block32 range, 64 from 14 rows; never without large_blocks; CPU tensors never ask for them."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import moe as M
 
     assert choose_block_size(1024, 2, 8, True) == M.WGMMA_BLOCK  # 256 rows per expert
-    assert choose_block_size(192, 2, 8, True) == M.WGMMA_BLOCK  # 48
-    assert choose_block_size(191, 2, 8, True) == 64
-    assert choose_block_size(64, 2, 8, True) == 24  # 16 rows (large experts): its producer form's 24 ...
-    assert choose_block_size(72, 2, 8, True) == 32  # 18 rows: the wgmma kernel's blocks of 32 ...
-    assert choose_block_size(96, 2, 8, True) == 64  # ... 24 rows (large experts): its blocks of 64
+    # Mixtral (top-2 of 8): sd = sqrt(0.75 r)
+    tokens = (48, 56, 64, 68, 91, 92, 128, 160, 192, 224, 256, 288, 319)
+    assert [choose_block_size(t, 2, 8, True) for t in tokens] == [16, 24, 24, 32, 32, 48, 48, 64, 64, 80, 80, 96,
+                                                                  128]
+    for t in range(56, 600, 7):  # the block holds the covered rows, and the next smaller one does not
+        b = choose_block_size(t, 2, 8, True)
+        cover = M.covered_rows(t * 2 / 8, 2, 8)
+        assert b >= cover or b == M.WGMMA_BLOCK, (t, b, cover)
+        smaller = [s for s in M.WGMMA_COVER_BLOCKS if s < b]
+        assert not smaller or smaller[-1] < cover, (t, b, cover)
+    assert abs(M.covered_rows(64, 2, 8) - (64 + 2.2 * 48 ** 0.5)) < 1e-9
+    assert [choose_block_size(t, 2, 8, True, prod_blocks=False) for t in (72, 88, 200, 210)] == [32, 64, 64, 128]
     assert choose_block_size(40, 2, 8, True) == 16  # 10 rows (large experts): the mma.sync kernel's
-    small = 2048 * 2816  # E=64 experts: blocks of 32 from 9 to 24 rows per expert
-    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 96, 256, 267, 320)] == [16, 32, 32, 64, 64]
+    small = 2048 * 2816  # E=64 experts: blocks of 32 from 9 to 24 rows per expert, 64 while it covers, then 128
+    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 96, 256, 267, 320, 512, 530, 1024)] == \
+        [16, 32, 32, 64, 64, 64, 128, 128]
     assert choose_block_size(64, 2, 8) == 32  # (the mma.sync kernel's choice)
     assert choose_block_size(16, 2, 8, True) == 8 and choose_block_size(64, 6, 64, True) == 8  # 4, 6 rows
     assert choose_block_size(1024, 2, 8) == 64 and choose_block_size(100000, 8, 8) == 64
@@ -373,6 +383,6 @@ def test_blocks_of_24_host_rules():
     # the rule: experts above 2^24 weights at 14-17 rows per expert (Mixtral 56-64 tokens), with large blocks
     mixtral_kn = 4096 * 28672
     assert [M.choose_block_size(t, 2, 8, True, mixtral_kn) for t in (48, 56, 64, 68, 72)] == [16, 24, 24, 32, 32]
-    assert M.choose_block_size(64, 2, 8, True, mixtral_kn, blocks24=False) == 32
+    assert M.choose_block_size(64, 2, 8, True, mixtral_kn, prod_blocks=False) == 32
     assert M.choose_block_size(64, 2, 8, True, 2048 * 2816) == 32  # small experts: the gathers do not pay
     assert M.choose_block_size(64, 2, 8) == 32  # the mma.sync choice never takes 24

@@ -254,6 +254,8 @@ MOE_UTIL_KERNELS = (("jm_moe_align", "JM_MOE_ALIGN_KERNEL(jm_moe_align)"),
                     ("jm_topk_sum_f32_bf16", "JM_TOPK_SUM_F32_KERNEL(jm_topk_sum_f32_bf16, __nv_bfloat16)"),
                     ("jm_moe_gather_f16", "JM_MOE_GATHER_KERNEL(jm_moe_gather_f16, half)"),
                     ("jm_moe_gather_bf16", "JM_MOE_GATHER_KERNEL(jm_moe_gather_bf16, __nv_bfloat16)"),
+                    ("jm_silu_gather_f16", "JM_SILU_GATHER_KERNEL(jm_silu_gather_f16, half)"),
+                    ("jm_silu_gather_bf16", "JM_SILU_GATHER_KERNEL(jm_silu_gather_bf16, __nv_bfloat16)"),
                     ("jm_moe_route_f16", "JM_MOE_ROUTE_KERNEL(jm_moe_route_f16, half)"),
                     ("jm_moe_route_bf16", "JM_MOE_ROUTE_KERNEL(jm_moe_route_bf16, __nv_bfloat16)"))
 
@@ -327,7 +329,7 @@ WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (
 # (64, 1, 6) measured level with the plain kernel (moe.py): probes build it (probe_moe_tiles.py
 # --prod-configs 64-1-6). (24, 1, 6): blocks of 24 rows (m64n24k16, MoE producer form only, session 26:
 # moe.WGMMA_24_ROWS).
-WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6), (24, 1, 6))
+WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6), (24, 1, 6), (48, 1, 6), (80, 1, 6), (96, 1, 5))
 
 
 def _checked_prod_configs() -> tuple[tuple[int, int, int], ...]:

@@ -9,6 +9,7 @@ intermediate, L = T*k + E*(B-1) padded slots (upper bound), B block size.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -19,8 +20,10 @@ from ._kernels import DTYPES, Family
 from .gemm import check_perm_values, launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
-# Blocks of 24 rows: the sm_90a wgmma kernel's producer form only (m64n24k16 on inputs gathered by
-# position), where its (24, FW, STAGES) config is built (K.WGMMA_MOE_PROD_CONFIGS)
+# Blocks of 24, 80 and 96 rows: the sm_90a wgmma kernel's producer form only (m64nNTk16 on inputs
+# gathered by position), where its (NT, FW, STAGES) config is built (K.WGMMA_MOE_PROD_CONFIGS); blocks
+# of 48 take it there too (with A gathered by position), else the mma.sync kernel's 48-row tile.
+PROD_ONLY_BLOCKS = (24, 80, 96)
 PROD_ONLY_BLOCK = 24
 # On sm_90 the wgmma MoE kernel (blocks of 64 or 128 rows) costs less than the mma.sync kernel's
 # blocks of 32-64 even when half the rows are padding. H200, 2026-11-30 (benchmarks/NOTES.md, "MoE
@@ -28,8 +31,7 @@ PROD_ONLY_BLOCK = 24
 # tokens (64 rows) blocks of 128 694 vs 64 800; E=64 top-6 at 256 tokens (24 rows) 64 238 vs 32
 # 349; at 1024 tokens (96 rows) 128 385 vs 64 502; below ~8 rows blocks of 8 stay fastest.
 WGMMA_BLOCK = 128
-WGMMA_BLOCK_MIN_ROWS = 48  # rows per expert (average) from which blocks of 128 ...
-WGMMA_64_MIN_ROWS = 14  # ... and blocks of 64, when the wgmma kernel runs both GEMMs
+WGMMA_64_MIN_ROWS = 14  # rows per expert (average) from which blocks of 64, when the wgmma kernel runs both GEMMs
 # Blocks of 32 on the wgmma kernel (32-token tiles, session 13; NOTES.md "token tiles of 16 and
 # 32"), by rows per expert (average): Mixtral 64 / 80 tokens (16 / 20 rows) 415 / 419 us vs 448 /
 # 450 with blocks of 64, but 96 tokens (24 rows) 474 vs 448; E=64 top-6 (experts of 2048 x 1408)
@@ -46,27 +48,52 @@ def wgmma_block32(per_expert: float, kn: int) -> bool:
     return lo <= per_expert < hi
 
 
-# Blocks of 24 rows (the producer form, m64n24k16) for experts above WGMMA_32_SMALL_KN weights at these rows
-# per expert (average). H200 session 26 (probe_moe_tiles, Mixtral layer us, the route then / blocks of 24):
-# 40 tokens (10 rows) 296.9 / 306.2, 48 (12) 300.4 / 309.7 and 308.4, 56 (14) 335.7 / 317.7, 64 (16) 339.1
-# and 331.3 / 320.1, 321.8 and 319.8, 72 (18) 334.4 / 357.6 and 350.5 (experts past 24 rows stream twice).
-WGMMA_24_ROWS = (14, 17)
+# Below this many rows per expert the mma.sync kernel's blocks of 16 beat the producer form's blocks of 24
+# (H200 session 26, Mixtral layer us, blocks of 16 / 24: 40 tokens (10 rows) 296.9 / 306.2, 48 (12) 300.4
+# / 309.7; 56 (14) 335.7 / 317.7).
+WGMMA_COVER_MIN_ROWS = 14
+
+# Blocks that cover the expected largest experts: each expert's row count is binomial (mean r = T*k/E,
+# standard deviation sqrt(r (1 - k/E))), and an expert past its block takes a second block that streams
+# its weights again, so the wgmma kernel's blocks must hold r + WGMMA_COVER_Z standard deviations. On
+# experts above WGMMA_32_SMALL_KN weights from WGMMA_COVER_MIN_ROWS rows per expert: the smallest block of
+# WGMMA_COVER_BLOCKS that does (24, 32, 48, 80, 96 on the producer form, 64 the plain form, measured
+# level), else 128. Elsewhere (smaller experts, or where the producer form cannot run): 128 where 64 does
+# not cover, else the rules below. WGMMA_COVER_Z from the H200 session 27 probes (probe_moe_tiles, one
+# routing draw per token count; layer us, the rule then (64 up to 48 rows, 128 from there) / the blocks
+# measured): Mixtral 96 tokens (24 rows) 468.9 / 48: 411.9 (32: 573.7), 128 (32) 478.8 / 48: 423.9,
+# 160 (40) 484.4 / 48: 482.9, 64: 479.9, 80: 474.5, 192 (48) 649.2 / 64: 490.4, 80: 492.4, 224 (56)
+# 664.1 / 80: 525.4 (64: 561.4), 256 (64) 672.5 / 80: 546.1, 96: 558.7, 320 (80) 710.1 / 96: 606.3 and,
+# on another draw, 760.3 (128: 665.1), 384 (96) 753.4 / 128 on the producer form 745.0; session 26 at 18
+# rows 24: 350.5-357.6 vs 32: 334.4. Z in (2.06, 2.31] takes the faster block at every one of these (Z =
+# 2 would take 96 at 80 rows). E=64 top-6 (2048 x 2816 experts) 512 tokens (48 rows) 299.1 / 64 plain:
+# 260.4 (80 on the producer form 261.1), 768 (72) 310.9 / 96: 307.1, 1024 (96) 327.3 (128 on the producer
+# form 367.6).
+WGMMA_COVER_Z = 2.2
+WGMMA_COVER_BLOCKS = (24, 32, 48, 64, 80, 96)
+
+
+def covered_rows(per_expert: float, top_k: int, num_experts: int) -> float:
+    """Rows per expert a block should hold: the mean plus WGMMA_COVER_Z binomial standard deviations."""
+    return per_expert + WGMMA_COVER_Z * math.sqrt(per_expert * max(0.0, 1.0 - top_k / max(1, num_experts)))
 
 
 def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_blocks: bool = False,
-                      expert_kn: int = 1 << 30, blocks24: bool = True) -> int:
+                      expert_kn: int = 1 << 30, prod_blocks: bool = True) -> int:
     """Rows per expert block (= the kernel's m tile): the first B with T*k/E/B < 0.9, else 64.
     Small blocks waste few padded rows at small batch; large ones reuse weights at large batch.
-    With large_blocks (the wgmma MoE kernel runs both GEMMs): 128 from WGMMA_BLOCK_MIN_ROWS rows
-    per expert, 24 in WGMMA_24_ROWS for experts of K*N = expert_kn (the first GEMM's) above
-    WGMMA_32_SMALL_KN (unless not blocks24: the producer form cannot take them), 32 where
-    wgmma_block32 says so, else 64 from WGMMA_64_MIN_ROWS."""
+    With large_blocks (the wgmma MoE kernel runs both GEMMs): on experts of K*N = expert_kn (the first
+    GEMM's) above WGMMA_32_SMALL_KN from WGMMA_COVER_MIN_ROWS rows per expert the smallest block of
+    WGMMA_COVER_BLOCKS that holds covered_rows, else 128 (unless not prod_blocks: the producer form
+    cannot take them); elsewhere 128 where 64 does not cover, 32 where wgmma_block32 says so, 64 from
+    WGMMA_64_MIN_ROWS."""
     per_expert = num_tokens * top_k / max(1, num_experts)
-    if large_blocks and per_expert >= WGMMA_BLOCK_MIN_ROWS:
-        return WGMMA_BLOCK
-    if large_blocks and blocks24 and expert_kn > WGMMA_32_SMALL_KN \
-            and WGMMA_24_ROWS[0] <= per_expert < WGMMA_24_ROWS[1]:
-        return PROD_ONLY_BLOCK
+    if large_blocks:
+        cover = covered_rows(per_expert, top_k, num_experts)
+        if prod_blocks and expert_kn > WGMMA_32_SMALL_KN and per_expert >= WGMMA_COVER_MIN_ROWS:
+            return next((b for b in WGMMA_COVER_BLOCKS if b >= cover), WGMMA_BLOCK)
+        if cover > 64:
+            return WGMMA_BLOCK
     if large_blocks and wgmma_block32(per_expert, expert_kn):
         return 32
     if large_blocks and per_expert >= WGMMA_64_MIN_ROWS:
@@ -282,9 +309,9 @@ def _check_moe_args(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, top
     groups = scales.shape[1]
     if zeros is not None and (zeros.dtype != torch.int32 or tuple(zeros.shape) != (e, groups, n * bits // 32)):
         raise ValueError(f"expert zero points must be int32 [{e}, {groups}, {n * bits // 32}], got {tuple(zeros.shape)}")
-    if block_size not in BLOCK_SIZES and block_size not in (WGMMA_BLOCK, PROD_ONLY_BLOCK):
+    if block_size not in BLOCK_SIZES and block_size != WGMMA_BLOCK and block_size not in PROD_ONLY_BLOCKS:
         raise ValueError(f"block_size={block_size} must be one of {BLOCK_SIZES} (or {WGMMA_BLOCK} on the sm_90a "
-                         f"wgmma path, {PROD_ONLY_BLOCK} on its producer form)")
+                         f"wgmma path, {' / '.join(map(str, PROD_ONLY_BLOCKS))} on its producer form)")
     for name, t in (("sorted_ids", sorted_ids), ("expert_ids", expert_ids), ("num_padded", num_padded)):
         if t.dtype != torch.int32 or t.device != a.device:
             raise ValueError(f"{name} must be int32 on {a.device} (from moe_align_block_size), got {t.dtype} on {t.device}")
@@ -331,20 +358,22 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     if size_m == 0:
         return out
     index = K.cuda_index(a.device)
-    if k_splits > 1 and (block_size > 64 or not _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0])):
+    by_position = bool(a_by_position) and a.data_ptr() % 16 == 0  # (the producer form's TMA boxes)
+    if k_splits > 1 and (block_size > 64 or not _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0],
+                                                                by_position)):
         raise ValueError(f"k_splits={k_splits} needs the sm_90a wgmma MoE kernel with blocks of 32 or 64 rows "
                          f"(blocks of {block_size} rows, N={n}, K={k} do not take it here); use k_splits=1")
     if block_size == WGMMA_BLOCK and not _use_wgmma_moe(block_size, n, k, fam, index):
         raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel: compute capability 9.0, "
                          f"N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), JITMARLIN_WGMMA not 0")
-    if block_size == PROD_ONLY_BLOCK and not (a_by_position and block_size in MOE_WGMMA_PROD_BLOCKS
-                                              and a.data_ptr() % 16 == 0
-                                              and _use_wgmma_moe(block_size, n, k, fam, index)):
+    if block_size in PROD_ONLY_BLOCKS and not (a_by_position and block_size in MOE_WGMMA_PROD_BLOCKS
+                                               and a.data_ptr() % 16 == 0
+                                               and _use_wgmma_moe(block_size, n, k, fam, index)):
         raise ValueError(f"block_size={block_size} needs the sm_90a wgmma MoE kernel's producer form: compute "
                          f"capability 9.0, N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), a built ({block_size}, "
                          f"{MOE_WGMMA_PROD_FW}, stages) config in K.WGMMA_MOE_PROD_CONFIGS, {block_size} in "
                          f"MOE_WGMMA_PROD_BLOCKS, and A gathered by position (a_by_position=True, 16-byte aligned)")
-    if _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0]):
+    if _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0], by_position):
         if ids_shift:
             raise ValueError(f"ids_shift={ids_shift}: the wgmma MoE kernel (blocks of {block_size}) reads int32 "
                              "alignment tables only")
@@ -368,15 +397,19 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
-                   per_expert: float | None = None) -> bool:
-    """The sm_90a wgmma kernel for blocks of 64 and 128 rows, and of 32 at per_expert rows per
-    expert where wgmma_block32 says so, unless JITMARLIN_WGMMA=0 (or, chosen automatically, its
-    module cannot be built). H200: Mixtral shape at 1024 tokens 3306 us on the mma.sync kernel ->
-    2157 (blocks of 64) -> 1899 (128)."""
+                   per_expert: float | None = None, by_position: bool = True) -> bool:
+    """The sm_90a wgmma kernel for blocks of 64 and 128 rows, of 32 at per_expert rows per expert
+    where wgmma_block32 says so, of PROD_ONLY_BLOCKS rows (its producer form) and of 48 rows on its
+    producer form (MOE_WGMMA_PROD_BLOCKS, A gathered by position: by_position), unless
+    JITMARLIN_WGMMA=0 (or, chosen automatically, its module cannot be built). H200: Mixtral shape at
+    1024 tokens 3306 us on the mma.sync kernel -> 2157 (blocks of 64) -> 1899 (128)."""
     from .gemm import wgmma_allowed
 
-    if block_size == PROD_ONLY_BLOCK:
-        wanted = wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW) is not None
+    prod = wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW) is not None
+    if by_position and block_size in MOE_WGMMA_PROD_BLOCKS and prod:
+        wanted = True
+    elif block_size in PROD_ONLY_BLOCKS:
+        wanted = prod  # (moe_gemm raises a clear error where A is not by position)
     elif block_size == 32:
         wanted = per_expert is not None and wgmma_block32(per_expert, n * k)
     else:
@@ -396,7 +429,7 @@ MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strip
 # way): Mixtral 64 tokens 420 -> 378, E=64 96 / 256 tokens 166 / 193 -> 155 / 181. Blocks of 64 (the
 # (64, 1, 6) form, probes: --prod-configs 64-1-6): Mixtral 96 / 256 tokens 477 / 709 -> 476 / 696 with
 # act-order, level without. Probe switch: probe_moe_tiles.py --prod 0|1.
-MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (24, 32)
+MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (24, 32, 48, 80, 96)
 MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
 # strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features
@@ -575,6 +608,30 @@ def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: to
                            numel=x.shape[0] * top_k, block=block_size, perm=perm_ptr)
 
 
+# SiLU-mul and the down projection's gather by position in one kernel (jm_silu_gather) where the down
+# projection reads its input by position (the producer form, act-order experts). Probe switch.
+MOE_SILU_GATHER = True
+
+
+def silu_gather_by_position(c1: torch.Tensor, inter: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                            num_padded: torch.Tensor, perm: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """gather_by_position(silu_mul(c1, inter), ..., perm, 1, block_size) in one kernel on CUDA (jm_silu_gather:
+    the same values; padding positions zeros, positions at or past num_padded not written), c1 being the
+    first expert GEMM's [slots, 2 * inter] output in slot order. Else those two ops."""
+    if not (c1.is_cuda and use_moe_kernels() and inter % 8 == 0 and c1.is_contiguous() and c1.dtype in DTYPES
+            and c1.shape[1] == 2 * inter):
+        return gather_by_position(silu_mul(c1, inter), sorted_ids, expert_ids, num_padded, perm, 1, block_size)
+    perm_ptr = None
+    if perm is not None:
+        perm32 = perm if perm.dtype == torch.int32 and perm.is_contiguous() else perm.to(torch.int32).contiguous()
+        if perm32.data_ptr() % 16:  # read 8 entries at a time
+            perm32 = perm32.clone()
+        perm_ptr = perm32.data_ptr()
+    return _launch_chunked("silu_gather", c1, sorted_ids.numel(), inter, 1, sorted_ids=sorted_ids.data_ptr(),
+                           expert_ids=expert_ids.data_ptr(), num_padded=num_padded.data_ptr(),
+                           numel=c1.shape[0], block=block_size, perm=perm_ptr)
+
+
 def _gather_by_position_torch(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
                               perm: torch.Tensor | None, top_k: int, block_size: int) -> torch.Tensor:
     """The reference: torch ops through an [L, K] int64 index (L = the list's length); every
@@ -600,7 +657,7 @@ def _expert_family(hidden: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, 
 def _large_blocks_ok(hidden: torch.Tensor, gemms) -> bool:
     """Blocks of 64 rows at few rows per expert, and of 128, need both expert GEMMs ((n, k, family)
     each) on the sm_90a wgmma MoE kernel (the device, the switch, shapes it tiles, a module that can
-    be built); see WGMMA_BLOCK_MIN_ROWS."""
+    be built); see choose_block_size."""
     if not hidden.is_cuda or any(fam is None for _, _, fam in gemms):
         return False
     index = K.cuda_index(hidden.device)
@@ -721,13 +778,16 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     bs = block_size
     if bs is None:  # the expert families are only needed when the wgmma blocks would differ
         bs, wide = choose_block_size(t, top_k, e), choose_block_size(t, top_k, e, True, i2 * h)
-        if wide != bs and _large_blocks_ok(hidden, ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
-                                                    (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))):
+        # (48 rows: the mma.sync kernel's tile too, the producer form's where the wide rule chose it; 32 rows
+        # on large experts: the producer form's from the cover rule, else the plain form's rule)
+        if (wide != bs or wide == 48) and _large_blocks_ok(
+                hidden, ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
+                         (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))):
+            if wide in PROD_ONLY_BLOCKS + (32, 48) and not _prod_route(hidden, wide, t * top_k / e,
+                                                                     ((i2, h, w13, w13_scales, w13_zeros),
+                                                                      (h, inter, w2, w2_scales, w2_zeros))):
+                wide = choose_block_size(t, top_k, e, True, i2 * h, prod_blocks=False)  # the producer form cannot
             bs = wide
-        if bs == PROD_ONLY_BLOCK and not _prod_route(hidden, bs, t * top_k / e,
-                                                     ((i2, h, w13, w13_scales, w13_zeros),
-                                                      (h, inter, w2, w2_scales, w2_zeros))):
-            bs = choose_block_size(t, top_k, e, True, i2 * h, blocks24=False)  # the producer form cannot take them
     one = None
     if t == 1 and bs == 8 and w13_perm is None and w2_perm is None and topk_ids.device == hidden.device \
             and use_moe_kernels():
@@ -751,15 +811,18 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, w13_perm, top_k, bs)
         c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                       top_k, bs, True)
-    c2 = silu_mul(c1, inter)  # [T*k, I]
     tw = topk_weights.reshape(-1).to(torch.float32)
     by_position = w2_perm is not None or gathered
     splits = 1 if shift else _down_splits(hidden, bs, t * top_k, e, inter, w2, w2_scales, w2_zeros)
     if not by_position:
+        c2 = silu_mul(c1, inter)  # [T*k, I]
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs, False, shift, clamp, splits)
     else:
-        a2 = gather_by_position(c2, sorted_ids, expert_ids, num_padded, w2_perm, 1, bs)
+        if MOE_SILU_GATHER:  # SiLU-mul and the gather in one kernel: [L, I] by position
+            a2 = silu_gather_by_position(c1, inter, sorted_ids, expert_ids, num_padded, w2_perm, bs)
+        else:
+            a2 = gather_by_position(silu_mul(c1, inter), sorted_ids, expert_ids, num_padded, w2_perm, 1, bs)
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs, True, 0, 0, splits)
     return topk_sum(c3, t, top_k, hidden.dtype)  # [T, H] (c3: [T*k, H], or [splits, T*k, H] fp32)

@@ -101,6 +101,38 @@ def test_moe_gather_kernel(monkeypatch, dtype, t, k, e, block, cols):
         assert not got[:n][~real].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,k,e,block,inter", [(1, 2, 8, 8, 4096), (37, 2, 8, 24, 1408), (64, 2, 8, 48, 14336),
+                                               (300, 6, 64, 80, 512), (3, 1, 4, 96, 64)])
+def test_silu_gather_kernel(monkeypatch, dtype, t, k, e, block, inter):
+    """SiLU-mul and the down projection's gather by position in one kernel (jm_silu_gather) against the
+    two kernels it replaces (jm_silu_mul, then jm_moe_gather): equal to the bit at real slots, with and
+    without a column order (and near the torch reference); zeros at padding positions; positions at or
+    past num_padded not written (NaN kept)."""
+    monkeypatch.delenv("JITMARLIN_MOE_KERNELS", raising=False)
+    ids = _ids(t, k, e, seed=t + inter)
+    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, block, e)
+    g = torch.Generator(device="cuda").manual_seed(inter)
+    perm = torch.stack([torch.randperm(inter, device="cuda", generator=g) for _ in range(e)]).to(torch.int32)
+    n = int(num_padded)
+    real = sorted_ids[:n] < t * k
+    c1 = torch.randn(t * k, 2 * inter, device="cuda", dtype=dtype, generator=g) * 4
+    empty = torch.empty
+    for order in (None, perm, perm.to(torch.int64)):
+        monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+        got = M.silu_gather_by_position(c1, inter, sorted_ids, expert_ids, num_padded, order, block)
+        monkeypatch.setattr(torch, "empty", empty)
+        two = M.gather_by_position(M.silu_mul(c1, inter), sorted_ids, expert_ids, num_padded, order, 1, block)
+        ref = M._gather_by_position_torch(F.silu(c1[:, :inter]) * c1[:, inter:], sorted_ids, expert_ids, order, 1,
+                                          block)
+        assert got.shape == (sorted_ids.numel(), inter) and got.dtype == dtype
+        assert torch.equal(got[:n][real], two[:n][real])
+        tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # (test_silu_mul_kernel's: __expf vs torch's SiLU)
+        assert ((got[:n][real].float() - ref[:n][real].float()).abs() <= tol * ref[:n][real].float().abs() + 1e-3).all()
+        assert not got[:n][~real].any()
+        assert got[n:].isnan().all()
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_fused_moe_same_with_and_without_the_kernels(monkeypatch, act_order):
     from .test_moe_gpu import make_moe

@@ -729,11 +729,13 @@ def test_moe_stream_k(monkeypatch, kw):
 
 @pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
                                 dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
-def test_moe_blocks_of_24(monkeypatch, kw):
-    """Expert blocks of 24 rows (m64n24k16, the producer form only) against the reference and blocks of
-    32: random and skewed routing (several blocks per expert), stream-K on and off, output memory
-    poisoned with NaN first, a CUDA graph replayed on new tokens and routing; blocks of 24 where the
-    producer form cannot take them are a clear error."""
+@pytest.mark.parametrize("nt", [24, 48, 80, 96])
+def test_moe_producer_blocks(monkeypatch, kw, nt):
+    """Expert blocks of 24 / 48 / 80 / 96 rows (m64nNTk16 on the producer form) against the reference
+    and blocks of 32: random and skewed routing (several blocks per expert), stream-K on and off,
+    output memory poisoned with NaN first, a CUDA graph replayed on new tokens and routing; blocks of
+    24 / 80 / 96 where the producer form cannot take them are a clear error, blocks of 48 there take
+    the mma.sync kernel."""
     from .test_moe_gpu import make_moe, reference
 
     from jitmarlin.ops import moe as M
@@ -747,29 +749,30 @@ def test_moe_blocks_of_24(monkeypatch, kw):
 
     monkeypatch.setattr(K, "get_wgmma_kernel", spy)
     monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)  # (small experts: both GEMMs' inputs gathered anyway)
+    assert nt in M.MOE_WGMMA_PROD_BLOCKS and M.wgmma_prod_moe_config(nt) is not None
     moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
-    layer24, layer32 = _poisoned_moe_layer(moe, dtype, 24), _poisoned_moe_layer(moe, dtype, 32)
-    for t, skew in ((37, False), (64, False), (64, True)):
+    layer_nt, layer32 = _poisoned_moe_layer(moe, dtype, nt), _poisoned_moe_layer(moe, dtype, 32)
+    for t, skew in ((37, False), (64, False), (64, True), (200, False), (200, True)):
         x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
         b32 = layer32(x, weights, ids)
         for stream in (True, False):
             monkeypatch.setattr(M, "MOE_STREAM_K", stream)
             launched.clear()
-            got = layer24(x, weights, ids)
+            got = layer_nt(x, weights, ids)
             torch.cuda.synchronize()
-            assert launched == [(24, True), (24, True)], (t, launched)
-            check_close(got, want, tol, f"blocks of 24, T={t}, skewed={skew}, stream-K {stream}")
-            check_close(got, b32, tol, f"blocks of 24 vs 32, T={t}")
-    # a CUDA graph of the layer on blocks of 24, replayed on new tokens and routing
+            assert launched == [(nt, True), (nt, True)], (t, launched)
+            check_close(got, want, tol, f"blocks of {nt}, T={t}, skewed={skew}, stream-K {stream}")
+            check_close(got, b32, tol, f"blocks of {nt} vs 32, T={t}")
+    # a CUDA graph of the layer on these blocks, replayed on new tokens and routing
     x = torch.randn(48, 1024, device="cuda", dtype=dtype)
     weights, ids = moe.route(x)
-    layer24(x, weights, ids)
+    layer_nt(x, weights, ids)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = layer24(x, weights, ids)
+        y = layer_nt(x, weights, ids)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         w_new, ids_new = moe.route(x)
@@ -777,9 +780,18 @@ def test_moe_blocks_of_24(monkeypatch, kw):
         ids.copy_(ids_new)
         g.replay()
         torch.cuda.synchronize()
-        check_close(y, reference(x, w13, w2, weights, ids, dtype), tol, "blocks of 24 in a CUDA graph")
-    # blocks of 24 on the plain form (A not gathered by position): a clear error, not a launch
-    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, 24, 8)
-    with pytest.raises(ValueError, match="block_size=24 needs the sm_90a wgmma MoE kernel's producer form"):
-        M.moe_gemm(x, moe.w13_qweight, moe.w13_scales, moe.w13_qzeros, sorted_ids, expert_ids, num_padded, None,
-                   48 * 2, 2, 24)
+        check_close(y, reference(x, w13, w2, weights, ids, dtype), tol, f"blocks of {nt} in a CUDA graph")
+    # these blocks with A not gathered by position: a clear error, not a launch (48: the mma.sync kernel)
+    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, nt, 8)
+    args = (x, moe.w13_qweight, moe.w13_scales, moe.w13_qzeros, sorted_ids, expert_ids, num_padded, None, 48 * 2, 2, nt)
+    if nt in M.PROD_ONLY_BLOCKS:
+        with pytest.raises(ValueError, match=f"block_size={nt} needs the sm_90a wgmma MoE kernel's producer form"):
+            M.moe_gemm(*args)
+    else:
+        launched.clear()
+        got = M.moe_gemm(*args)
+        assert launched == [], launched
+        if moe.w13_perm is None:  # (act-order experts read their input in each expert's column order)
+            slot_w = w13[ids.reshape(-1).long()]  # [T*k, 2I, H]: each slot's expert
+            want = torch.einsum("sh,sih->si", x.float().repeat_interleave(2, 0), slot_w)
+            check_close(got, want, tol, f"blocks of {nt} (mma.sync) without gathered rows")
