@@ -59,17 +59,20 @@ WGMMA_COVER_MIN_ROWS = 14
 # experts above WGMMA_32_SMALL_KN weights from WGMMA_COVER_MIN_ROWS rows per expert: the smallest block of
 # WGMMA_COVER_BLOCKS that does (24, 32, 48, 80, 96 on the producer form, 64 the plain form, measured
 # level), else 128. Elsewhere (smaller experts, or where the producer form cannot run): 128 where 64 does
-# not cover, else the rules below. WGMMA_COVER_Z from the H200 session 27 probes (probe_moe_tiles, one
-# routing draw per token count; layer us, the rule then (64 up to 48 rows, 128 from there) / the blocks
-# measured): Mixtral 96 tokens (24 rows) 468.9 / 48: 411.9 (32: 573.7), 128 (32) 478.8 / 48: 423.9,
-# 160 (40) 484.4 / 48: 482.9, 64: 479.9, 80: 474.5, 192 (48) 649.2 / 64: 490.4, 80: 492.4, 224 (56)
-# 664.1 / 80: 525.4 (64: 561.4), 256 (64) 672.5 / 80: 546.1, 96: 558.7, 320 (80) 710.1 / 96: 606.3 and,
-# on another draw, 760.3 (128: 665.1), 384 (96) 753.4 / 128 on the producer form 745.0; session 26 at 18
-# rows 24: 350.5-357.6 vs 32: 334.4. Z in (2.06, 2.31] takes the faster block at every one of these (Z =
-# 2 would take 96 at 80 rows). E=64 top-6 (2048 x 2816 experts) 512 tokens (48 rows) 299.1 / 64 plain:
-# 260.4 (80 on the producer form 261.1), 768 (72) 310.9 / 96: 307.1, 1024 (96) 327.3 (128 on the producer
-# form 367.6).
-WGMMA_COVER_Z = 2.2
+# not cover, else the rules below. H200 session 27 (probe_moe_tiles, Mixtral layer us by block size; each
+# token count one routing draw, a probe's token list decides the draw): 96 tokens (24 rows per expert)
+# 32: 573.7 / 48: 411.9 in one draw, 32: 332.6 / 48: 417.9 in another (92 tokens 333.9 / 412.8; 84 and
+# 88 tokens 336.8 / 416.1 and 338.7 / 413.1): blocks of 32 win unless an expert overflows them, which
+# then costs about three times what they save; 128 (32 rows) 48: 423.9 (32: 855.9, 64: 465.7), 160 (40)
+# 48: 482.9, 64: 479.9, 80: 474.5, 192 (48) 64: 490.4, 80: 492.4 (the rule then, 128: 649.2), 224 (56)
+# 80: 525.4, 64: 561.4, 256 (64) 80: 546.1, 96: 558.7, 288 (72) 96: 569.5, 128: 719.4, 320 (80) 96:
+# 606.3, 542.3 and (the rule's pick in a third draw) 760.3, 128: 665.1 and 732.1; 384 (96) 128: 745.0,
+# 96: 766.9. Z = 1.75 takes the faster block in expectation at each (at 24 rows the chance that one of
+# Mixtral's 8 experts passes 32 rows is ~17%, at 26 rows ~45%; session 26: 18 rows 24: 350.5-357.6, 32:
+# 334.4). E=64 top-6 (2048 x 2816 experts) 512 tokens (48 rows) 64 plain: 260.4, 128: 299.1 (80 on the
+# producer form 261.1), 768 (72) 128: 310.9, 96 on the producer form: 307.1, 1024 (96) 128: 327.3 (on
+# the producer form 367.6).
+WGMMA_COVER_Z = 1.75
 WGMMA_COVER_BLOCKS = (24, 32, 48, 64, 80, 96)
 
 
