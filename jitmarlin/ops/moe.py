@@ -400,10 +400,11 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
-                   per_expert: float | None = None, by_position: bool = True) -> bool:
-    """The sm_90a wgmma kernel for blocks of 64 and 128 rows, of 32 at per_expert rows per expert
-    where wgmma_block32 says so, of PROD_ONLY_BLOCKS rows (its producer form) and of 48 rows on its
-    producer form (MOE_WGMMA_PROD_BLOCKS, A gathered by position: by_position), unless
+                   per_expert: float | None = None, by_position: bool = False) -> bool:
+    """The sm_90a wgmma kernel for blocks of 64 and 128 rows; of MOE_WGMMA_PROD_BLOCKS rows on its
+    producer form where A is gathered by position (by_position: the caller gathers it, or it is);
+    of PROD_ONLY_BLOCKS rows (producer form only: moe_gemm raises a clear error off it); and
+    otherwise of 32 at per_expert rows per expert where wgmma_block32 says so — unless
     JITMARLIN_WGMMA=0 (or, chosen automatically, its module cannot be built). H200: Mixtral shape at
     1024 tokens 3306 us on the mma.sync kernel -> 2157 (blocks of 64) -> 1899 (128)."""
     from .gemm import wgmma_allowed
@@ -678,7 +679,7 @@ def _prod_route(hidden: torch.Tensor, block_size: int, per_expert: float, gemms)
     index = K.cuda_index(hidden.device)
     for n, k, w, scales, zeros in gemms:
         fam = _expert_family(hidden, w, scales, zeros)
-        if fam is None or not _use_wgmma_moe(block_size, n, k, fam, index, per_expert):
+        if fam is None or not _use_wgmma_moe(block_size, n, k, fam, index, per_expert, by_position=True):
             return False
     return True
 
