@@ -327,8 +327,9 @@ WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (
 # the dense producer configs (one compute warpgroup of 2 FW strips, prod_ctas CTAs per SM: three for
 # (32, 1, 6)), reading activations pre-gathered in slot-list order (moe.MOE_WGMMA_PROD_BLOCKS).
 # (64, 1, 6) measured level with the plain kernel (moe.py): probes build it (probe_moe_tiles.py
-# --prod-configs 64-1-6). (24, 1, 6): blocks of 24 rows (m64n24k16, MoE producer form only, session 26:
-# moe.WGMMA_24_ROWS).
+# --prod-configs 64-1-6). (24, 1, 6) (session 26, three CTAs per SM), (48, 1, 6), (80, 1, 6), (96, 1, 5)
+# (session 27, two): blocks of 24 / 48 / 80 / 96 rows (m64nNTk16; 24, 80, 96 on this form only), chosen by
+# moe.choose_block_size's cover rule.
 WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6), (24, 1, 6), (48, 1, 6), (80, 1, 6), (96, 1, 5))
 
 

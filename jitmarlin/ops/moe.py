@@ -24,7 +24,6 @@ BLOCK_SIZES = (8, 16, 32, 48, 64)
 # gathered by position), where its (NT, FW, STAGES) config is built (K.WGMMA_MOE_PROD_CONFIGS); blocks
 # of 48 take it there too (with A gathered by position), else the mma.sync kernel's 48-row tile.
 PROD_ONLY_BLOCKS = (24, 80, 96)
-PROD_ONLY_BLOCK = 24
 # On sm_90 the wgmma MoE kernel (blocks of 64 or 128 rows) costs less than the mma.sync kernel's
 # blocks of 32-64 even when half the rows are padding. H200, 2026-11-30 (benchmarks/NOTES.md, "MoE
 # block sizes"): Mixtral at 64 tokens (16 rows per expert) blocks of 64 452 us vs 32 534; at 256
@@ -600,14 +599,20 @@ def gather_by_position(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: to
     k = x.shape[1]
     if not (x.is_cuda and use_moe_kernels() and k % 8 == 0 and x.is_contiguous() and x.dtype in DTYPES):
         return _gather_by_position_torch(x, sorted_ids, expert_ids, perm, top_k, block_size)
+    return _launch_gather("moe_gather", x, k, top_k, sorted_ids, expert_ids, num_padded, perm, block_size)
+
+
+def _launch_gather(name: str, x: torch.Tensor, cols: int, top_k: int, sorted_ids: torch.Tensor,
+                   expert_ids: torch.Tensor, num_padded: torch.Tensor, perm: torch.Tensor | None,
+                   block_size: int) -> torch.Tensor:
+    """[L, cols] by position from x's slot rows (x.shape[0] * top_k slots): jm_moe_gather / jm_silu_gather."""
     perm_ptr = None
     if perm is not None:
         perm32 = perm if perm.dtype == torch.int32 and perm.is_contiguous() else perm.to(torch.int32).contiguous()
         if perm32.data_ptr() % 16:  # read 8 entries at a time
             perm32 = perm32.clone()
         perm_ptr = perm32.data_ptr()
-    rows = sorted_ids.numel()
-    return _launch_chunked("moe_gather", x, rows, k, top_k, sorted_ids=sorted_ids.data_ptr(),
+    return _launch_chunked(name, x, sorted_ids.numel(), cols, top_k, sorted_ids=sorted_ids.data_ptr(),
                            expert_ids=expert_ids.data_ptr(), num_padded=num_padded.data_ptr(),
                            numel=x.shape[0] * top_k, block=block_size, perm=perm_ptr)
 
@@ -625,15 +630,7 @@ def silu_gather_by_position(c1: torch.Tensor, inter: int, sorted_ids: torch.Tens
     if not (c1.is_cuda and use_moe_kernels() and inter % 8 == 0 and c1.is_contiguous() and c1.dtype in DTYPES
             and c1.shape[1] == 2 * inter):
         return gather_by_position(silu_mul(c1, inter), sorted_ids, expert_ids, num_padded, perm, 1, block_size)
-    perm_ptr = None
-    if perm is not None:
-        perm32 = perm if perm.dtype == torch.int32 and perm.is_contiguous() else perm.to(torch.int32).contiguous()
-        if perm32.data_ptr() % 16:  # read 8 entries at a time
-            perm32 = perm32.clone()
-        perm_ptr = perm32.data_ptr()
-    return _launch_chunked("silu_gather", c1, sorted_ids.numel(), inter, 1, sorted_ids=sorted_ids.data_ptr(),
-                           expert_ids=expert_ids.data_ptr(), num_padded=num_padded.data_ptr(),
-                           numel=c1.shape[0], block=block_size, perm=perm_ptr)
+    return _launch_gather("silu_gather", c1, inter, 1, sorted_ids, expert_ids, num_padded, perm, block_size)
 
 
 def _gather_by_position_torch(x: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
