@@ -72,12 +72,17 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import moe as M
 
-    assert choose_block_size(1024, 2, 8, True) == M.WGMMA_BLOCK  # 256 rows per expert
+    # past one block of 128 per expert: the fewest padded rows of blocks of 80 / 96 / 128 (ties: larger)
+    assert [choose_block_size(t, 2, 8, True) for t in (384, 512, 1024, 1792)] == [128, 80, 96, 128]
+    for t in range(448, 3000, 37):
+        cover = M.covered_rows(t * 2 / 8, 2, 8)
+        pad = {b: -(-cover // b) * b for b in M.WGMMA_MULTI_BLOCKS}
+        assert pad[choose_block_size(t, 2, 8, True)] == min(pad.values()), t
     # Mixtral (top-2 of 8): sd = sqrt(0.75 r)
     tokens = (48, 56, 64, 68, 72, 96, 100, 128, 160, 192, 224, 256, 288, 320, 330)
     assert [choose_block_size(t, 2, 8, True) for t in tokens] == [16, 24, 24, 24, 32, 32, 48, 48, 64, 64, 80, 80, 96,
                                                                   96, 128]
-    for t in range(56, 600, 7):  # the block holds the covered rows, and the next smaller one does not
+    for t in range(56, 440, 7):  # the block holds the covered rows, and the next smaller one does not
         b = choose_block_size(t, 2, 8, True)
         cover = M.covered_rows(t * 2 / 8, 2, 8)
         assert b >= cover or b == M.WGMMA_BLOCK, (t, b, cover)
