@@ -70,6 +70,8 @@ def main() -> None:
 
     ap.add_argument("--prod", type=int, default=None, choices=(0, 1),
                     help="the wgmma MoE kernel's producer form for no / every built block size (default: the rule)")
+    ap.add_argument("--prod-ctas", default="", metavar="NT-FW-S=C,..",
+                    help="CTAs per SM of producer-form MoE configs in every format (K.WGMMA_PROD_CTAS), e.g. 24-1-6=3")
     ap.add_argument("--prod-configs", default="",
                     help="NT-FW-S,..: producer-form MoE configs built for this run and taken first (with --prod 1)")
     ap.add_argument("--prod-fw", type=int, default=None, choices=(1, 2),
@@ -103,6 +105,12 @@ def main() -> None:
         K.WGMMA_MOE_PROD_CONFIGS = tuple(dict.fromkeys(tuple(tuple(int(x) for x in c.split("-"))
                                                              for c in args.prod_configs.split(","))
                                                        + K.WGMMA_MOE_PROD_CONFIGS))
+    if args.prod_ctas:  # before the first build: the kernel names (and the module's cache key) carry it
+        for item in args.prod_ctas.split(","):
+            cfg, ctas = item.split("=")
+            cfg = tuple(int(x) for x in cfg.split("-"))
+            K.WGMMA_PROD_CTAS[cfg] = int(ctas)
+            K.WGMMA_PROD_CTAS_U4.pop(cfg, None)  # (its 4-bit override too)
     if args.prod_fw is not None:
         M.MOE_WGMMA_PROD_FW = args.prod_fw
         if args.prod_fw == 2 and not args.prod_configs:  # before the first build

@@ -1101,7 +1101,8 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
 // warpgroup drops to kWgProdRegs and the WGS compute warpgroups share what it frees (the CTA's
 // pool, PTX ISA). Per SM sub-partition a CTA has one producer warp per WGS compute warps, so the
 // `.inc` is always served there too (40 + 216 = 2 x 128 for WGS = 1, MINB = 2; 40 + 120 = 2 x 80
-// for WGS = 1, MINB = 3; 40 + 2 x 232 = 3 x 168 for WGS = 2, MINB = 1).
+// for WGS = 1, MINB = 3; 40 + 88 = 2 x 64 for WGS = 1, MINB = 4, the MoE blocks of 24 rows of 4-bit
+// families; 40 + 2 x 232 = 3 x 168 for WGS = 2, MINB = 1).
 constexpr int kWgProdRegs = 40;
 constexpr int kWgMaxRegs = 248;  // per-thread registers, a multiple of 8 below the 255 limit
 constexpr int wg_regs_cap(int r) { return r > kWgMaxRegs ? kWgMaxRegs : r; }
@@ -1109,7 +1110,8 @@ constexpr int wg_launch_regs(int wgs, int minb) { return wg_regs_cap(65536 / (12
 constexpr int wg_consumer_regs(int wgs, int minb) {
   return wg_regs_cap((wg_launch_regs(wgs, minb) + (wg_launch_regs(wgs, minb) - kWgProdRegs) / wgs) / 8 * 8);
 }
-static_assert(wg_consumer_regs(1, 2) == 216 && wg_consumer_regs(1, 3) == 120 && wg_consumer_regs(2, 1) == 232,
+static_assert(wg_consumer_regs(1, 2) == 216 && wg_consumer_regs(1, 3) == 120 && wg_consumer_regs(1, 4) == 88 &&
+                  wg_consumer_regs(2, 1) == 232,
               "producer-form register split");
 
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, bool MOE, int WGS,
@@ -1213,7 +1215,8 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
 // of K per CTA), for activations pre-gathered in slot-list order only (p.a_by_position: the host's
 // moe.gather_by_position), so that a block's rows are one TMA box as in the dense form. (Gathering
 // the rows in the kernel, one 1-row TMA box per row issued by the producer warp's lanes, was correct
-// but 2-3x slower on the H200: NOTES.md session 25.)
+// but 2-3x slower on the H200: NOTES.md session 25.) MINB: 2, 3, or 4 for 4-bit blocks of 24 rows
+// (K.WGMMA_PROD_CTAS_U4; session 28).
 #define JM_WGMMA_KERNEL_PROD_MOE(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, WGS, MINB)          \
   extern "C" __global__ void __launch_bounds__(128 * ((WGS) + 1), MINB)                                  \
       NAME(const JmGemmParams p, const __grid_constant__ jm::JmTensorMap amap) {                          \

@@ -72,15 +72,14 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import moe as M
 
-    # past one block of 128 per expert: the fewest padded rows of blocks of 80 / 96 / 128 (ties: larger)
-    assert [choose_block_size(t, 2, 8, True) for t in (384, 512, 1024, 1792)] == [128, 80, 96, 128]
+    # past one block of 128 per expert (covered rows above 128): blocks of 96; up to it the cover rule
+    assert [choose_block_size(t, 2, 8, True) for t in (384, 444, 448, 512, 768, 1024, 1792)] == [128, 128, 96, 96, 96, 96, 96]
     for t in range(448, 3000, 37):
-        cover = M.covered_rows(t * 2 / 8, 2, 8)
-        pad = {b: -(-cover // b) * b for b in M.WGMMA_MULTI_BLOCKS}
-        assert pad[choose_block_size(t, 2, 8, True)] == min(pad.values()), t
+        assert M.covered_rows(t * 2 / 8, 2, 8) > 128 and choose_block_size(t, 2, 8, True) == 96, t
+    assert choose_block_size(1024, 2, 8, True, prod_blocks=False) == 128  # no producer form: blocks of 128
     # Mixtral (top-2 of 8): sd = sqrt(0.75 r)
-    tokens = (48, 56, 64, 68, 72, 96, 100, 128, 160, 192, 224, 256, 288, 320, 330)
-    assert [choose_block_size(t, 2, 8, True) for t in tokens] == [16, 24, 24, 24, 32, 32, 48, 48, 64, 64, 80, 80, 96,
+    tokens = (44, 48, 56, 64, 68, 72, 96, 100, 128, 160, 192, 224, 256, 288, 320, 330)
+    assert [choose_block_size(t, 2, 8, True) for t in tokens] == [16, 24, 24, 24, 24, 32, 32, 48, 48, 64, 64, 80, 80, 96,
                                                                   96, 128]
     for t in range(56, 440, 7):  # the block holds the covered rows, and the next smaller one does not
         b = choose_block_size(t, 2, 8, True)
@@ -382,12 +381,16 @@ def test_blocks_of_24_host_rules():
     sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, 24, 8)
     assert int(num_padded) % 24 == 0 and sorted_ids.numel() == 74 + 8 * 23
     names = [n for n, _ in K.wgmma_build_spec(K.Family("f16", 4, False, 128, moe=True), (9, 0)).sources]
-    assert "jm_wgmma_f16_u4b8_g128_moe_n24_f1_s6_prod_c3" in names
+    assert "jm_wgmma_f16_u4b8_g128_moe_n24_f1_s6_prod_c4" in names  # 4-bit: four CTAs per SM, 8-bit three
+    u8 = [n for n, _ in K.wgmma_build_spec(K.Family("bf16", 8, True, 64, moe=True), (9, 0)).sources]
+    assert "jm_wgmma_bf16_u8_g64_moe_n24_f1_s6_prod_c3" in u8
     assert M.wgmma_prod_moe_config(24) == (24, 1, 6) and K.prod_ctas((24, 1, 6)) == 3
+    assert K.prod_ctas((24, 1, 6), 4) == 4 and K.prod_ctas((24, 1, 6), 8) == 3 and K.prod_ctas((32, 1, 6), 4) == 3
     assert 24 in M.MOE_WGMMA_PROD_BLOCKS
-    # the rule: experts above 2^24 weights at 14-17 rows per expert (Mixtral 56-64 tokens), with large blocks
+    # the rule: experts above 2^24 weights at 12-17 rows per expert (Mixtral 48-70 tokens), with large blocks
     mixtral_kn = 4096 * 28672
-    assert [M.choose_block_size(t, 2, 8, True, mixtral_kn) for t in (48, 56, 64, 68, 72)] == [16, 24, 24, 24, 32]
+    assert [M.choose_block_size(t, 2, 8, True, mixtral_kn) for t in (40, 44, 48, 56, 64, 68, 72)] == \
+        [16, 16, 24, 24, 24, 24, 32]
     assert M.choose_block_size(64, 2, 8, True, mixtral_kn, prod_blocks=False) == 32
     assert M.choose_block_size(64, 2, 8, True, 2048 * 2816) == 32  # small experts: the gathers do not pay
     assert M.choose_block_size(64, 2, 8) == 32  # the mma.sync choice never takes 24

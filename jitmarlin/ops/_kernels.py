@@ -316,18 +316,33 @@ WGMMA_PROD_FW2_MAX_NT = 32
 WGMMA_PROD_CTAS: dict[tuple[int, int, int], int] = {(32, 1, 6): 3, (24, 1, 6): 3}
 
 
-def prod_ctas(cfg: tuple[int, int, int]) -> int:
-    """CTAs per SM of the producer-form config cfg = (NT, FW, STAGES): 2, or WGMMA_PROD_CTAS's."""
-    return WGMMA_PROD_CTAS.get(tuple(cfg[:3]), 2)
+# 4-bit families' producer configs at four CTAs per SM (16 compute warps per SM): the MoE blocks of 24 rows,
+# whose six 4-bit stages take 49 KB (8-bit stages do not fit four CTAs: WGMMA_PROD_CTAS's three). 64
+# registers at launch, 88 for the compute warpgroup (setmaxnreg 40 + 88 = 2 x 64), no spills and no wgmma
+# serialization in the 4-bit formats (the 32-token tile serializes at 88: not built). H200 session 28
+# (probe_moe_tiles, Mixtral layer us, blocks of 24, three / four CTAs, two rounds each): 48 tokens 307.7,
+# 307.2 / 297.7, 301.6; 56 308.2, 309.0 / 300.3, 303.3; 64 310.5, 313.0 / 310.7, 304.1; 72 349.7, 347.4 /
+# 341.8, 337.3. ncu at 64 tokens: eligible warps per scheduler 1.1 -> 1.4, the gate/up GEMM 203 -> 197 us.
+WGMMA_PROD_CTAS_U4: dict[tuple[int, int, int], int] = {(24, 1, 6): 4}
+
+
+def prod_ctas(cfg: tuple[int, int, int], bits: int = 0) -> int:
+    """CTAs per SM of the producer-form config cfg = (NT, FW, STAGES) of a family of `bits`-bit weights:
+    2, or WGMMA_PROD_CTAS's, or for 4 bits WGMMA_PROD_CTAS_U4's (kernel names end in _c3 / _c4)."""
+    cfg = tuple(cfg[:3])
+    if bits == 4 and cfg in WGMMA_PROD_CTAS_U4:
+        return WGMMA_PROD_CTAS_U4[cfg]
+    return WGMMA_PROD_CTAS.get(cfg, 2)
 
 # (32, 2, 8) left the MoE list in session 17: blocks of 32 rows take one strip (moe._launch_wgmma_moe;
 # probe_moe_tiles.py --fw 2 builds it back)
 WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (64, 2, 4), (128, 1, 4))
 # The MoE kernel's producer form (session 25; jm_wgmma.cuh JM_WGMMA_KERNEL_PROD_MOE): (NT, FW, STAGES) as
 # the dense producer configs (one compute warpgroup of 2 FW strips, prod_ctas CTAs per SM: three for
-# (32, 1, 6)), reading activations pre-gathered in slot-list order (moe.MOE_WGMMA_PROD_BLOCKS).
+# (32, 1, 6), three or four for (24, 1, 6)), reading activations pre-gathered in slot-list order (moe.MOE_WGMMA_PROD_BLOCKS).
 # (64, 1, 6) measured level with the plain kernel (moe.py): probes build it (probe_moe_tiles.py
-# --prod-configs 64-1-6). (24, 1, 6) (session 26, three CTAs per SM), (48, 1, 6), (80, 1, 6), (96, 1, 5)
+# --prod-configs 64-1-6). (24, 1, 6) (session 26, three CTAs per SM; four in 4-bit families since session
+# 28: WGMMA_PROD_CTAS_U4), (48, 1, 6), (80, 1, 6), (96, 1, 5)
 # (session 27, two): blocks of 24 / 48 / 80 / 96 rows (m64nNTk16; 24, 80, 96 on this form only), chosen by
 # moe.choose_block_size's cover rule.
 WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6), (24, 1, 6), (48, 1, 6), (80, 1, 6), (96, 1, 5))
@@ -351,9 +366,9 @@ WGMMA_PROD_THREADS = 256  # a producer-form CTA: one compute warpgroup (of 2 FW 
 
 def wgmma_kernel_name(fam: Family, nt: int, fw: int, stages: int, wide: bool = False, prod: bool = False) -> str:
     g = "gc" if fam.group_size == -1 else f"g{fam.group_size}"
-    c3 = prod and prod_ctas((nt, fw, stages)) == 3
+    ctas = prod_ctas((nt, fw, stages), fam.bits) if prod else 2
     return (f"jm_wgmma_{fam.dtype}_{fam.weight_type}_{g}_{'moe_' if fam.moe else ''}n{nt}_f{fw}_s{stages}"
-            f"{'_wide' if wide else ''}{'_prod' if prod else ''}{'_c3' if c3 else ''}")
+            f"{'_wide' if wide else ''}{'_prod' if prod else ''}{f'_c{ctas}' if ctas != 2 else ''}")
 
 
 def wgmma_smem_bytes(fam: Family, nt: int, fw: int, stages: int) -> int:
@@ -398,7 +413,7 @@ def wgmma_build_spec(fam: Family, cc: tuple[int, int]) -> BuildSpec:
          '#include "jm_wgmma.cuh"\n'
          f"{macro}({wgmma_kernel_name(fam, nt, fw, st, prod=True)}, {CTYPES[fam.dtype]}, "
          f"{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {nt}, {2 * fw}, "
-         f"{st}, 1, {prod_ctas((nt, fw, st))})\n")
+         f"{st}, 1, {prod_ctas((nt, fw, st), fam.bits)})\n")
         for nt, fw, st in prod_configs)
     return BuildSpec(family="wgmma", cc=cc, key=fam.key(), sources=sources, flags=extra_nvcc_flags(),
                      arch_specific=True, cli_hint=f"jitmarlin build --arch 9.0 {fam.cli_args()}")

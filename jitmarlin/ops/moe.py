@@ -49,9 +49,11 @@ def wgmma_block32(per_expert: float, kn: int) -> bool:
 
 
 # Below this many rows per expert the mma.sync kernel's blocks of 16 beat the producer form's blocks of 24
-# (H200 session 26, Mixtral layer us, blocks of 16 / 24: 40 tokens (10 rows) 296.9 / 306.2, 48 (12) 300.4
-# / 309.7; 56 (14) 335.7 / 317.7).
-WGMMA_COVER_MIN_ROWS = 14
+# (H200 session 26, Mixtral layer us, blocks of 16 / 24 at three CTAs per SM: 40 tokens (10 rows) 296.9 /
+# 306.2, 48 (12) 300.4 / 309.7; 56 (14) 335.7 / 317.7). Session 28, blocks of 24 at four CTAs per SM (4-bit,
+# K.WGMMA_PROD_CTAS_U4): 48 tokens 297.7 / 301.6 in two rounds against blocks of 16 at 328.6 / 328.8 in
+# that draw (an expert past 16 rows streams its weights twice; 24 rows hold r + 3.5 sd at 12 rows): 12.
+WGMMA_COVER_MIN_ROWS = 12
 
 # Blocks that cover the expected largest experts: each expert's row count is binomial (mean r = T*k/E,
 # standard deviation sqrt(r (1 - k/E))), and an expert past its block takes a second block that streams
@@ -74,13 +76,13 @@ WGMMA_COVER_MIN_ROWS = 14
 # the producer form 367.6).
 WGMMA_COVER_Z = 1.75
 WGMMA_COVER_BLOCKS = (24, 32, 48, 64, 80, 96)
-# Past one block of 128 per expert (covered rows above 128), several blocks per expert: the block of
-# WGMMA_MULTI_BLOCKS with the fewest padded rows ceil(cover / B) * B (ties: the larger block; not 48 or
-# 64, which would stream each expert's weights more times over for little less padding). PREPARED
-# (session 27, not measured): blocks of 96 on the producer form cost ~0.53 us per padded row against 0.73
-# for the plain 128 at Mixtral 384 tokens (767 us for ~1440 rows, 745 for 1024), so at 1024 tokens (256
-# rows per expert) 3 x 96 = 288 rows per expert should beat the 128s' ~320 (NOTES.md session 27, Next).
-WGMMA_MULTI_BLOCKS = (80, 96, 128)
+# Past one block of 128 per expert (covered rows above 128), several blocks of 96 rows per expert on the
+# producer form. Measured (session 28, probe_moe_tiles, Mixtral layer us, blocks 80 / 96 / 128): 512 tokens
+# 1102 / 1155 / 1130, 768 1670 / 1519 / 1620, 1024 2235 / 1913 / 2002 (blocks of 56 / 72: 1351 / 1074 at
+# 512, 2452 / 2288 at 1024). The fewest-padded-rows choice among 80 / 96 / 128 (the prepared rule) took 80
+# at 768 tokens, which lost; 96 wins or ties at each point within the run's ~5% noise. (The multi-block
+# time is tensor-bound: the prepared estimate of ~0.53 us per padded row from 384 tokens did not hold.)
+WGMMA_MULTI_BLOCKS = (96,)
 
 
 def covered_rows(per_expert: float, top_k: int, num_experts: int) -> float:
@@ -431,8 +433,8 @@ def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
 
 
 MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strips per warpgroup for blocks of 32 / 64
-# The wgmma MoE kernel's producer form (K.WGMMA_MOE_PROD_CONFIGS: one compute warpgroup, three CTAs per
-# SM, every copy issued by the producer warpgroup) for expert blocks of these row counts. It reads A
+# The wgmma MoE kernel's producer form (K.WGMMA_MOE_PROD_CONFIGS: one compute warpgroup, two to four CTAs
+# per SM (K.prod_ctas), every copy issued by the producer warpgroup) for expert blocks of these row counts. It reads A
 # pre-gathered in slot-list order (gather_by_position), a block's rows one TMA box, so fused_marlin_moe
 # gathers both GEMMs' inputs for it (act-order experts do anyway), where the first GEMM's experts hold
 # more than MOE_WGMMA_PROD_MIN_KN weights (act-order experts: any size). H200 session 25
