@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--extra-wgmma", default="", help="comma-separated NT-FW-STAGES wgmma configs built into the "
                     "dense wgmma module for this run only, e.g. 64-2-8 (then usable as wgmma-n64-f2-s8); NT-2-STAGES-w: the "
                     "wide form (four warpgroups of one strip), e.g. 128-2-6-w (then wgmma-n128-f2-s6-w); NT-FW-STAGES-p: "
-                    "the producer form, e.g. 64-1-8-p or 32-2-8-p (then wgmma-n64-f1-s8-p, wgmma-n32-f2-s8-p); NT-1-STAGES-p3: "
-                    "its three-CTA-per-SM build (NT <= 32), e.g. 32-1-6-p3 (then wgmma-n32-f1-s6-p)")
+                    "the producer form, e.g. 64-1-8-p or 32-2-8-p (then wgmma-n64-f1-s8-p, wgmma-n32-f2-s8-p); NT-1-STAGES-p3 / -p4: "
+                    "its three- / four-CTA-per-SM build (NT <= 32), e.g. 32-1-6-p3 (then wgmma-n32-f1-s6-p)")
     ap.add_argument("--max-per-sm", type=int, default=0, help="pad every config's dynamic shared memory so that "
                     "at most this many CTAs fit on one SM (their grid and cluster placement follow): e.g. 2 "
                     "spreads 256 CTAs of a cluster tile over 128 SMs instead of packing them onto fewer")
@@ -53,12 +53,12 @@ def main() -> None:
     args = ap.parse_args()
     common.SETTLE_S = args.settle
     for cfg in (c for c in args.extra_wgmma.split(",") if c):  # before the first build (part of the cache key)
-        if cfg.endswith("-p") or cfg.endswith("-p3"):  # the producer form (jm_wgmma.cuh WgRing; never wide):
-            # NT-FW-S-p, or NT-FW-S-p3 for three CTAs per SM (K.WGMMA_PROD_CTAS)
+        if cfg.endswith(("-p", "-p3", "-p4")):  # the producer form (jm_wgmma.cuh WgRing; never wide):
+            # NT-FW-S-p, or NT-FW-S-p3 / -p4 for three / four CTAs per SM (K.WGMMA_PROD_CTAS)
             nums = tuple(int(x) for x in cfg[:cfg.rindex("-")].split("-"))
             K.WGMMA_PROD_CONFIGS = tuple(dict.fromkeys(K.WGMMA_PROD_CONFIGS + (nums,)))
-            if cfg.endswith("-p3"):
-                K.WGMMA_PROD_CTAS[nums] = 3
+            if cfg[-1] in "34":
+                K.WGMMA_PROD_CTAS[nums] = int(cfg[-1])
         elif cfg.endswith("-w"):  # the wide form of a two-strip config (its plain form need not be built)
             K.WGMMA_WIDE_CONFIGS = tuple(dict.fromkeys(K.WGMMA_WIDE_CONFIGS + (tuple(int(x) for x in cfg[:-2].split("-")),)))
         else:

@@ -857,7 +857,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // NB fragment buffers: step s dequantizes into buffer s % NB while up to NB - 1 earlier steps'
   // wgmma still run (wait_group NB - 1 before a buffer is rewritten). Four when the registers allow
   // (a whole stage in flight), else two.
-  constexpr int NB = (FW == 2 && NT == 128) ? 2 : 4;
+  constexpr int NB = ((FW == 2 && NT == 128) || (MINB >= 4 && NT > 24)) ? 2 : 4;
   uint32_t abuf[NB][FW][4];
   preload(smem);
   load_groups(smem);

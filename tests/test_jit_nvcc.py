@@ -110,10 +110,10 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
         with pytest.raises(ValueError, match="expected \\(NT, FW, STAGES\\) with FW 1 or 2"):
             K.wgmma_build_spec(K.Family("f16", 4, False, 128), (9, 0))
         K.wgmma_build_spec.cache_clear()
-    for bad, ctas in (((64, 1, 6), 3), ((32, 2, 6), 3), ((32, 1, 6), 4)):
+    for bad, ctas in (((64, 1, 6), 3), ((32, 2, 6), 3), ((32, 1, 6), 5), ((64, 1, 6), 4)):
         monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", (bad,))
         monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {bad: ctas})
-        with pytest.raises(ValueError, match="CTAs per SM; 2, or 3 with FW 1 and NT <= 32"):
+        with pytest.raises(ValueError, match="CTAs per SM; 2, or 3 / 4 with FW 1 and NT <= 32"):
             K.wgmma_build_spec(K.Family("f16", 4, False, 128), (9, 0))
         K.wgmma_build_spec.cache_clear()
 

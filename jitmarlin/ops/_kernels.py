@@ -356,8 +356,8 @@ def _checked_prod_configs() -> tuple[tuple[int, int, int], ...]:
             raise ValueError(f"producer-form config {cfg}: expected (NT, FW, STAGES) with FW 1 or 2 "
                              f"(FW 2 only with NT <= {WGMMA_PROD_FW2_MAX_NT})")
         ctas = prod_ctas(cfg)
-        if ctas not in (2, 3) or (ctas == 3 and (cfg[1] != 1 or cfg[0] > 32)):
-            raise ValueError(f"producer-form config {cfg}: {ctas} CTAs per SM; 2, or 3 with FW 1 and NT <= 32")
+        if ctas not in (2, 3, 4) or (ctas > 2 and (cfg[1] != 1 or cfg[0] > 32)):
+            raise ValueError(f"producer-form config {cfg}: {ctas} CTAs per SM; 2, or 3 / 4 with FW 1 and NT <= 32")
     return WGMMA_PROD_CONFIGS
 
 
