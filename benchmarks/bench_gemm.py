@@ -76,30 +76,34 @@ def bench_ours(k, n, ms, q, s, results, override=None, tag="jitmarlin", bits=4, 
     del copies
 
 
-VARIANTS = {  # name: (activation dtype, bits, act-order)
-    "bf16": (torch.bfloat16, 4, False),
-    "u8": (torch.float16, 8, False),
-    "act_order": (torch.float16, 4, True),
+VARIANTS = {  # name: (activation dtype, bits, act-order, group size)
+    "bf16": (torch.bfloat16, 4, False, GROUP),
+    "u8": (torch.float16, 8, False, GROUP),
+    "act_order": (torch.float16, 4, True, GROUP),
+    "gc": (torch.float16, 4, False, -1),  # one scale per output channel
+    "u8gc": (torch.float16, 8, False, -1),
 }
 
 
 def bench_variant(name, k, n, ms, results):
     """Formats beyond fp16 x int4: bf16 activations, 8-bit weights, act-order (activation
-    columns gathered by the layer before the GEMM), all through MarlinLinear, group 128."""
+    columns gathered by the layer before the GEMM), per-channel scales, all through MarlinLinear,
+    group 128 unless per channel."""
     from jitmarlin.nn import MarlinLinear
 
-    dtype, bits, act = VARIANTS[name]
+    dtype, bits, act, group = VARIANTS[name]
+    groups = 1 if group == -1 else k // group
     gen = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randint(0, 1 << bits, (k, n), device="cuda", dtype=torch.int32, generator=gen)
-    s = (torch.rand(k // GROUP, n, device="cuda", generator=gen) * 0.002 + 0.0005).to(dtype)
+    s = (torch.rand(groups, n, device="cuda", generator=gen) * 0.002 + 0.0005).to(dtype)
     perm = torch.randperm(k, device="cuda", generator=gen) if act else None
 
     def layer():
-        packed = Packed(pack_weights(q, bits), permute_scales(s), None, bits, GROUP)
+        packed = Packed(pack_weights(q, bits), permute_scales(s), None, bits, group)
         return MarlinLinear.from_packed(packed, perm=perm)
 
     first = layer()
-    nbytes = k * n * bits // 8 + k // GROUP * n * 2
+    nbytes = k * n * bits // 8 + groups * n * 2
     copies = [first] + [layer() for _ in range(common.copies_for(nbytes) - 1)]
     w = first.dequantize().float().t()
     for m in ms:

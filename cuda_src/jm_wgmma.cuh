@@ -737,6 +737,20 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         f0 = dequant8<T>(wword, zc0);
         f1 = dequant8<T>(w[kWW - 1], zc1);
       }
+      // per channel: the integer weights (q - z) go into the wgmma exactly and the channel scale
+      // multiplies the fp32 sums once, after the main loop (H200 session 28: the per-weight HMUL2 and
+      // its PRMT are 10-15% of the 32 / 64-token kernels' time, measured with -DJM_WG_NOSCALE)
+#if defined(JM_WG_NOSCALE)  // diagnostic (wrong results): no group-scale multiply (its HMUL2 / PRMT)
+      if constexpr (true) {
+#else
+      if constexpr (!kGrouped) {
+#endif
+        a[j][0] = f0.b0;
+        a[j][1] = f1.b0;
+        a[j][2] = f0.b1;
+        a[j][3] = f1.b1;
+        continue;
+      }
       const uint32_t sc = gsc[j][row];
       const uint32_t s0 = bcast_half(sc, 0), s1 = bcast_half(sc, 1);
       a[j][0] = mul2<T>(f0.b0, s0);  // rows g (feature 16 warp + g), k 2t, 2t+1
@@ -908,6 +922,15 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     for (int j = 0; j < FW; j++) {
 #pragma unroll
       for (int i = 0; i < NT / 2; i++) d[j][i] += dacc[q][j][i];
+    }
+  }
+  if constexpr (!kGrouped) {  // the channel scales (rows g and g + 8 of the warp's 16 features per strip)
+#pragma unroll
+    for (int j = 0; j < FW; j++) {
+      const T* pair = reinterpret_cast<const T*>(&sc_chan[j]);
+      const float s_lo = to_float<T>(pair[0]), s_hi = to_float<T>(pair[1]);
+#pragma unroll
+      for (int i = 0; i < NT / 2; i++) d[j][i] *= (i & 2) ? s_hi : s_lo;
     }
   }
   const WgPiece piece = piece_of();
