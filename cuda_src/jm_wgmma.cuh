@@ -120,18 +120,6 @@ struct WgmmaRS;
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
 
 // TY: "f16" or "bf16" (a string literal, pasted into the instruction)
-#define JM_WGMMA_RS_N40(TY)                                                                  \
-  asm volatile(                                                                            \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %25, 0;\n"                                          \
-      "wgmma.mma_async.sync.aligned.m64n40k16.f32." TY "." TY " "                          \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, "  \
-      "{%20, %21, %22, %23}, %24, p, 1, 1, 0;\n}\n"                                                   \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
-
-// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
 #define JM_WGMMA_RS_N48(TY)                                                                  \
   asm volatile(                                                                            \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"                                          \
@@ -141,33 +129,6 @@ struct WgmmaRS;
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
-
-// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
-#define JM_WGMMA_RS_N56(TY)                                                                  \
-  asm volatile(                                                                            \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %33, 0;\n"                                          \
-      "wgmma.mma_async.sync.aligned.m64n56k16.f32." TY "." TY " "                          \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, "  \
-      "{%28, %29, %30, %31}, %32, p, 1, 1, 0;\n}\n"                                                   \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
-
-// TY: "f16" or "bf16" (a string literal, pasted into the instruction)
-#define JM_WGMMA_RS_N72(TY)                                                                  \
-  asm volatile(                                                                            \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"                                          \
-      "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " "                          \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, "  \
-      "{%36, %37, %38, %39}, %40, p, 1, 1, 0;\n}\n"                                                   \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
 
 // TY: "f16" or "bf16" (a string literal, pasted into the instruction)
@@ -258,38 +219,11 @@ struct WgmmaRS<24> {  // MoE blocks of 24 rows (Humming's Mixtral 64-token gate/
 };
 
 template <>
-struct WgmmaRS<40> {  // MoE blocks of 40 rows (producer form)
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[20], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N40("bf16");
-    else JM_WGMMA_RS_N40("f16");
-  }
-};
-
-template <>
 struct WgmmaRS<48> {  // MoE blocks of 48 rows (producer form)
   template <typename T>
   static JM_DEVICE void run(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
     if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N48("bf16");
     else JM_WGMMA_RS_N48("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<56> {  // MoE blocks of 56 rows (producer form)
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[28], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N56("bf16");
-    else JM_WGMMA_RS_N56("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<72> {  // MoE blocks of 72 rows (producer form)
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[36], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N72("bf16");
-    else JM_WGMMA_RS_N72("f16");
   }
 };
 
@@ -384,8 +318,8 @@ template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, i
 JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_tile, const int kt0,
                           const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, WgRing& ring) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128 ||
-                    (NT % 8 == 0 && NT >= 24 && NT <= 96 && MOE && PROD),
-                "token tile (24-96 in steps of 8: MoE expert blocks on the producer form only)");
+                    ((NT == 24 || NT == 48 || NT == 80 || NT == 96) && MOE && PROD),
+                "token tile (24, 48, 80, 96: MoE expert blocks on the producer form only)");
   static_assert(FW == 1 || FW == 2 || (FW == 4 && WGS == 1 && PROD), "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
   // WGS warpgroups per CTA (2; 4 in the "wide" form: 512 threads, one strip each, sharing the

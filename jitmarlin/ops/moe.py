@@ -20,11 +20,13 @@ from ._kernels import DTYPES, Family
 from .gemm import check_perm_values, launch_params, prepare_launch
 
 BLOCK_SIZES = (8, 16, 32, 48, 64)
-# Blocks of 24, 40, 56, 72, 80 and 96 rows: the sm_90a wgmma kernel's producer form only (m64nNTk16 on
-# inputs gathered by position), where its (NT, FW, STAGES) config is built (K.WGMMA_MOE_PROD_CONFIGS; 40,
-# 56 and 72 only by probes: probe_moe_tiles.py --prod-configs 40-1-6,..); blocks of 48 take it there too
-# (with A gathered by position), else the mma.sync kernel's 48-row tile.
-PROD_ONLY_BLOCKS = (24, 40, 56, 72, 80, 96)
+# Blocks of 24, 80 and 96 rows: the sm_90a wgmma kernel's producer form only (m64nNTk16 on inputs
+# gathered by position), where its (NT, FW, STAGES) config is built (K.WGMMA_MOE_PROD_CONFIGS); blocks of
+# 48 take it there too (with A gathered by position), else the mma.sync kernel's 48-row tile. (Blocks of
+# 40 / 56 / 72, Humming's sizes, were probe-only in session 28: 72 led by 2-3% at Mixtral and E=64 512
+# tokens in one draw each, lost at 1024, 40 / 56 lost everywhere; never routed, so removed: commit 10ec672
+# has them, NOTES.md session 28 the numbers.)
+PROD_ONLY_BLOCKS = (24, 80, 96)
 # On sm_90 the wgmma MoE kernel (blocks of 64 or 128 rows) costs less than the mma.sync kernel's
 # blocks of 32-64 even when half the rows are padding. H200, 2026-11-30 (benchmarks/NOTES.md, "MoE
 # block sizes"): Mixtral at 64 tokens (16 rows per expert) blocks of 64 452 us vs 32 534; at 256
@@ -82,7 +84,7 @@ WGMMA_COVER_BLOCKS = (24, 32, 48, 64, 80, 96)
 # 512, 2452 / 2288 at 1024). The fewest-padded-rows choice among 80 / 96 / 128 (the prepared rule) took 80
 # at 768 tokens, which lost; 96 wins or ties at each point within the run's ~5% noise. (The multi-block
 # time is tensor-bound: the prepared estimate of ~0.53 us per padded row from 384 tokens did not hold.)
-WGMMA_MULTI_BLOCKS = (96,)
+WGMMA_MULTI_BLOCK = 96
 
 
 def covered_rows(per_expert: float, top_k: int, num_experts: int) -> float:
@@ -104,7 +106,7 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
         cover = covered_rows(per_expert, top_k, num_experts)
         if prod_blocks and expert_kn > WGMMA_32_SMALL_KN and per_expert >= WGMMA_COVER_MIN_ROWS:
             if cover > WGMMA_BLOCK:
-                return min(WGMMA_MULTI_BLOCKS, key=lambda b: (-(-cover // b) * b, -b))
+                return WGMMA_MULTI_BLOCK
             return next((b for b in WGMMA_COVER_BLOCKS if b >= cover), WGMMA_BLOCK)
         if cover > 64:
             return WGMMA_BLOCK
@@ -444,7 +446,7 @@ MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strip
 # way): Mixtral 64 tokens 420 -> 378, E=64 96 / 256 tokens 166 / 193 -> 155 / 181. Blocks of 64 (the
 # (64, 1, 6) form, probes: --prod-configs 64-1-6): Mixtral 96 / 256 tokens 477 / 709 -> 476 / 696 with
 # act-order, level without. Probe switch: probe_moe_tiles.py --prod 0|1.
-MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (24, 32, 40, 48, 56, 72, 80, 96)
+MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (24, 32, 48, 80, 96)
 MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
 # strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features

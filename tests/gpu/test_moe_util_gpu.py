@@ -77,6 +77,18 @@ def test_topk_sum_kernel(monkeypatch, dtype, tokens, top_k, h):
         assert ((got.float() - want.float()).abs() <= eps * want.float().abs() + 1e-6).all()
 
 
+def _aligned_with_orders(t, k, e, block, cols):
+    """Random routing of t tokens (top-k of e experts) aligned to blocks of `block`, and a random order
+    of `cols` columns per expert (int32): the tables, the order, the padded length n, which of the first
+    n positions hold real slots, and the generator (for more data from the same seed)."""
+    ids = _ids(t, k, e, seed=t + cols)
+    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, block, e)
+    g = torch.Generator(device="cuda").manual_seed(cols)
+    perm = torch.stack([torch.randperm(cols, device="cuda", generator=g) for _ in range(e)]).to(torch.int32)
+    n = int(num_padded)
+    return sorted_ids, expert_ids, num_padded, perm, n, sorted_ids[:n] < t * k, g
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("t,k,e,block,cols", [(1, 2, 8, 8, 4096), (5, 2, 8, 16, 1408), (64, 2, 8, 64, 14336),
                                               (300, 6, 64, 16, 2048), (3, 1, 4, 8, 64)])
@@ -86,12 +98,7 @@ def test_moe_gather_kernel(monkeypatch, dtype, t, k, e, block, cols):
     second's (one row per slot, the order given as int64): equal to the bit at real slots, zeros
     at padding positions."""
     monkeypatch.delenv("JITMARLIN_MOE_KERNELS", raising=False)
-    ids = _ids(t, k, e, seed=t + cols)
-    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, block, e)
-    g = torch.Generator(device="cuda").manual_seed(cols)
-    perm = torch.stack([torch.randperm(cols, device="cuda", generator=g) for _ in range(e)]).to(torch.int32)
-    n = int(num_padded)
-    real = sorted_ids[:n] < t * k
+    sorted_ids, expert_ids, num_padded, perm, n, real, _ = _aligned_with_orders(t, k, e, block, cols)
     for rows, top, order in ((t, k, perm), (t * k, 1, perm.to(torch.int64))):
         x = torch.randn(rows, cols, device="cuda", dtype=dtype)
         got = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, order, top, block)
@@ -110,12 +117,7 @@ def test_silu_gather_kernel(monkeypatch, dtype, t, k, e, block, inter):
     without a column order (and near the torch reference); zeros at padding positions; positions at or
     past num_padded not written (NaN kept)."""
     monkeypatch.delenv("JITMARLIN_MOE_KERNELS", raising=False)
-    ids = _ids(t, k, e, seed=t + inter)
-    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, block, e)
-    g = torch.Generator(device="cuda").manual_seed(inter)
-    perm = torch.stack([torch.randperm(inter, device="cuda", generator=g) for _ in range(e)]).to(torch.int32)
-    n = int(num_padded)
-    real = sorted_ids[:n] < t * k
+    sorted_ids, expert_ids, num_padded, perm, n, real, g = _aligned_with_orders(t, k, e, block, inter)
     c1 = torch.randn(t * k, 2 * inter, device="cuda", dtype=dtype, generator=g) * 4
     empty = torch.empty
     for order in (None, perm, perm.to(torch.int64)):
