@@ -402,10 +402,11 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // add scale x set to the sums once the group's wgmma are done (see the main loop). Session 28 measured
   // the per-weight scale multiply at 10-15% of the 24-64-token kernels (-DJM_WG_NOSCALE). Where the
   // registers allow it without spills (ptxas -v, nvcc 13.0): 4-bit weights, tiles of up to 32 tokens and
-  // the 64-token producer form and MoE blocks, at up to three CTAs per SM (the MoE blocks of 24 at four
-  // CTAs spill 440 bytes with it, the dense plain 64-token tile 40, the 128-token tiles 400-560).
+  // the 64-token producer form and MoE blocks, at up to three CTAs per SM, and the MoE blocks of 24 at
+  // four with two fragment buffers (with four they spill 440 bytes; the dense plain 64-token tile 40
+  // bytes, the 128-token tiles 400-560: not taken).
 #if defined(JM_WG_GACC)
-  constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && BITS == 4 && MINB <= 3 &&
+  constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && BITS == 4 && (MINB <= 3 || NT <= 24) &&
                          (NT <= 32 || (NT <= 64 && (PROD || MOE)));
 #else
   constexpr bool kGacc = false;
@@ -884,7 +885,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // NB fragment buffers: step s dequantizes into buffer s % NB while up to NB - 1 earlier steps'
   // wgmma still run (wait_group NB - 1 before a buffer is rewritten). Four when the registers allow
   // (a whole stage in flight), else two.
-  constexpr int NB = ((FW == 2 && NT == 128) || (MINB >= 4 && NT > 24)) ? 2 : 4;
+  constexpr int NB = ((FW == 2 && NT == 128) || (MINB >= 4 && (NT > 24 || kGacc))) ? 2 : 4;
   uint32_t abuf[NB][FW][4];
   preload(smem);
   load_groups(smem);

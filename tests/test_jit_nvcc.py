@@ -120,11 +120,11 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
 
 def test_wgmma_group_scale_form_compiles_without_spills(cuda_toolchain, monkeypatch):
     """-DJM_WG_GACC (prepared, session 28: group scales on the fp32 sums instead of each weight) on the
-    4-bit producer forms of 24 to 64 tokens (dense and MoE, two or three CTAs per SM): no spills, wgmma
+    4-bit producer forms of 24 to 64 tokens (dense and MoE, two to four CTAs per SM): no spills, wgmma
     not serialized, and the flag changes the kernels (their cubins differ from the default build's)."""
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6)))
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3, (24, 1, 6): 3})
-    monkeypatch.setattr(K, "WGMMA_PROD_CTAS_U4", {})
+    monkeypatch.setattr(K, "WGMMA_PROD_CTAS_U4", {(24, 1, 6): 4})
     monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),))
     cubins = {}
     for flags in ("", "-DJM_WG_GACC"):
@@ -147,7 +147,7 @@ def test_wgmma_group_scale_form_compiles_without_spills(cuda_toolchain, monkeypa
         finally:
             K.wgmma_build_spec.cache_clear()
     names = sorted({name for _, name in cubins})
-    assert len(names) == 3, names  # n32 (three CTAs) and n64 dense, n24 MoE (three CTAs)
+    assert len(names) == 3, names  # n32 (three CTAs) and n64 dense, n24 MoE (four CTAs)
     for name in names:
         assert cubins[("", name)] != cubins[("-DJM_WG_GACC", name)], name
 
