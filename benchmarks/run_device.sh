@@ -744,6 +744,10 @@ for st in $STAGES; do
              echo "== moe $f r$r"; grep "us$" "$OUT/s29a_moe_${f}_$r.log" | sed 's/.*mixtral/mixtral/'
              timeout 90 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64 --prod-ctas 24-1-6=3 > "$OUT/s29a_moe3_${f}_$r.log" 2>&1
              echo "== moe three CTAs $f r$r"; grep "us$" "$OUT/s29a_moe3_${f}_$r.log" | sed 's/.*mixtral/mixtral/'
+             timeout 90 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 64,256 > "$OUT/s29a_e64_${f}_$r.log" 2>&1
+             timeout 90 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 256 --block 32 --prod 1 --prod-min-kn 0 \
+               >> "$OUT/s29a_e64_${f}_$r.log" 2>&1
+             echo "== e64 (route; blocks of 32 on the producer form) $f r$r"; grep "us$" "$OUT/s29a_e64_${f}_$r.log" | sed 's/.*e64/e64/'
              timeout 120 python3 benchmarks/probe_configs.py --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 \
                --m 17,32,48,64 --configs route --settle 0.1 > "$OUT/s29a_dense_${f}_$r.log" 2>&1
              echo "== dense $f r$r"; grep " us " "$OUT/s29a_dense_${f}_$r.log" | sed 's/.*u4 //; s/ (floor.*//'
