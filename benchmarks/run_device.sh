@@ -736,7 +736,7 @@ for st in $STAGES; do
              --cases 1x128,1x512 --top 25 --host-profile 3 > "$OUT/s19b.log" 2>&1
            echo "== s19b rc=$?"; grep "ms per forward\|GPU " "$OUT/s19b.log";;
     s29a)  # prepared in session 28 (NOT run): group scales on the fp32 sums (-DJM_WG_GACC) against main's kernels,
-           # layer / GEMM us, two rounds; then the wgmma and MoE GPU tests with the flag (bit-identity tests
+           # layer / GEMM us, two rounds (s29b: the wgmma and MoE GPU tests with the flag; bit-identity tests
            # between a GACC kernel and a non-GACC one may fail for that reason alone: read the failures)
            for r in 1 2; do for f in none -DJM_WG_GACC; do
              if [ $f = none ]; then unset JITMARLIN_NVCC_FLAGS; else export JITMARLIN_NVCC_FLAGS=$f; fi
@@ -752,10 +752,11 @@ for st in $STAGES; do
                --m 17,32,48,64 --configs route --settle 0.1 > "$OUT/s29a_dense_${f}_$r.log" 2>&1
              echo "== dense $f r$r"; grep " us " "$OUT/s29a_dense_${f}_$r.log" | sed 's/.*u4 //; s/ (floor.*//'
            done; done
-           unset JITMARLIN_NVCC_FLAGS
-           JITMARLIN_NVCC_FLAGS=-DJM_WG_GACC timeout 300 python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py \
+           unset JITMARLIN_NVCC_FLAGS;;
+    s29b)  # the wgmma and MoE GPU tests with -DJM_WG_GACC (after s29a: a separate call, each takes ~6 minutes)
+           JITMARLIN_NVCC_FLAGS=-DJM_WG_GACC timeout 420 python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py \
              tests/gpu/test_moe_gpu.py > "$OUT/s29a_tests.log" 2>&1
-           echo "s29a tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/s29a_tests.log" | tail -30;;
+           echo "s29b tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/s29a_tests.log" | tail -30;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
