@@ -331,6 +331,20 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
   constexpr int kWordsPerK16 = 32 * BITS;  // packed words of one strip per 16 k
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
+  // Group scales on the fp32 sums (-DJM_WG_GACC; PREPARED in session 28, not run on a GPU): groups of
+  // 64 or 128 k (whole stages) feed (q - z) to the wgmma, accumulate each group into a temporary set and
+  // add scale x set to the sums once the group's wgmma are done (see the main loop). Session 28 measured
+  // the per-weight scale multiply at 10-15% of the 24-64-token kernels (-DJM_WG_NOSCALE). Where the
+  // registers allow it without spills (ptxas -v, nvcc 13.0): 4-bit weights, tiles of up to 32 tokens and
+  // the 64-token producer form and MoE blocks, at up to three CTAs per SM, and the MoE blocks of 24 at
+  // four with two fragment buffers (with four they spill 440 bytes; the dense plain 64-token tile 40
+  // bytes, the 128-token tiles 400-560: not taken).
+#if defined(JM_WG_GACC)
+  constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && BITS == 4 && (MINB <= 3 || NT <= 24) &&
+                         (NT <= 32 || (NT <= 64 && (PROD || MOE)));
+#else
+  constexpr bool kGacc = false;
+#endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzle pattern follows address bits 7-9: the ring must start 1024-byte aligned
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -677,7 +691,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #if defined(JM_WG_NOSCALE)  // diagnostic (wrong results): no group-scale multiply (its HMUL2 / PRMT)
       if constexpr (true) {
 #else
-      if constexpr (!kGrouped) {
+      if constexpr (!kGrouped || kGacc) {
 #endif
         a[j][0] = f0.b0;
         a[j][1] = f1.b0;
@@ -704,7 +718,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #else
   // (four strips, or three CTAs per SM: one set; with two, ptxas serialized the wgmma of the 32-token
   // tile, C7512)
-  constexpr int NACC = NT <= 32 && FW <= 2 && MINB <= 2 ? 2 : 1;
+  constexpr int NACC = NT <= 32 && FW <= 2 && MINB <= 2 && !kGacc ? 2 : 1;
 #endif
   static_assert(NACC == 1 || NACC == 2 || NACC == 4, "accumulator sets divide the 4 k16 steps of a stage");
   float dacc[NACC][FW][NT / 2];
@@ -805,21 +819,66 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // NB fragment buffers: step s dequantizes into buffer s % NB while up to NB - 1 earlier steps'
   // wgmma still run (wait_group NB - 1 before a buffer is rewritten). Four when the registers allow
   // (a whole stage in flight), else two.
-  constexpr int NB = ((FW == 2 && NT == 128) || (MINB >= 4 && NT > 24)) ? 2 : 4;
+  constexpr int NB = ((FW == 2 && NT == 128) || (MINB >= 4 && (NT > 24 || kGacc))) ? 2 : 4;
   uint32_t abuf[NB][FW][4];
   preload(smem);
   load_groups(smem);
   dequant(smem, 0, abuf[0]);
   int slot = 0;
+  // kGacc: each group of the piece accumulates into tacc (its first wgmma with scale-d 0); after the
+  // group's last step the warpgroup waits for all its wgmma and adds scale x tacc to the sums (ptxas
+  // serializes every wgmma, C7513, if accumulator registers are read while any wgmma is in flight: a
+  // second set folded one group later, with no wait, compiled that way). A stage is 4 k16 steps, a group
+  // 4 or 8 (GROUP_BLOCKS), so groups start at stages: kt0 + kt a multiple of GROUP_BLOCKS / 4 (or the
+  // piece's first stage, which may start inside a group).
+  float tacc[FW][NT / 2];  // (unused, and eliminated, without kGacc)
+  uint32_t gsf[FW];
+  if constexpr (kGacc) {
+#pragma unroll
+    for (int j = 0; j < FW; j++) {
+      gsf[j] = 0u;
+#pragma unroll
+      for (int i = 0; i < NT / 2; i++) tacc[j][i] = 0.f;
+    }
+  }
+  auto group_start = [&](int kt) { return kt == 0 || (kt0 + kt) % (GROUP_BLOCKS / 4 > 0 ? GROUP_BLOCKS / 4 : 1) == 0; };
   for (int kt = 0; kt < k_tiles; kt++) {
     const uint8_t* st = smem + slot * S::kBytes;
     const uint32_t st_addr = smem_base + slot * S::kBytes;
     const uint64_t desc_st = desc_base + static_cast<uint64_t>(slot * (S::kBytes >> 4));
+    if constexpr (kGacc) {
+      const bool gstart = group_start(kt);
+      if (gstart) {
 #pragma unroll
-    for (int s = 0; s < 4; s++) {
-      issue(abuf[s % NB], desc_st, st_addr, s);
-      wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
-      if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
+        for (int j = 0; j < FW; j++) gsf[j] = gsc[j][0];
+      }
+#pragma unroll
+      for (int s = 0; s < 4; s++) {
+        wgmma_fence();
+        const uint64_t desc = desc_st + static_cast<uint64_t>(2 * s);
+#pragma unroll
+        for (int j = 0; j < FW; j++) WgmmaRS<NT>::template run<T>(tacc[j], abuf[s % NB][j], desc, (s == 0 && gstart) ? 0 : 1);
+        wgmma_commit();
+        wgmma_wait<NB - 1>();
+        if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
+      }
+      if (kt + 1 == k_tiles || group_start(kt + 1)) {  // the group's last stage: its sums, scaled
+        wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < FW; j++) {
+          const T* pair = reinterpret_cast<const T*>(&gsf[j]);
+          const float s_lo = to_float<T>(pair[0]), s_hi = to_float<T>(pair[1]);
+#pragma unroll
+          for (int i = 0; i < NT / 2; i++) d[j][i] = fmaf((i & 2) ? s_hi : s_lo, tacc[j][i], d[j][i]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < 4; s++) {
+        issue(abuf[s % NB], desc_st, st_addr, s);
+        wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
+        if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
+      }
     }
     // here every step of stage kt - 1 is done (this thread's warpgroup): the producer form frees
     // its slot (outside the step loop: an mbarrier arrival between wgmma issue and wait made

@@ -118,6 +118,40 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
         K.wgmma_build_spec.cache_clear()
 
 
+def test_wgmma_group_scale_form_compiles_without_spills(cuda_toolchain, monkeypatch):
+    """-DJM_WG_GACC (prepared, session 28: group scales on the fp32 sums instead of each weight) on the
+    4-bit producer forms of 24 to 64 tokens (dense and MoE, two to four CTAs per SM): no spills, wgmma
+    not serialized, and the flag changes the kernels (their cubins differ from the default build's)."""
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6)))
+    monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3, (24, 1, 6): 3})
+    monkeypatch.setattr(K, "WGMMA_PROD_CTAS_U4", {(24, 1, 6): 4})
+    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),))
+    cubins = {}
+    for flags in ("", "-DJM_WG_GACC"):
+        monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", flags)
+        K.wgmma_build_spec.cache_clear()
+        try:
+            for fam in (K.Family("f16", 4, False, 128), K.Family("bf16", 4, True, 64, moe=True)):
+                spec = K.wgmma_build_spec(fam, (9, 0))
+                mod = get_module(spec)
+                for name, _ in spec.sources:
+                    if "_prod" not in name:
+                        continue
+                    cubins[(flags, name)] = mod.cubin(name).read_bytes()
+                    info = mod.meta["ptxas"][name]
+                    assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, \
+                        (flags, name, info)
+                log = (mod.path / "build.log").read_text()
+                for code in ("C7507", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515"):
+                    assert code not in log, (flags, [line for line in log.splitlines() if code in line])
+        finally:
+            K.wgmma_build_spec.cache_clear()
+    names = sorted({name for _, name in cubins})
+    assert len(names) == 3, names  # n32 (three CTAs) and n64 dense, n24 MoE (four CTAs)
+    for name in names:
+        assert cubins[("", name)] != cubins[("-DJM_WG_GACC", name)], name
+
+
 def test_wgmma_smem_formula_matches_the_kernel(cuda_toolchain, tmp_path):
     """wgmma_smem_bytes (the launch's shared memory) equals the kernel's own stage size x stages,
     and K.WGMMA_TMA_MIN_NT the kernel's choice of TMA tiles, checked by static_asserts that nvcc
