@@ -28,6 +28,11 @@
     --stream-k 0,1    the producer form's stream-K launch off / on (moe.MOE_STREAM_K), each timed in turn
     --silu-gather 0,1 SiLU-mul then the gather by position (two kernels) / jm_silu_gather (one) where the
                       down projection reads its input by position (moe.MOE_SILU_GATHER), each timed in turn
+    --ab V1;V2;..     variants timed in turn in one process, --rounds times (interleaved A/B: drift and
+                      routing draws hit each alike); a variant is comma-separated items: flags=F+F
+                      ($JITMARLIN_NVCC_FLAGS, '+' between flags; none: empty), ctas=NT-FW-S:C (CTAs per SM of
+                      a producer-form config, K.WGMMA_PROD_CTAS / _U4), e.g.
+                      --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
     python benchmarks/probe_moe_tiles.py --tokens 48,64 --shapes mixtral --block 24 --prod 1
@@ -84,6 +89,8 @@ def main() -> None:
                          "default 1: none)")
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
+    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C) timed in turn")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()
     if args.pregather:
@@ -159,6 +166,35 @@ def main() -> None:
     blocks = [int(v) or None for v in args.block.split(",") if v] or [None]  # (0: the rule)
     # the cases (weights, inputs, routing) once; each block size times the same ones
     cases = list(bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]))
+    variants = [v for v in args.ab.split(";") if v] or [None]
+    for rnd in range(args.rounds if args.ab else 1):
+        for variant in variants:
+            vtag = _apply_variant(variant) if variant else ""
+            if args.ab:
+                vtag = f" [{vtag} r{rnd + 1}]"
+            _time_cases(args, cases, blocks, fused, tag, vtag)
+
+
+def _apply_variant(variant: str) -> str:
+    """Set one --ab variant's flags / CTAs per SM and forget the kernels and launches chosen before."""
+    import os
+
+    for item in variant.split(","):
+        key, val = item.split("=", 1)
+        if key == "flags":
+            os.environ["JITMARLIN_NVCC_FLAGS"] = "" if val == "none" else val.replace("+", " ")
+        elif key == "ctas":
+            cfg, ctas = val.split(":")
+            cfg = tuple(int(x) for x in cfg.split("-"))
+            K.WGMMA_PROD_CTAS[cfg] = int(ctas)
+            K.WGMMA_PROD_CTAS_U4.pop(cfg, None)
+        else:
+            raise SystemExit(f"--ab item {item!r}: expected flags=... or ctas=NT-FW-S:C")
+    K.clear_kernel_caches()
+    return variant
+
+
+def _time_cases(args, cases, blocks, fused, tag, vtag) -> None:
     for sk in [int(v) for v in args.stream_k.split(",") if v] or [None]:
         if sk is not None:
             M.MOE_STREAM_K = bool(sk)
@@ -174,7 +210,7 @@ def main() -> None:
                             M.MOE_SILU_GATHER = bool(sg)
                         us = common.time_graph(lambda _i: ours(), 1, calls=10)
                         print(f"[{tag}{more} block={block or 'auto'}" + (f" silu_gather={sg}" if sg is not None else "")
-                              + f"] {name} T={t}: {us:.1f} us", flush=True)
+                              + f"]{vtag} {name} T={t}: {us:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -735,28 +735,15 @@ for st in $STAGES; do
            timeout 240 python3 benchmarks/diag_decode.py profile --layers 8 --variants fp16,w4,w4-fused \
              --cases 1x128,1x512 --top 25 --host-profile 3 > "$OUT/s19b.log" 2>&1
            echo "== s19b rc=$?"; grep "ms per forward\|GPU " "$OUT/s19b.log";;
-    s29a)  # prepared in session 28 (NOT run): group scales on the fp32 sums (-DJM_WG_GACC) against main's kernels,
-           # layer / GEMM us, two rounds (s29b: the wgmma and MoE GPU tests with the flag; bit-identity tests
-           # between a GACC kernel and a non-GACC one may fail for that reason alone: read the failures)
-           for r in 1 2; do for f in none -DJM_WG_GACC; do
-             if [ $f = none ]; then unset JITMARLIN_NVCC_FLAGS; else export JITMARLIN_NVCC_FLAGS=$f; fi
-             timeout 90 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64,80,96,256 > "$OUT/s29a_moe_${f}_$r.log" 2>&1
-             echo "== moe $f r$r"; grep "us$" "$OUT/s29a_moe_${f}_$r.log" | sed 's/.*mixtral/mixtral/'
-             timeout 90 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64 --prod-ctas 24-1-6=3 > "$OUT/s29a_moe3_${f}_$r.log" 2>&1
-             echo "== moe three CTAs $f r$r"; grep "us$" "$OUT/s29a_moe3_${f}_$r.log" | sed 's/.*mixtral/mixtral/'
-             timeout 90 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 64,256 > "$OUT/s29a_e64_${f}_$r.log" 2>&1
-             timeout 90 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 256 --block 32 --prod 1 --prod-min-kn 0 \
-               >> "$OUT/s29a_e64_${f}_$r.log" 2>&1
-             echo "== e64 (route; blocks of 32 on the producer form) $f r$r"; grep "us$" "$OUT/s29a_e64_${f}_$r.log" | sed 's/.*e64/e64/'
-             timeout 120 python3 benchmarks/probe_configs.py --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 \
-               --m 17,32,48,64 --configs route --settle 0.1 > "$OUT/s29a_dense_${f}_$r.log" 2>&1
-             echo "== dense $f r$r"; grep " us " "$OUT/s29a_dense_${f}_$r.log" | sed 's/.*u4 //; s/ (floor.*//'
-           done; done
-           unset JITMARLIN_NVCC_FLAGS;;
-    s29b)  # the wgmma and MoE GPU tests with -DJM_WG_GACC (after s29a: a separate call, each takes ~6 minutes)
-           JITMARLIN_NVCC_FLAGS=-DJM_WG_GACC timeout 420 python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py \
-             tests/gpu/test_moe_gpu.py > "$OUT/s29a_tests.log" 2>&1
-           echo "s29b tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/s29a_tests.log" | tail -30;;
+    s29c)  # session 29: group scales on the fp32 sums (default) against -DJM_WG_NO_GACC, and the MoE blocks of 24
+           # at three / four CTAs per SM; interleaved in one process (probe_moe_tiles --ab), three / two rounds
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64,80,96 --rounds 3 \
+             --ab "flags=none,ctas=24-1-6:4;flags=-DJM_WG_NO_GACC,ctas=24-1-6:4;flags=none,ctas=24-1-6:3" \
+             > "$OUT/s29c_moe.log" 2>&1
+           echo "s29c moe rc=$?"; grep "us$" "$OUT/s29c_moe.log" | sed 's/.*\] \[/[/'
+           timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 64,256 --rounds 2 \
+             --ab "flags=none;flags=-DJM_WG_NO_GACC" > "$OUT/s29c_e64.log" 2>&1
+           echo "s29c e64 rc=$?"; grep "us$" "$OUT/s29c_e64.log" | sed 's/.*\] \[/[/';;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

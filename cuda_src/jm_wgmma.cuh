@@ -331,19 +331,23 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   using S = WgmmaStage<BITS, HAS_ZP, GROUP_BLOCKS, NT, FW * WGS / 2>;
   constexpr int kWordsPerK16 = 32 * BITS;  // packed words of one strip per 16 k
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
-  // Group scales on the fp32 sums (-DJM_WG_GACC; PREPARED in session 28, not run on a GPU): groups of
-  // 64 or 128 k (whole stages) feed (q - z) to the wgmma, accumulate each group into a temporary set and
-  // add scale x set to the sums once the group's wgmma are done (see the main loop). Session 28 measured
-  // the per-weight scale multiply at 10-15% of the 24-64-token kernels (-DJM_WG_NOSCALE). Where the
-  // registers allow it without spills (ptxas -v, nvcc 13.0): 4-bit weights, tiles of up to 32 tokens and
-  // the 64-token producer form and MoE blocks, at up to three CTAs per SM, and the MoE blocks of 24 at
+  // Group scales on the fp32 sums (kGacc): groups of 64 or 128 k (whole stages) feed the exact (q - z)
+  // to the wgmma, accumulate each group into a temporary set and add scale x set to the sums once the
+  // group's wgmma are done (see the main loop), instead of one multiply per weight (measured at 10-15% of
+  // the 24-64-token kernels with -DJM_WG_NOSCALE, session 28). Where the registers allow it without
+  // spills (ptxas -v, nvcc 13.0): 4-bit weights, tiles of up to 32 tokens, the 64-token producer form and
+  // the producer-form MoE blocks of up to 64 rows, at up to three CTAs per SM, and the MoE blocks of 24 at
   // four with two fragment buffers (with four they spill 440 bytes; the dense plain 64-token tile 40
-  // bytes, the 128-token tiles 400-560: not taken).
-#if defined(JM_WG_GACC)
-  constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && BITS == 4 && (MINB <= 3 || NT <= 24) &&
-                         (NT <= 32 || (NT <= 64 && (PROD || MOE)));
-#else
+  // bytes, the 128-token tiles 400-560, the producer form's four strips (probes only) 48: not taken). Not the plain MoE form: its blocks of 32 rows lost
+  // 10% (H200 session 29, E=64 top-6 256 tokens 170.9 / 170.3 -> 187.8 / 188.0 us). Dense 8192 x 28672
+  // M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 / 69.6 / 71.2 us (benchmarks/NOTES.md, session 29).
+  // Python mirror (tests choose bit-identity checks by it): _kernels.wgmma_scales_on_sums.
+  // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes).
+#if defined(JM_WG_NO_GACC)
   constexpr bool kGacc = false;
+#else
+  constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && BITS == 4 && FW <= 2 && (MINB <= 3 || NT <= 24) &&
+                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE);
 #endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzle pattern follows address bits 7-9: the ring must start 1024-byte aligned

@@ -7,6 +7,8 @@ loading back from the cache, and a compile error surfacing as BuildError.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from jitmarlin.errors import BuildError
@@ -118,38 +120,73 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
         K.wgmma_build_spec.cache_clear()
 
 
-def test_wgmma_group_scale_form_compiles_without_spills(cuda_toolchain, monkeypatch):
-    """-DJM_WG_GACC (prepared, session 28: group scales on the fp32 sums instead of each weight) on the
-    4-bit producer forms of 24 to 64 tokens (dense and MoE, two to four CTAs per SM): no spills, wgmma
-    not serialized, and the flag changes the kernels (their cubins differ from the default build's)."""
-    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6)))
+def _elf_text(cubin: bytes) -> bytes:
+    """The machine code of a cubin: its .text sections' bytes (ELF64, little-endian), without the
+    metadata sections that record the build's flags."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    strtab_off, strtab_size = heads[shstrndx][4], heads[shstrndx][5]
+    names = cubin[strtab_off:strtab_off + strtab_size]
+    text = b""
+    for name_off, _, _, _, off, size in heads:
+        name = names[name_off:names.index(b"\0", name_off)]
+        if name.startswith(b".text"):
+            text += name + cubin[off:off + size]
+    assert text, "no .text section"
+    return text
+
+
+def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain, monkeypatch):
+    """Group scales on the fp32 sums (jm_wgmma.cuh kGacc, session 29 default) on 4-bit plain and
+    producer forms of 24 to 64 tokens (dense and MoE, one to four CTAs per SM, two and four strips):
+    no spills, wgmma not
+    serialized; and exactly the kernels K.wgmma_scales_on_sums names change when -DJM_WG_NO_GACC turns
+    it off (their machine code differs; every other kernel's is the same), so the tests that pick bit-identity
+    checks by the mirror pick them right."""
+    monkeypatch.setattr(K, "WGMMA_CONFIGS", ((32, 1, 8), (64, 1, 6)))
+    monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ())
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6), (32, 2, 6)))
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3, (24, 1, 6): 3})
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS_U4", {(24, 1, 6): 4})
+    monkeypatch.setattr(K, "WGMMA_MOE_CONFIGS", ((32, 1, 8),))
     monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),))
-    cubins = {}
-    for flags in ("", "-DJM_WG_GACC"):
+    cubins, expect = {}, {}
+    fams = (K.Family("f16", 4, False, 128), K.Family("bf16", 4, True, 64, moe=True))
+    for flags in ("", "-DJM_WG_NO_GACC"):
         monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", flags)
         K.wgmma_build_spec.cache_clear()
         try:
-            for fam in (K.Family("f16", 4, False, 128), K.Family("bf16", 4, True, 64, moe=True)):
+            for fam in fams:
                 spec = K.wgmma_build_spec(fam, (9, 0))
                 mod = get_module(spec)
                 for name, _ in spec.sources:
-                    if "_prod" not in name:
-                        continue
-                    cubins[(flags, name)] = mod.cubin(name).read_bytes()
+                    cubins[(flags, name)] = _elf_text(mod.cubin(name).read_bytes())
                     info = mod.meta["ptxas"][name]
                     assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, \
                         (flags, name, info)
+                    if not flags:
+                        nt, fw = (int(v) for v in re.search(r"_n(\d+)_f(\d)_s", name).groups())
+                        prod = "_prod" in name
+                        ctas = K.prod_ctas((nt, fw, 6), fam.bits) if prod else 1
+                        expect[name] = K.wgmma_scales_on_sums(fam.bits, fam.group_size, nt, ctas, prod, fam.moe, fw)
                 log = (mod.path / "build.log").read_text()
                 for code in ("C7507", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515"):
                     assert code not in log, (flags, [line for line in log.splitlines() if code in line])
+            if flags:
+                assert not K.wgmma_scales_on_sums(4, 128, 32), "the mirror must see the flag"
         finally:
             K.wgmma_build_spec.cache_clear()
-    names = sorted({name for _, name in cubins})
-    assert len(names) == 3, names  # n32 (three CTAs) and n64 dense, n24 MoE (four CTAs)
-    for name in names:
-        assert cubins[("", name)] != cubins[("-DJM_WG_GACC", name)], name
+    # dense n32 / n64 plain and producer (n32 at three CTAs; n32 with four strips), MoE n32 plain and n24
+    # producer (four CTAs): all but the dense plain n64, the four strips and the plain MoE form
+    assert len(expect) == 7, sorted(expect)
+    assert sorted(n for n, on in expect.items() if on) == sorted(
+        n for n in expect if ("_prod" in n or "_n32" in n) and "_f2_" not in n
+        and not ("_moe_" in n and "_prod" not in n)), expect
+    for name, on in expect.items():
+        assert (cubins[("", name)] != cubins[("-DJM_WG_NO_GACC", name)]) == on, (name, on)
 
 
 def test_wgmma_smem_formula_matches_the_kernel(cuda_toolchain, tmp_path):

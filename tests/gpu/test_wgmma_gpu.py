@@ -274,8 +274,9 @@ def test_producer_form(fmt, prod_configs):
     producer config is a clear error. Two strips (fw = 1) at two CTAs per SM: bit-identical to the
     plain kernel of the same config (the same arithmetic per strip, the same split-K order). Four
     strips (fw = 2) or three CTAs per SM: one accumulator set where the plain 32-token kernel keeps
-    two (NACC), so the fp32 sums round differently; there each result must repeat bit for bit
-    instead."""
+    two (NACC), so the fp32 sums round differently; so do kernels of which only one applies group
+    scales to the sums (K.wgmma_scales_on_sums: the 64-token producer form of 4-bit g64 / g128);
+    there each result must repeat bit for bit instead."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
@@ -290,9 +291,11 @@ def test_producer_form(fmt, prod_configs):
             ctas = K.prod_ctas((nt, fw, st))
             for splits in (None, 3) + ((-1,) if stages >= ctas * sms else ()):
                 cfg = (nt, fw, st, splits, False)
-                if fw == 1 and ctas == 2:
+                same_scaling = (K.wgmma_scales_on_sums(bits, group, nt, ctas, prod=True, fw=fw)
+                                == K.wgmma_scales_on_sums(bits, group, nt, fw=fw))
+                if fw == 1 and ctas == 2 and same_scaling:
                     _check_form(a, packed, m, n, k, dtype, cfg, bias, ref, tol, "producer form")
-                else:  # four strips or three CTAs per SM: one accumulator set (see the docstring)
+                else:  # four strips, three CTAs per SM, or group scales on the sums in one form only
                     got = run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)
                     check_close(got, ref, tol, f"K={k} N={n} M={m} config={cfg} ctas={ctas} producer form")
                     assert torch.equal(got, run(a, packed, m, n, k, dtype, cfg + (True,), bias=bias)), (k, n, m, cfg)
