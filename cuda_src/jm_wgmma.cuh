@@ -338,9 +338,10 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // spills (ptxas -v, nvcc 13.0): 4-bit weights, tiles of up to 32 tokens, the 64-token producer form and
   // the producer-form MoE blocks of up to 64 rows, at up to three CTAs per SM, and the MoE blocks of 24 at
   // four with two fragment buffers (with four they spill 440 bytes; the dense plain 64-token tile 40
-  // bytes, the 128-token tiles 400-560, the producer form's four strips (probes only) 48: not taken). Not the plain MoE form: its blocks of 32 rows lost
-  // 10% (H200 session 29, E=64 top-6 256 tokens 170.9 / 170.3 -> 187.8 / 188.0 us). Dense 8192 x 28672
-  // M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 / 69.6 / 71.2 us (benchmarks/NOTES.md, session 29).
+  // bytes, the 128-token tiles 400-560, the producer form's four strips (probes only) 48: not taken).
+  // Not the plain MoE form: its blocks of 32 rows lost 10% (H200 session 29, E=64 top-6 256 tokens
+  // 170.9 / 170.3 -> 187.8 / 188.0 us). Dense 8192 x 28672 M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 /
+  // 69.6 / 71.2 us (benchmarks/NOTES.md, session 29).
   // Python mirror (tests choose bit-identity checks by it): _kernels.wgmma_scales_on_sums.
   // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes).
 #if defined(JM_WG_NO_GACC)
