@@ -141,11 +141,10 @@ def _elf_text(cubin: bytes) -> bytes:
 
 def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain, monkeypatch):
     """Group scales on the fp32 sums (jm_wgmma.cuh kGacc, session 29 default) on 4-bit plain and
-    producer forms of 24 to 64 tokens (dense and MoE, one to four CTAs per SM, two and four strips):
-    no spills, wgmma not
-    serialized; and exactly the kernels K.wgmma_scales_on_sums names change when -DJM_WG_NO_GACC turns
-    it off (their machine code differs; every other kernel's is the same), so the tests that pick bit-identity
-    checks by the mirror pick them right."""
+    producer forms of 24 to 64 tokens (dense and MoE, one to four CTAs per SM, two and four strips): no
+    spills, wgmma not serialized; and exactly the kernels K.wgmma_scales_on_sums names change when
+    -DJM_WG_NO_GACC turns it off (their machine code differs; every other kernel's is the same), so the
+    tests that pick bit-identity checks by the mirror pick them right."""
     monkeypatch.setattr(K, "WGMMA_CONFIGS", ((32, 1, 8), (64, 1, 6)))
     monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ())
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6), (32, 2, 6)))
@@ -168,9 +167,9 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
                     assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, \
                         (flags, name, info)
                     if not flags:
-                        nt, fw = (int(v) for v in re.search(r"_n(\d+)_f(\d)_s", name).groups())
+                        nt, fw, st = (int(v) for v in re.search(r"_n(\d+)_f(\d)_s(\d+)", name).groups())
                         prod = "_prod" in name
-                        ctas = K.prod_ctas((nt, fw, 6), fam.bits) if prod else 1
+                        ctas = K.prod_ctas((nt, fw, st), fam.bits) if prod else 1
                         expect[name] = K.wgmma_scales_on_sums(fam.bits, fam.group_size, nt, ctas, prod, fam.moe, fw)
                 log = (mod.path / "build.log").read_text()
                 for code in ("C7507", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515"):

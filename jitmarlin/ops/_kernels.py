@@ -334,6 +334,7 @@ def prod_ctas(cfg: tuple[int, int, int], bits: int = 0) -> int:
         return WGMMA_PROD_CTAS_U4[cfg]
     return WGMMA_PROD_CTAS.get(cfg, 2)
 
+
 def wgmma_scales_on_sums(bits: int, group: int, nt: int, ctas: int = 1, prod: bool = False, moe: bool = False,
                          fw: int = 1) -> bool:
     """Whether the wgmma kernel of this format and config (NT = nt, fw, producer form or not, `ctas` CTAs
