@@ -341,14 +341,15 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // bytes, the 128-token tiles 400-560, the producer form's four strips (probes only) 48: not taken).
   // Not the plain MoE form: its blocks of 32 rows lost 10% (H200 session 29, E=64 top-6 256 tokens
   // 170.9 / 170.3 -> 187.8 / 188.0 us). Dense 8192 x 28672 M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 /
-  // 69.6 / 71.2 us (benchmarks/NOTES.md, session 29).
+  // 69.6 / 71.2 us (benchmarks/NOTES.md, session 29). Not the 32-token tiles with zero points: their g128
+  // forms spilled 4 (plain) and 20 bytes (three CTAs per SM) with it.
   // Python mirror (tests choose bit-identity checks by it): _kernels.wgmma_scales_on_sums.
   // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes).
 #if defined(JM_WG_NO_GACC)
   constexpr bool kGacc = false;
 #else
   constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && BITS == 4 && FW <= 2 && (MINB <= 3 || NT <= 24) &&
-                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE);
+                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE) && !(HAS_ZP && NT == 32);
 #endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzle pattern follows address bits 7-9: the ring must start 1024-byte aligned

@@ -141,7 +141,8 @@ def _elf_text(cubin: bytes) -> bytes:
 
 def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain, monkeypatch):
     """Group scales on the fp32 sums (jm_wgmma.cuh kGacc, session 29 default) on 4-bit plain and
-    producer forms of 24 to 64 tokens (dense and MoE, one to four CTAs per SM, two and four strips): no
+    producer forms of 24 to 64 tokens (dense and MoE, with and without zero points, one to four CTAs per
+    SM, two and four strips): no
     spills, wgmma not serialized; and exactly the kernels K.wgmma_scales_on_sums names change when
     -DJM_WG_NO_GACC turns it off (their machine code differs; every other kernel's is the same), so the
     tests that pick bit-identity checks by the mirror pick them right."""
@@ -153,7 +154,7 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
     monkeypatch.setattr(K, "WGMMA_MOE_CONFIGS", ((32, 1, 8),))
     monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),))
     cubins, expect = {}, {}
-    fams = (K.Family("f16", 4, False, 128), K.Family("bf16", 4, True, 64, moe=True))
+    fams = (K.Family("f16", 4, False, 128), K.Family("bf16", 4, True, 64, moe=True), K.Family("f16", 4, True, 128))
     for flags in ("", "-DJM_WG_NO_GACC"):
         monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", flags)
         K.wgmma_build_spec.cache_clear()
@@ -170,7 +171,8 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
                         nt, fw, st = (int(v) for v in re.search(r"_n(\d+)_f(\d)_s(\d+)", name).groups())
                         prod = "_prod" in name
                         ctas = K.prod_ctas((nt, fw, st), fam.bits) if prod else 1
-                        expect[name] = K.wgmma_scales_on_sums(fam.bits, fam.group_size, nt, ctas, prod, fam.moe, fw)
+                        expect[name] = K.wgmma_scales_on_sums(fam.bits, fam.group_size, nt, ctas, prod, fam.moe, fw,
+                                                              fam.zero_points)
                 log = (mod.path / "build.log").read_text()
                 for code in ("C7507", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515"):
                     assert code not in log, (flags, [line for line in log.splitlines() if code in line])
@@ -178,12 +180,13 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
                 assert not K.wgmma_scales_on_sums(4, 128, 32), "the mirror must see the flag"
         finally:
             K.wgmma_build_spec.cache_clear()
-    # dense n32 / n64 plain and producer (n32 at three CTAs; n32 with four strips), MoE n32 plain and n24
-    # producer (four CTAs): all but the dense plain n64, the four strips and the plain MoE form
-    assert len(expect) == 7, sorted(expect)
+    # per dense family n32 / n64 plain and producer (n32 at three CTAs; n32 with four strips), MoE n32 plain
+    # and n24 producer (four CTAs): all but the dense plain n64, the four strips, the plain MoE form and,
+    # with zero points (u4, not u4b8), the dense n32 tiles
+    assert len(expect) == 12, sorted(expect)
     assert sorted(n for n, on in expect.items() if on) == sorted(
         n for n in expect if ("_prod" in n or "_n32" in n) and "_f2_" not in n
-        and not ("_moe_" in n and "_prod" not in n)), expect
+        and not ("_moe_" in n and "_prod" not in n) and not ("_u4_" in n and "_n32_" in n)), expect
     for name, on in expect.items():
         assert (cubins[("", name)] != cubins[("-DJM_WG_NO_GACC", name)]) == on, (name, on)
 
