@@ -142,10 +142,10 @@ def _elf_text(cubin: bytes) -> bytes:
 def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain, monkeypatch):
     """Group scales on the fp32 sums (jm_wgmma.cuh kGacc, session 29 default) on 4-bit plain and
     producer forms of 24 to 64 tokens (dense and MoE, with and without zero points, one to four CTAs per
-    SM, two and four strips): no
-    spills, wgmma not serialized; and exactly the kernels K.wgmma_scales_on_sums names change when
-    -DJM_WG_NO_GACC turns it off (their machine code differs; every other kernel's is the same), so the
-    tests that pick bit-identity checks by the mirror pick them right."""
+    SM, two and four strips): no spills, wgmma not serialized; and exactly the kernels
+    K.wgmma_scales_on_sums names change when -DJM_WG_NO_GACC turns it off (their machine code differs;
+    every other kernel's is the same), so the tests that pick bit-identity checks by the mirror pick them
+    right."""
     monkeypatch.setattr(K, "WGMMA_CONFIGS", ((32, 1, 8), (64, 1, 6)))
     monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ())
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6), (32, 2, 6)))
