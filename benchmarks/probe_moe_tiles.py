@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -114,10 +115,7 @@ def main() -> None:
                                                        + K.WGMMA_MOE_PROD_CONFIGS))
     if args.prod_ctas:  # before the first build: the kernel names (and the module's cache key) carry it
         for item in args.prod_ctas.split(","):
-            cfg, ctas = item.split("=")
-            cfg = tuple(int(x) for x in cfg.split("-"))
-            K.WGMMA_PROD_CTAS[cfg] = int(ctas)
-            K.WGMMA_PROD_CTAS_U4.pop(cfg, None)  # (its 4-bit override too)
+            _set_prod_ctas(*item.split("="))
     if args.prod_fw is not None:
         M.MOE_WGMMA_PROD_FW = args.prod_fw
         if args.prod_fw == 2 and not args.prod_configs:  # before the first build
@@ -175,19 +173,21 @@ def main() -> None:
             _time_cases(args, cases, blocks, fused, tag, vtag)
 
 
+def _set_prod_ctas(cfg: str, ctas: str) -> None:
+    """CTAs per SM of the producer-form config NT-FW-S in every format (its 4-bit override too)."""
+    key = tuple(int(x) for x in cfg.split("-"))
+    K.WGMMA_PROD_CTAS[key] = int(ctas)
+    K.WGMMA_PROD_CTAS_U4.pop(key, None)
+
+
 def _apply_variant(variant: str) -> str:
     """Set one --ab variant's flags / CTAs per SM and forget the kernels and launches chosen before."""
-    import os
-
     for item in variant.split(","):
         key, val = item.split("=", 1)
         if key == "flags":
             os.environ["JITMARLIN_NVCC_FLAGS"] = "" if val == "none" else val.replace("+", " ")
         elif key == "ctas":
-            cfg, ctas = val.split(":")
-            cfg = tuple(int(x) for x in cfg.split("-"))
-            K.WGMMA_PROD_CTAS[cfg] = int(ctas)
-            K.WGMMA_PROD_CTAS_U4.pop(cfg, None)
+            _set_prod_ctas(*val.split(":"))
         else:
             raise SystemExit(f"--ab item {item!r}: expected flags=... or ctas=NT-FW-S:C")
     K.clear_kernel_caches()

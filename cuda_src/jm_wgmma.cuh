@@ -741,7 +741,10 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // i.e. 2 s in the descriptor's 16-byte address field, which holds shared addresses (< 256 KB) without
   // carrying out of it; so one descriptor per stage, plus 2 s per step (the per-step encode cost ~7
   // uniform-datapath instructions per step: SASS of session 16). -DJM_WG_DESC_PER_STEP: encode per step.
-  auto issue = [&](const uint32_t (&a)[FW][4], uint64_t desc_st, uint32_t st_addr, int s) {
+  // step s's wgmma into acc (the running sums' set s % NACC, or kGacc's group set tacc with scale_d 0 at a
+  // group's first step)
+  auto issue = [&](const uint32_t (&a)[FW][4], uint64_t desc_st, uint32_t st_addr, int s, float (&acc)[FW][NT / 2],
+                   int scale_d) {
     wgmma_fence();
 #if defined(JM_WG_DESC_PER_STEP)
     const uint64_t desc = wgmma_desc_sw128(st_addr + s * 32);
@@ -753,7 +756,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #if defined(JM_WG_NOMMA)  // diagnostic (wrong results): no tensor work; keep the fragments alive
       d[j][0] += __uint_as_float(a[j][0] ^ a[j][1] ^ a[j][2] ^ a[j][3] ^ static_cast<uint32_t>(desc));
 #else
-      WgmmaRS<NT>::template run<T>(dacc[s % NACC][j], a[j], desc, 1);
+      WgmmaRS<NT>::template run<T>(acc[j], a[j], desc, scale_d);
 #endif
     }
     wgmma_commit();
@@ -860,11 +863,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       }
 #pragma unroll
       for (int s = 0; s < 4; s++) {
-        wgmma_fence();
-        const uint64_t desc = desc_st + static_cast<uint64_t>(2 * s);
-#pragma unroll
-        for (int j = 0; j < FW; j++) WgmmaRS<NT>::template run<T>(tacc[j], abuf[s % NB][j], desc, (s == 0 && gstart) ? 0 : 1);
-        wgmma_commit();
+        issue(abuf[s % NB], desc_st, st_addr, s, tacc, (s == 0 && gstart) ? 0 : 1);
         wgmma_wait<NB - 1>();
         if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
       }
@@ -881,7 +880,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     } else {
 #pragma unroll
       for (int s = 0; s < 4; s++) {
-        issue(abuf[s % NB], desc_st, st_addr, s);
+        issue(abuf[s % NB], desc_st, st_addr, s, dacc[s % NACC], 1);
         wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
         if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
       }
