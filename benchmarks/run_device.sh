@@ -744,6 +744,23 @@ for st in $STAGES; do
            timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 64,256 --rounds 2 \
              --ab "flags=none;flags=-DJM_WG_NO_GACC" > "$OUT/s29c_e64.log" 2>&1
            echo "s29c e64 rc=$?"; grep "us$" "$OUT/s29c_e64.log" | sed 's/.*\] \[/[/';;
+    s30c)  # PREPARED in session 29 (NOT run): the group fold after the next stage's first dequant (branch
+           # prep-session30-gacc-overlap) against session 29's fold right after the group's last step
+           # (-DJM_WG_GACC_EARLY_FOLD: SASS-identical to main), MoE interleaved in one process, dense two rounds
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64,80,96 --rounds 3 \
+             --ab "flags=none;flags=-DJM_WG_GACC_EARLY_FOLD" > "$OUT/s30c_moe.log" 2>&1
+           echo "s30c moe rc=$?"; grep "us$" "$OUT/s30c_moe.log" | sed 's/.*\] \[/[/'
+           for r in 1 2; do for f in none -DJM_WG_GACC_EARLY_FOLD; do
+             if [ $f = none ]; then unset JITMARLIN_NVCC_FLAGS; else export JITMARLIN_NVCC_FLAGS=$f; fi
+             timeout 120 python3 benchmarks/probe_configs.py --shapes 8192x28672,28672x8192,4096x28672,4096x4096 \
+               --m 17,32,48,64 --configs route --settle 0.1 > "$OUT/s30c_dense_${f}_$r.log" 2>&1
+             echo "== dense $f r$r"; grep " us " "$OUT/s30c_dense_${f}_$r.log" | sed 's/.*u4 //; s/ (floor.*//'
+           done; done
+           unset JITMARLIN_NVCC_FLAGS;;
+    s30d)  # its GPU tests (wgmma forms, formats, MoE), ~4 minutes
+           timeout 420 python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py tests/gpu/test_formats_gpu.py \
+             tests/gpu/test_moe_gpu.py > "$OUT/s30d_tests.log" 2>&1
+           echo "s30d tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/s30d_tests.log" | tail -30;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
