@@ -750,6 +750,9 @@ for st in $STAGES; do
            timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64,80,96 --rounds 3 \
              --ab "flags=none;flags=-DJM_WG_GACC_EARLY_FOLD" > "$OUT/s30c_moe.log" 2>&1
            echo "s30c moe rc=$?"; grep "us$" "$OUT/s30c_moe.log" | sed 's/.*\] \[/[/'
+           timeout 120 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 96,256 --rounds 2 \
+             --ab "flags=none;flags=-DJM_WG_GACC_PLAIN_MOE" > "$OUT/s30c_e64.log" 2>&1  # the plain MoE form with it
+           echo "s30c e64 rc=$?"; grep "us$" "$OUT/s30c_e64.log" | sed 's/.*\] \[/[/'
            for r in 1 2; do for f in none -DJM_WG_GACC_EARLY_FOLD; do
              if [ $f = none ]; then unset JITMARLIN_NVCC_FLAGS; else export JITMARLIN_NVCC_FLAGS=$f; fi
              timeout 120 python3 benchmarks/probe_configs.py --shapes 8192x28672,28672x8192,4096x28672,4096x4096 \

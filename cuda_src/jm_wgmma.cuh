@@ -345,11 +345,19 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // forms spilled 4 (plain) and 20 bytes (three CTAs per SM) with it.
   // Python mirror (tests choose bit-identity checks by it): _kernels.wgmma_scales_on_sums.
   // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes).
+  // -DJM_WG_GACC_PLAIN_MOE (probes): the plain MoE form's blocks of 32 too (they lost 10% with session 29's
+  // fold placement; with the fold after the next stage's first dequant, unmeasured)
+#if defined(JM_WG_GACC_PLAIN_MOE)
+  constexpr bool kGaccPlainMoe = true;
+#else
+  constexpr bool kGaccPlainMoe = false;
+#endif
 #if defined(JM_WG_NO_GACC)
   constexpr bool kGacc = false;
 #else
   constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && BITS == 4 && FW <= 2 && (MINB <= 3 || NT <= 24) &&
-                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE) && !(HAS_ZP && NT == 32);
+                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE || kGaccPlainMoe) &&
+                         !(HAS_ZP && NT == 32);
 #endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzle pattern follows address bits 7-9: the ring must start 1024-byte aligned
