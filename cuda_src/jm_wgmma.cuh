@@ -343,8 +343,10 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // 170.9 / 170.3 -> 187.8 / 188.0 us). Dense 8192 x 28672 M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 /
   // 69.6 / 71.2 us (benchmarks/NOTES.md, session 29). Not the 32-token tiles with zero points: their g128
   // forms spilled 4 (plain) and 20 bytes (three CTAs per SM) with it.
-  // 8-bit weights (PREPARED in session 29, not run on a GPU): at up to two CTAs per SM, and with zero points
-  // only on 16-token tiles (three CTAs per SM spilled 20-250 bytes, zero points at 32 / 64 tokens 4-16).
+  // 8-bit weights (PREPARED in session 29; timed once, GPU tests NOT run): at up to two CTAs per SM, and
+  // with zero points only on 16-token tiles (three CTAs per SM spilled 20-250 bytes, zero points at 32 / 64
+  // tokens 4-16). H200 probe, fp16 u8b128 8192 x 28672 M = 32 / 64, NO_GACC -> this: 73.1, 73.0 / 81.3,
+  // 81.3 -> 72.3, 72.5 / 79.6, 79.8 us (-1...-2%).
   // Python mirror (tests choose bit-identity checks by it): _kernels.wgmma_scales_on_sums.
   // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes).
   // -DJM_WG_GACC_PLAIN_MOE (probes): the plain MoE form's blocks of 32 too (they lost 10% with session 29's
