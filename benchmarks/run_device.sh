@@ -764,6 +764,10 @@ for st in $STAGES; do
            timeout 420 python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py tests/gpu/test_formats_gpu.py \
              tests/gpu/test_moe_gpu.py > "$OUT/s30d_tests.log" 2>&1
            echo "s30d tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/s30d_tests.log" | tail -30;;
+    moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
+           grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
+    e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
+           echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
     s30a)  # PREPARED in session 29 (NOT run): 8-bit group scales on the fp32 sums (branch prep-session30-gacc-u8)
            # against -DJM_WG_NO_GACC (the per-weight multiply), dense 8-bit routes, two rounds; then s30b (GPU tests)
            for r in 1 2; do for f in none -DJM_WG_NO_GACC; do
@@ -780,10 +784,6 @@ for st in $STAGES; do
            timeout 420 python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py tests/gpu/test_formats_gpu.py \
              tests/gpu/test_moe_gpu.py > "$OUT/s30b_tests.log" 2>&1
            echo "s30b tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/s30b_tests.log" | tail -30;;
-    moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
-           grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
-    e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
-           echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
   esac
   echo "stage $st took $(( $(date +%s) - t0 )) s"
 done
