@@ -343,13 +343,26 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // 170.9 / 170.3 -> 187.8 / 188.0 us). Dense 8192 x 28672 M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 /
   // 69.6 / 71.2 us (benchmarks/NOTES.md, session 29). Not the 32-token tiles with zero points: their g128
   // forms spilled 4 (plain) and 20 bytes (three CTAs per SM) with it.
+  // 8-bit weights (PREPARED in session 29; timed once, GPU tests NOT run): at up to two CTAs per SM, and
+  // with zero points only on 16-token tiles (three CTAs per SM spilled 20-250 bytes, zero points at 32 / 64
+  // tokens 4-16). H200 probe, fp16 u8b128 8192 x 28672 M = 32 / 64, NO_GACC -> this: 73.1, 73.0 / 81.3,
+  // 81.3 -> 72.3, 72.5 / 79.6, 79.8 us (-1...-2%).
   // Python mirror (tests choose bit-identity checks by it): _kernels.wgmma_scales_on_sums.
   // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes).
+  // -DJM_WG_GACC_PLAIN_MOE (probes): the plain MoE form's blocks of 32 too (they lost 10% with session 29's
+  // fold placement; with the fold after the next stage's first dequant, unmeasured)
+#if defined(JM_WG_GACC_PLAIN_MOE)
+  constexpr bool kGaccPlainMoe = true;
+#else
+  constexpr bool kGaccPlainMoe = false;
+#endif
 #if defined(JM_WG_NO_GACC)
   constexpr bool kGacc = false;
 #else
-  constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && BITS == 4 && FW <= 2 && (MINB <= 3 || NT <= 24) &&
-                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE) && !(HAS_ZP && NT == 32);
+  constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && FW <= 2 &&
+                         (BITS == 4 ? (MINB <= 3 || NT <= 24) && !(HAS_ZP && NT == 32)
+                                    : (MINB <= 2 && (!HAS_ZP || NT <= 16))) &&
+                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE || kGaccPlainMoe);
 #endif
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzle pattern follows address bits 7-9: the ring must start 1024-byte aligned
@@ -835,7 +848,8 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   dequant(smem, 0, abuf[0]);
   int slot = 0;
   // kGacc: each group of the piece accumulates into tacc (its first wgmma with scale-d 0); after the
-  // group's last step the warpgroup waits for all its wgmma and adds scale x tacc to the sums (ptxas
+  // group's last stage (and the next stage's first dequant: PREPARED in session 29, not run on a GPU) the
+  // warpgroup waits for all its wgmma and adds scale x tacc to the sums (ptxas
   // serializes every wgmma, C7513, if accumulator registers are read while any wgmma is in flight: a
   // second set folded one group later, with no wait, compiled that way). A stage is 4 k16 steps, a group
   // 4 or 8 (GROUP_BLOCKS), so groups start at stages: kt0 + kt a multiple of GROUP_BLOCKS / 4 (or the
@@ -850,6 +864,17 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       for (int i = 0; i < NT / 2; i++) tacc[j][i] = 0.f;
     }
   }
+  // adds scale x tacc to the sums once the warpgroup's wgmma are all done
+  auto fold_group = [&]() {
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < FW; j++) {
+      const T* pair = reinterpret_cast<const T*>(&gsf[j]);
+      const float s_lo = to_float<T>(pair[0]), s_hi = to_float<T>(pair[1]);
+#pragma unroll
+      for (int i = 0; i < NT / 2; i++) d[j][i] = fmaf((i & 2) ? s_hi : s_lo, tacc[j][i], d[j][i]);
+    }
+  };
   auto group_start = [&](int kt) { return kt == 0 || (kt0 + kt) % (GROUP_BLOCKS / 4 > 0 ? GROUP_BLOCKS / 4 : 1) == 0; };
   for (int kt = 0; kt < k_tiles; kt++) {
     const uint8_t* st = smem + slot * S::kBytes;
@@ -867,16 +892,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         wgmma_wait<NB - 1>();
         if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
       }
-      if (kt + 1 == k_tiles || group_start(kt + 1)) {  // the group's last stage: its sums, scaled
-        wgmma_wait<0>();
-#pragma unroll
-        for (int j = 0; j < FW; j++) {
-          const T* pair = reinterpret_cast<const T*>(&gsf[j]);
-          const float s_lo = to_float<T>(pair[0]), s_hi = to_float<T>(pair[1]);
-#pragma unroll
-          for (int i = 0; i < NT / 2; i++) d[j][i] = fmaf((i & 2) ? s_hi : s_lo, tacc[j][i], d[j][i]);
-        }
-      }
+#if defined(JM_WG_GACC_EARLY_FOLD)
+      if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
+#endif
     } else {
 #pragma unroll
       for (int s = 0; s < 4; s++) {
@@ -905,6 +923,15 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       load_groups(smem + slot * S::kBytes);
       dequant(smem + slot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
     }
+#if !defined(JM_WG_GACC_EARLY_FOLD)
+    // the group's last stage: its sums, scaled. Folded only here, after the next stage's first fragments
+    // are dequantized (above), so that work overlaps the group's last wgmma instead of following the drain
+    // (the tensor pipe then idles for the wait and these FFMA only). -DJM_WG_GACC_EARLY_FOLD: the fold
+    // right after the group's last step (session 29's form), for A/Bs.
+    if constexpr (kGacc) {
+      if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
+    }
+#endif
   }
   wgmma_wait<0>();
   cp_async_wait<0>();

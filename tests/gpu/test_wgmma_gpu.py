@@ -275,7 +275,7 @@ def test_producer_form(fmt, prod_configs):
     plain kernel of the same config (the same arithmetic per strip, the same split-K order). Four
     strips (fw = 2) or three CTAs per SM: one accumulator set where the plain 32-token kernel keeps
     two (NACC), so the fp32 sums round differently; so do kernels of which only one applies group
-    scales to the sums (K.wgmma_scales_on_sums: the 64-token producer form of 4-bit g64 / g128);
+    scales to the sums (K.wgmma_scales_on_sums: e.g. the 64-token producer form of g64 / g128);
     there each result must repeat bit for bit instead."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
