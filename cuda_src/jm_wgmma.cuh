@@ -339,31 +339,38 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // the producer-form MoE blocks of up to 64 rows, at up to three CTAs per SM, and the MoE blocks of 24 at
   // four with two fragment buffers (with four they spill 440 bytes; the dense plain 64-token tile 40
   // bytes, the 128-token tiles 400-560, the producer form's four strips (probes only) 48: not taken).
-  // Not the plain MoE form: its blocks of 32 rows lost 10% (H200 session 29, E=64 top-6 256 tokens
-  // 170.9 / 170.3 -> 187.8 / 188.0 us). Dense 8192 x 28672 M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 /
-  // 69.6 / 71.2 us (benchmarks/NOTES.md, session 29). Not the 32-token tiles with zero points: their g128
-  // forms spilled 4 (plain) and 20 bytes (three CTAs per SM) with it.
-  // 8-bit weights (PREPARED in session 29; timed once, GPU tests NOT run): at up to two CTAs per SM, and
-  // with zero points only on 16-token tiles (three CTAs per SM spilled 20-250 bytes, zero points at 32 / 64
-  // tokens 4-16). H200 probe, fp16 u8b128 8192 x 28672 M = 32 / 64, NO_GACC -> this: 73.1, 73.0 / 81.3,
-  // 81.3 -> 72.3, 72.5 / 79.6, 79.8 us (-1...-2%).
+  // The plain MoE form's blocks of 32 rows (fp16 4-bit) fold each group late (kLateFold, below): with the
+  // fold right after the group's last step they lost 10% (H200 session 29, E=64 top-6 256 tokens 170.9 ->
+  // 187.8 us, separate processes); with the late fold they gained 2% (session 30, interleaved, two rounds:
+  // 96 / 256 tokens 160.1, 160.0 / 173.3, 172.2 -> 157.3, 156.9 / 169.5, 169.2 us). Dense 8192 x 28672
+  // M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 / 69.6 / 71.2 us (benchmarks/NOTES.md, session 29). Not the
+  // 32-token tiles with zero points: their g128 forms spilled 4 (plain) and 20 bytes (three CTAs per SM).
+  // 8-bit weights (session 30): at up to two CTAs per SM, and with zero points only on 16-token tiles
+  // (three CTAs per SM spilled 20-250 bytes, zero points at 32 / 64 tokens 4-16); fp16 u8b128 route, two
+  // rounds, NO_GACC -> this: 4096 x 28672 M=32 43.2, 43.2 -> 41.1, 41.4 us, 28672 x 8192 M=64 82.4, 81.3 ->
+  // 79.0, 77.9, 8192^2 M=32 27.5, 27.4 -> 26.5, 26.5.
+  // bf16 only on the dense plain 4-bit tiles: bf16 lost with it in the producer form (8192 x 28672 M = 32 /
+  // 64 57.7, 57.9 / 75.1, 75.3 -> 59.9, 59.7 / 77.1, 76.7 us; 28672 x 8192 M=32 57.4 -> 60.0) and with 8-bit
+  // weights (bf16 u8 8192 x 28672 M=32 82.1 -> 88.1, 4096^2 M=32 10.9 -> 11.5), while the 4096^2 plain
+  // tiles gained (M = 16 / 32 9.5 / 10.5 -> 9.3 / 10.3), session 30.
   // Python mirror (tests choose bit-identity checks by it): _kernels.wgmma_scales_on_sums.
   // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes).
-  // -DJM_WG_GACC_PLAIN_MOE (probes): the plain MoE form's blocks of 32 too (they lost 10% with session 29's
-  // fold placement; with the fold after the next stage's first dequant, unmeasured)
-#if defined(JM_WG_GACC_PLAIN_MOE)
-  constexpr bool kGaccPlainMoe = true;
-#else
-  constexpr bool kGaccPlainMoe = false;
-#endif
+  constexpr bool kBF16 = DType<T>::kBF16;
 #if defined(JM_WG_NO_GACC)
   constexpr bool kGacc = false;
 #else
   constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && FW <= 2 &&
                          (BITS == 4 ? (MINB <= 3 || NT <= 24) && !(HAS_ZP && NT == 32)
                                     : (MINB <= 2 && (!HAS_ZP || NT <= 16))) &&
-                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE || kGaccPlainMoe);
+                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE || (BITS == 4 && !kBF16)) &&
+                         (!kBF16 || (BITS == 4 && !PROD && !MOE));
 #endif
+  // where a group's scaled sums are folded: right after its last step (the wait drains the warpgroup's
+  // wgmma, then the next stage's first dequant follows), or (the plain MoE form) only after the next stage's
+  // slot wait, preload and first dequant, which then overlap the group's last wgmma. The late fold measured
+  // level to 1-3% slower on the dense and producer forms (session 30: Mixtral 80 tokens 332.6 / 335.9 /
+  // 336.3 vs 328.6 / 326.3 / 332.9 us, 28672 x 8192 M=48 71.3 vs 69.9), 2% faster on the plain MoE form.
+  constexpr bool kLateFold = MOE && !PROD;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzle pattern follows address bits 7-9: the ring must start 1024-byte aligned
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -848,7 +855,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   dequant(smem, 0, abuf[0]);
   int slot = 0;
   // kGacc: each group of the piece accumulates into tacc (its first wgmma with scale-d 0); after the
-  // group's last stage (and the next stage's first dequant: PREPARED in session 29, not run on a GPU) the
+  // group's last stage (kLateFold: and the next stage's first dequant) the
   // warpgroup waits for all its wgmma and adds scale x tacc to the sums (ptxas
   // serializes every wgmma, C7513, if accumulator registers are read while any wgmma is in flight: a
   // second set folded one group later, with no wait, compiled that way). A stage is 4 k16 steps, a group
@@ -892,9 +899,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         wgmma_wait<NB - 1>();
         if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
       }
-#if defined(JM_WG_GACC_EARLY_FOLD)
-      if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
-#endif
+      if constexpr (!kLateFold) {
+        if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
+      }
     } else {
 #pragma unroll
       for (int s = 0; s < 4; s++) {
@@ -923,15 +930,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       load_groups(smem + slot * S::kBytes);
       dequant(smem + slot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
     }
-#if !defined(JM_WG_GACC_EARLY_FOLD)
-    // the group's last stage: its sums, scaled. Folded only here, after the next stage's first fragments
-    // are dequantized (above), so that work overlaps the group's last wgmma instead of following the drain
-    // (the tensor pipe then idles for the wait and these FFMA only). -DJM_WG_GACC_EARLY_FOLD: the fold
-    // right after the group's last step (session 29's form), for A/Bs.
-    if constexpr (kGacc) {
+    if constexpr (kGacc && kLateFold) {  // the group's last stage: its sums, scaled, after the above
       if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
     }
-#endif
   }
   wgmma_wait<0>();
   cp_async_wait<0>();

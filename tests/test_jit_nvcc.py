@@ -141,8 +141,9 @@ def _elf_text(cubin: bytes) -> bytes:
 
 def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain, monkeypatch):
     """Group scales on the fp32 sums (jm_wgmma.cuh kGacc, session 29 default) on 4-bit plain and
-    producer forms of 24 to 64 tokens (dense and MoE, with and without zero points, one to four CTAs per
-    SM, two and four strips) and 8-bit dense forms (with and without zero points): no spills, wgmma not
+    producer forms of 24 to 64 tokens (dense and MoE, fp16 and bf16, with and without zero points, one to
+    four CTAs per SM, two and four strips) and 8-bit dense forms (fp16 and bf16, with and without zero
+    points): no spills, wgmma not
     serialized; and exactly the kernels K.wgmma_scales_on_sums names change when -DJM_WG_NO_GACC turns it
     off (their machine code differs; every other kernel's is the same), so the tests that pick
     bit-identity checks by the mirror pick them right."""
@@ -154,8 +155,8 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
     monkeypatch.setattr(K, "WGMMA_MOE_CONFIGS", ((32, 1, 8),))
     monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),))
     cubins, expect = {}, {}
-    fams = (K.Family("f16", 4, False, 128), K.Family("bf16", 4, True, 64, moe=True), K.Family("f16", 4, True, 128),
-            K.Family("f16", 8, False, 128), K.Family("bf16", 8, True, 64))
+    fams = (K.Family("f16", 4, False, 128), K.Family("f16", 4, False, 64, moe=True), K.Family("f16", 4, True, 128),
+            K.Family("bf16", 4, False, 128), K.Family("f16", 8, False, 128), K.Family("bf16", 8, True, 64))
     for flags in ("", "-DJM_WG_NO_GACC"):
         monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", flags)
         K.wgmma_build_spec.cache_clear()
@@ -173,7 +174,7 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
                         prod = "_prod" in name
                         ctas = K.prod_ctas((nt, fw, st), fam.bits) if prod else 1
                         expect[name] = K.wgmma_scales_on_sums(fam.bits, fam.group_size, nt, ctas, prod, fam.moe, fw,
-                                                              fam.zero_points)
+                                                              fam.zero_points, fam.dtype)
                 log = (mod.path / "build.log").read_text()
                 for code in ("C7507", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515"):
                     assert code not in log, (flags, [line for line in log.splitlines() if code in line])
@@ -182,14 +183,17 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
         finally:
             K.wgmma_build_spec.cache_clear()
     # per dense family n32 / n64 plain and producer (n32 at three CTAs; n32 with four strips), MoE n32 plain
-    # and n24 producer (four CTAs). 4-bit: all but the dense plain n64, the four strips, the plain MoE form
-    # and, with zero points (u4, not u4b8), the dense n32 tiles; 8-bit (two CTAs per SM at most): the plain
-    # n32 and the producer n64, not with zero points.
-    assert len(expect) == 22, sorted(expect)
+    # and n24 producer (four CTAs). fp16 4-bit: all but the dense plain n64, the four strips and, with zero
+    # points (u4, not u4b8), the dense n32 tiles (the plain MoE n32 too: late fold); bf16 4-bit: the dense
+    # plain n32 only; fp16 8-bit (two CTAs per SM at most): the plain n32 and the producer n64, not with zero
+    # points; bf16 8-bit: none.
+    assert len(expect) == 27, sorted(expect)
     assert sorted(n for n, on in expect.items() if on) == sorted(
-        [n for n in expect if "u4" in n and ("_prod" in n or "_n32" in n) and "_f2_" not in n
-         and not ("_moe_" in n and "_prod" not in n) and not ("_u4_" in n and "_n32_" in n)]
-        + [n for n in expect if "_u8b128_" in n and n.endswith(("_n32_f1_s8", "_n64_f1_s6_prod"))]), expect
+        [n for n in expect if n.startswith("jm_wgmma_f16_u4") and ("_prod" in n or "_n32" in n) and "_f2_" not in n
+         and not ("_u4_" in n and "_n32_" in n)]
+        + ["jm_wgmma_bf16_u4b8_g128_n32_f1_s8"]
+        + [n for n in expect if n.startswith("jm_wgmma_f16_u8b128_") and n.endswith(("_n32_f1_s8", "_n64_f1_s6_prod"))]
+    ), expect
     for name, on in expect.items():
         assert (cubins[("", name)] != cubins[("-DJM_WG_NO_GACC", name)]) == on, (name, on)
 

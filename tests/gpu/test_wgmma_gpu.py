@@ -291,8 +291,8 @@ def test_producer_form(fmt, prod_configs):
             ctas = K.prod_ctas((nt, fw, st))
             for splits in (None, 3) + ((-1,) if stages >= ctas * sms else ()):
                 cfg = (nt, fw, st, splits, False)
-                same_scaling = (K.wgmma_scales_on_sums(bits, group, nt, ctas, prod=True, fw=fw, zp=zp)
-                                == K.wgmma_scales_on_sums(bits, group, nt, fw=fw, zp=zp))
+                same_scaling = (K.wgmma_scales_on_sums(bits, group, nt, ctas, prod=True, fw=fw, zp=zp, dtype=fam.dtype)
+                                == K.wgmma_scales_on_sums(bits, group, nt, fw=fw, zp=zp, dtype=fam.dtype))
                 if fw == 1 and ctas == 2 and same_scaling:
                     _check_form(a, packed, m, n, k, dtype, cfg, bias, ref, tol, "producer form")
                 else:  # four strips, three CTAs per SM, or group scales on the sums in one form only
