@@ -744,46 +744,10 @@ for st in $STAGES; do
            timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 64,256 --rounds 2 \
              --ab "flags=none;flags=-DJM_WG_NO_GACC" > "$OUT/s29c_e64.log" 2>&1
            echo "s29c e64 rc=$?"; grep "us$" "$OUT/s29c_e64.log" | sed 's/.*\] \[/[/';;
-    s30c)  # PREPARED in session 29 (NOT run): the group fold after the next stage's first dequant (branch
-           # prep-session30-gacc-overlap) against session 29's fold right after the group's last step
-           # (-DJM_WG_GACC_EARLY_FOLD: SASS-identical to main), MoE interleaved in one process, dense two rounds
-           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64,80,96 --rounds 3 \
-             --ab "flags=none;flags=-DJM_WG_GACC_EARLY_FOLD" > "$OUT/s30c_moe.log" 2>&1
-           echo "s30c moe rc=$?"; grep "us$" "$OUT/s30c_moe.log" | sed 's/.*\] \[/[/'
-           timeout 120 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 96,256 --rounds 2 \
-             --ab "flags=none;flags=-DJM_WG_GACC_PLAIN_MOE" > "$OUT/s30c_e64.log" 2>&1  # the plain MoE form with it
-           echo "s30c e64 rc=$?"; grep "us$" "$OUT/s30c_e64.log" | sed 's/.*\] \[/[/'
-           for r in 1 2; do for f in none -DJM_WG_GACC_EARLY_FOLD; do
-             if [ $f = none ]; then unset JITMARLIN_NVCC_FLAGS; else export JITMARLIN_NVCC_FLAGS=$f; fi
-             timeout 120 python3 benchmarks/probe_configs.py --shapes 8192x28672,28672x8192,4096x28672,4096x4096 \
-               --m 17,32,48,64 --configs route --settle 0.1 > "$OUT/s30c_dense_${f}_$r.log" 2>&1
-             echo "== dense $f r$r"; grep " us " "$OUT/s30c_dense_${f}_$r.log" | sed 's/.*u4 //; s/ (floor.*//'
-           done; done
-           unset JITMARLIN_NVCC_FLAGS;;
-    s30d)  # its GPU tests (wgmma forms, formats, MoE), ~4 minutes
-           timeout 420 python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py tests/gpu/test_formats_gpu.py \
-             tests/gpu/test_moe_gpu.py > "$OUT/s30d_tests.log" 2>&1
-           echo "s30d tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/s30d_tests.log" | tail -30;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
            echo "e2e rc=$?"; tail -40 "$OUT/e2e.log";;
-    s30a)  # PREPARED in session 29 (NOT run): 8-bit group scales on the fp32 sums (branch prep-session30-gacc-u8)
-           # against -DJM_WG_NO_GACC (the per-weight multiply), dense 8-bit routes, two rounds; then s30b (GPU tests)
-           for r in 1 2; do for f in none -DJM_WG_NO_GACC; do
-             if [ $f = none ]; then unset JITMARLIN_NVCC_FLAGS; else export JITMARLIN_NVCC_FLAGS=$f; fi
-             timeout 150 python3 benchmarks/probe_configs.py --bits 8 --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x4096 \
-               --m 9,16,32,48,64 --configs route --settle 0.1 > "$OUT/s30a_u8_${f}_$r.log" 2>&1
-             echo "== u8 $f r$r"; grep " us " "$OUT/s30a_u8_${f}_$r.log" | sed 's/.*u8 //; s/ (floor.*//'
-             timeout 60 python3 benchmarks/probe_configs.py --bits 8 --dtype bf16 --shapes 8192x28672,4096x4096 \
-               --m 16,32,64 --configs route --settle 0.1 > "$OUT/s30a_bf16u8_${f}_$r.log" 2>&1
-             echo "== bf16 u8 $f r$r"; grep " us " "$OUT/s30a_bf16u8_${f}_$r.log" | sed 's/.*u8 //; s/ (floor.*//'
-           done; done
-           unset JITMARLIN_NVCC_FLAGS;;
-    s30b)  # the GPU tests the 8-bit change touches (wgmma forms, formats, MoE), ~4 minutes
-           timeout 420 python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py tests/gpu/test_formats_gpu.py \
-             tests/gpu/test_moe_gpu.py > "$OUT/s30b_tests.log" 2>&1
-           echo "s30b tests rc=$?"; grep -E "FAILED|passed|failed" "$OUT/s30b_tests.log" | tail -30;;
   esac
   echo "stage $st took $(( $(date +%s) - t0 )) s"
 done
