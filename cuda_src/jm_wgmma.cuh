@@ -362,7 +362,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && FW <= 2 &&
                          (BITS == 4 ? (MINB <= 3 || NT <= 24) && !(HAS_ZP && NT == 32)
                                     : (MINB <= 2 && (!HAS_ZP || NT <= 16))) &&
-                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE || (BITS == 4 && !kBF16)) &&
+                         (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE || BITS == 4) &&
                          (!kBF16 || (BITS == 4 && !PROD && !MOE));
 #endif
   // where a group's scaled sums are folded: right after its last step (the wait drains the warpgroup's

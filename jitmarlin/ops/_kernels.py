@@ -350,7 +350,7 @@ def wgmma_scales_on_sums(bits: int, group: int, nt: int, ctas: int = 1, prod: bo
             else (ctas <= 2 and (not zp or nt <= 16)))
     bf16 = dtype == "bf16"
     return (bits in (4, 8) and group in (64, 128) and strips <= 2 and fits
-            and (nt <= 32 or (nt <= 64 and prod)) and (prod or not moe or (bits == 4 and not bf16))
+            and (nt <= 32 or (nt <= 64 and prod)) and (prod or not moe or bits == 4)
             and (not bf16 or (bits == 4 and not prod and not moe))
             and "-DJM_WG_NO_GACC" not in extra_nvcc_flags())
 
