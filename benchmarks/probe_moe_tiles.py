@@ -31,7 +31,7 @@
     --ab V1;V2;..     variants timed in turn in one process, --rounds times (interleaved A/B: drift and
                       routing draws hit each alike); a variant is comma-separated items: flags=F+F
                       ($JITMARLIN_NVCC_FLAGS, '+' between flags; none: empty), ctas=NT-FW-S:C (CTAs per SM of
-                      a producer-form config, K.WGMMA_PROD_CTAS / _U4), e.g.
+                      a producer-form config, K.WGMMA_PROD_CTAS / _U4), fw=0|1|2 (as --fw; 0: the rule), e.g.
                       --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
@@ -90,7 +90,7 @@ def main() -> None:
                          "default 1: none)")
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
-    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C) timed in turn")
+    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2) timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()
@@ -149,9 +149,7 @@ def main() -> None:
         M._use_wgmma_moe = lambda bs, n, k, fam, index, *rest: (bs in blocks and n % 128 == 0 and k % 64 == 0) or use0(
             bs, n, k, fam, index, *rest)
     if args.fw is not None:
-        M.MOE_WGMMA_FW = args.fw
-        if args.fw == 2:  # blocks of 32 with two strips: not in the built set since session 17
-            K.WGMMA_MOE_CONFIGS = tuple(dict.fromkeys(K.WGMMA_MOE_CONFIGS + ((32, 2, 8),)))
+        _set_moe_fw(args.fw)
     if args.torch_sum:
         M.topk_sum = lambda c3, t, k, dtype=None: (c3.view(t, k, -1).sum(1) if c3.dim() == 2
                                                    else c3.view(c3.shape[0], t, k, -1).sum((0, 2)).to(dtype))
@@ -180,6 +178,13 @@ def _set_prod_ctas(cfg: str, ctas: str) -> None:
     K.WGMMA_PROD_CTAS_U4.pop(key, None)
 
 
+def _set_moe_fw(fw: int) -> None:
+    """Strips per warpgroup of the plain wgmma MoE kernel for blocks of 32 / 64 rows (0: the rule)."""
+    M.MOE_WGMMA_FW = fw or None
+    if fw == 2:  # blocks of 32 with two strips: not in the built set since session 17
+        K.WGMMA_MOE_CONFIGS = tuple(dict.fromkeys(K.WGMMA_MOE_CONFIGS + ((32, 2, 8),)))
+
+
 def _apply_variant(variant: str) -> str:
     """Set one --ab variant's flags / CTAs per SM and forget the kernels and launches chosen before."""
     for item in variant.split(","):
@@ -188,8 +193,10 @@ def _apply_variant(variant: str) -> str:
             os.environ["JITMARLIN_NVCC_FLAGS"] = "" if val == "none" else val.replace("+", " ")
         elif key == "ctas":
             _set_prod_ctas(*val.split(":"))
+        elif key == "fw":
+            _set_moe_fw(int(val))
         else:
-            raise SystemExit(f"--ab item {item!r}: expected flags=... or ctas=NT-FW-S:C")
+            raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C or fw=0|1|2")
     K.clear_kernel_caches()
     return variant
 
