@@ -751,6 +751,22 @@ for st in $STAGES; do
            timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 96,256 --rounds 2 \
              --ab "fw=0;fw=2" > "$OUT/s30e_e64_fw.log" 2>&1
            echo "s30e rc=$?"; grep "us$" "$OUT/s30e_e64_fw.log" | sed 's/.*\] \[/[/';;
+    s31a)  # PREPARED in session 30 (diagnostic, no route change): why bf16 loses with group scales on the fp32
+           # sums in the 64-token producer form (8192x28672 M=64 75.1 -> 77.1 us) while fp16 gains. ncu of the
+           # routed wgmma kernel: fp16 with / without the form (default / -DJM_WG_NO_GACC), bf16 without / with
+           # it (default / -DJM_WG_GACC_BF16: bf16 by the fp16 rule); stall reasons, issue, instructions.
+           for v in f16:none f16:-DJM_WG_NO_GACC bf16:none bf16:-DJM_WG_GACC_BF16; do
+             dt=${v%%:*}; f=${v#*:}
+             if [ $f = none ]; then unset JITMARLIN_NVCC_FLAGS; else export JITMARLIN_NVCC_FLAGS=$f; fi
+             python3 benchmarks/profile_gemm.py --k 8192 --n 28672 --m 64 --dtype $dt > /dev/null 2>&1  # build first
+             timeout 120 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+               --section InstructionStats --section LaunchStats --section Occupancy \
+               --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k regex:jm_wgmma -s 2 -c 1 \
+               python3 benchmarks/profile_gemm.py --k 8192 --n 28672 --m 64 --dtype $dt > "$OUT/s31a_${dt}_${f}.txt" 2>&1
+             echo "== $dt $f rc=$?"; grep -E "jm_wgmma|Duration|Registers|Issued Ipc|No Eligible|Eligible Warps" "$OUT/s31a_${dt}_${f}.txt" | head -8
+             grep -E "issue_stalled" "$OUT/s31a_${dt}_${f}.txt" | sort -k3 -g -r | head -8
+           done
+           unset JITMARLIN_NVCC_FLAGS;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

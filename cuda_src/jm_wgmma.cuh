@@ -354,8 +354,13 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // weights (bf16 u8 8192 x 28672 M=32 82.1 -> 88.1, 4096^2 M=32 10.9 -> 11.5), while the 4096^2 plain
   // tiles gained (M = 16 / 32 9.5 / 10.5 -> 9.3 / 10.3), session 30.
   // Python mirror (tests choose bit-identity checks by it): _kernels.wgmma_scales_on_sums.
-  // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes).
-  constexpr bool kBF16 = DType<T>::kBF16;
+  // -DJM_WG_NO_GACC: the per-weight multiply everywhere (A/B probes). -DJM_WG_GACC_BF16 (probes): bf16 by the
+  // fp16 rule.
+#if defined(JM_WG_GACC_BF16)
+  constexpr bool kBf16Rule = false;
+#else
+  constexpr bool kBf16Rule = DType<T>::kBF16;  // bf16's narrower rule applies
+#endif
 #if defined(JM_WG_NO_GACC)
   constexpr bool kGacc = false;
 #else
@@ -363,7 +368,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
                          (BITS == 4 ? (MINB <= 3 || NT <= 24) && !(HAS_ZP && NT == 32)
                                     : (MINB <= 2 && (!HAS_ZP || NT <= 16))) &&
                          (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE || BITS == 4) &&
-                         (!kBF16 || (BITS == 4 && !PROD && !MOE));
+                         (!kBf16Rule || (BITS == 4 && !PROD && !MOE));
 #endif
   // where a group's scaled sums are folded: right after its last step (the wait drains the warpgroup's
   // wgmma, then the next stage's first dequant follows), or (the plain MoE form) only after the next stage's

@@ -343,12 +343,13 @@ def wgmma_scales_on_sums(bits: int, group: int, nt: int, ctas: int = 1, prod: bo
     per warpgroup, token tiles of up to 32 (the producer form's up to 64); 4-bit weights at up to three
     CTAs per SM (four: tiles of up to 24), with zero points (`zp`) not on 32-token tiles; 8-bit at up to
     two, with zero points only on 16-token tiles; the plain MoE form only for fp16 4-bit; bf16 (`dtype`
-    "bf16") only on the dense plain 4-bit tiles. Kernels on either side of this round their fp32 sums
-    differently (tests compare those bit for bit only on the same side)."""
+    "bf16") only on the dense plain 4-bit tiles (with the probe flag -DJM_WG_GACC_BF16 by the fp16 rule).
+    Kernels on either side of this round their fp32 sums differently (tests compare those bit for bit only
+    on the same side)."""
     strips = 2 * fw if prod else fw
     fits = (((ctas <= 3 or nt <= 24) and not (zp and nt == 32)) if bits == 4
             else (ctas <= 2 and (not zp or nt <= 16)))
-    bf16 = dtype == "bf16"
+    bf16 = dtype == "bf16" and "-DJM_WG_GACC_BF16" not in extra_nvcc_flags()
     return (bits in (4, 8) and group in (64, 128) and strips <= 2 and fits
             and (nt <= 32 or (nt <= 64 and prod)) and (prod or not moe or bits == 4)
             and (not bf16 or (bits == 4 and not prod and not moe))
