@@ -892,28 +892,25 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     const uint8_t* st = smem + slot * S::kBytes;
     const uint32_t st_addr = smem_base + slot * S::kBytes;
     const uint64_t desc_st = desc_base + static_cast<uint64_t>(slot * (S::kBytes >> 4));
+    bool gstart = false;
     if constexpr (kGacc) {
-      const bool gstart = group_start(kt);
+      gstart = group_start(kt);
       if (gstart) {
 #pragma unroll
         for (int j = 0; j < FW; j++) gsf[j] = gsc[j][0];
       }
+    }
 #pragma unroll
-      for (int s = 0; s < 4; s++) {
+    for (int s = 0; s < 4; s++) {
+      if constexpr (kGacc)
         issue(abuf[s % NB], desc_st, st_addr, s, tacc, (s == 0 && gstart) ? 0 : 1);
-        wgmma_wait<NB - 1>();
-        if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
-      }
-      if constexpr (!kLateFold) {
-        if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
-      }
-    } else {
-#pragma unroll
-      for (int s = 0; s < 4; s++) {
+      else
         issue(abuf[s % NB], desc_st, st_addr, s, dacc[s % NACC], 1);
-        wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
-        if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
-      }
+      wgmma_wait<NB - 1>();  // step s - NB + 1 is done: its buffer may be rewritten
+      if (s < 3) dequant(st, s + 1, abuf[(s + 1) % NB]);
+    }
+    if constexpr (kGacc && !kLateFold) {
+      if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
     }
     // here every step of stage kt - 1 is done (this thread's warpgroup): the producer form frees
     // its slot (outside the step loop: an mbarrier arrival between wgmma issue and wait made

@@ -346,14 +346,15 @@ def wgmma_scales_on_sums(bits: int, group: int, nt: int, ctas: int = 1, prod: bo
     "bf16") only on the dense plain 4-bit tiles (with the probe flag -DJM_WG_GACC_BF16 by the fp16 rule).
     Kernels on either side of this round their fp32 sums differently (tests compare those bit for bit only
     on the same side)."""
+    flags = extra_nvcc_flags()
     strips = 2 * fw if prod else fw
     fits = (((ctas <= 3 or nt <= 24) and not (zp and nt == 32)) if bits == 4
             else (ctas <= 2 and (not zp or nt <= 16)))
-    bf16 = dtype == "bf16" and "-DJM_WG_GACC_BF16" not in extra_nvcc_flags()
+    bf16 = dtype == "bf16" and "-DJM_WG_GACC_BF16" not in flags
     return (bits in (4, 8) and group in (64, 128) and strips <= 2 and fits
             and (nt <= 32 or (nt <= 64 and prod)) and (prod or not moe or bits == 4)
             and (not bf16 or (bits == 4 and not prod and not moe))
-            and "-DJM_WG_NO_GACC" not in extra_nvcc_flags())
+            and "-DJM_WG_NO_GACC" not in flags)
 
 
 # (32, 2, 8) left the MoE list in session 17: blocks of 32 rows take one strip (moe._launch_wgmma_moe;
