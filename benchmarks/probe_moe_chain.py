@@ -6,7 +6,7 @@ routing tables, next to the dense GEMM of the same weight bytes on its route (th
 columns side by side: N x experts); with --tiles, each GEMM alone on candidate tiles.
 
     python benchmarks/probe_moe_chain.py [--shapes mixtral,e64] [--tokens 1,16] [--tiles TAG,...]
-        [--env-ab JITMARLIN_MOE_ONE_TOKEN] [--gathered]
+        [--env-ab JITMARLIN_MOE_ONE_TOKEN] [--gathered [--silu-epi]]
 
 --gathered: the chain of fused_marlin_moe's producer-form route instead (blocks of its wgmma rule; both
 GEMMs' inputs gathered in slot-list order: align, gather, gate/up GEMM, SiLU-mul, gather, down GEMM,
@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--tiles", default="", help="comma-separated mma.sync tile tags (e.g. w8_k128_s6_bk_dr1): each "
                     "expert GEMM alone and the whole layer with that tile first for expert blocks of its row count, "
                     "built into the MoE family for this run (also where tile_fits keeps it out)")
+    ap.add_argument("--silu-epi", action="store_true",
+                    help="with --gathered: also the chain with SiLU-mul in the gate/up GEMM's epilogue "
+                         "(moe_gemm_silu), and the gate/up GEMM with / without it and SiLU-gather, each alone")
     ap.add_argument("--gathered", action="store_true",
                     help="the producer-form route's chain (inputs gathered in slot-list order), prefix times only")
     ap.add_argument("--stream-k", type=int, default=None, choices=(0, 1),
@@ -136,6 +139,48 @@ def main() -> None:
                 times = [common.time_graph(lambda _i, u=u: gchain(u), 1, calls=10) for u in range(7)]
                 steps = " ".join(f"{nm} {tm:.1f}" for nm, tm in zip(names, times))
                 print(f"{name} T={t} block {gbs} gathered ({active} experts): prefix graph us: {steps}", flush=True)
+                if args.silu_epi and M.silu_epilogue_ok(gchain(1), moe.w13_qweight, moe.w13_scales, None,
+                                                        t * top_k, gbs):
+                    def echain(upto: int):  # the route with SiLU-mul in the gate/up GEMM's epilogue
+                        sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, gbs, e)
+                        if upto == 0:
+                            return sorted_ids
+                        a1 = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, gbs)
+                        if upto == 1:
+                            return a1
+                        a2 = torch.ops.jitmarlin.moe_gemm_silu(a1, moe.w13_qweight, moe.w13_scales, sorted_ids,
+                                                               expert_ids, num_padded, t * top_k, top_k, gbs)
+                        if upto == 2:
+                            return a2
+                        c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, moe.w2_qweight, moe.w2_scales, None,
+                                                                       sorted_ids, expert_ids, num_padded, tw,
+                                                                       t * top_k, 1, gbs, True)
+                        if upto == 3:
+                            return c3
+                        return M.topk_sum(c3, t, top_k, x.dtype)
+
+                    got = echain(4).float()
+                    assert ((got - ref).norm() / ref.norm()).item() < 1e-3, "the epilogue chain differs"
+                    enames = ["align", "+gather", "+gemm1_silu", "+gemm2", "+topk_sum"]
+                    etimes = [common.time_graph(lambda _i, u=u: echain(u), 1, calls=10) for u in range(5)]
+                    steps = " ".join(f"{nm} {tm:.1f}" for nm, tm in zip(enames, etimes))
+                    print(f"{name} T={t} block {gbs} SiLU epilogue: prefix graph us: {steps}", flush=True)
+                    # each kernel alone (tables and inputs made once), graphs of 10 back-to-back calls
+                    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, gbs, e)
+                    a1 = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, gbs)
+                    c1 = M.moe_gemm(a1, moe.w13_qweight, moe.w13_scales, None, sorted_ids, expert_ids, num_padded,
+                                    None, t * top_k, top_k, gbs, True)
+                    alone = {
+                        "gemm1": lambda _i: M.moe_gemm(a1, moe.w13_qweight, moe.w13_scales, None, sorted_ids,
+                                                       expert_ids, num_padded, None, t * top_k, top_k, gbs, True),
+                        "gemm1_silu": lambda _i: torch.ops.jitmarlin.moe_gemm_silu(
+                            a1, moe.w13_qweight, moe.w13_scales, sorted_ids, expert_ids, num_padded, t * top_k, top_k,
+                            gbs),
+                        "silu_gather": lambda _i: M.silu_gather_by_position(c1, i, sorted_ids, expert_ids,
+                                                                            num_padded, None, gbs),
+                    }
+                    steps = " ".join(f"{nm} {common.time_graph(fn, 1, calls=10):.1f}" for nm, fn in alone.items())
+                    print(f"{name} T={t} block {gbs} alone graph us: {steps}", flush=True)
                 continue
 
             def chain(upto: int):

@@ -31,7 +31,8 @@
     --ab V1;V2;..     variants timed in turn in one process, --rounds times (interleaved A/B: drift and
                       routing draws hit each alike); a variant is comma-separated items: flags=F+F
                       ($JITMARLIN_NVCC_FLAGS, '+' between flags; none: empty), ctas=NT-FW-S:C (CTAs per SM of
-                      a producer-form config, K.WGMMA_PROD_CTAS / _U4), fw=0|1|2 (as --fw; 0: the rule), e.g.
+                      a producer-form config, K.WGMMA_PROD_CTAS / _U4), fw=0|1|2 (as --fw; 0: the rule),
+                      silu=0|1 (moe.MOE_SILU_EPILOGUE: SiLU-mul in the gate/up GEMM's epilogue off / on), e.g.
                       --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
@@ -90,7 +91,7 @@ def main() -> None:
                          "default 1: none)")
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
-    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2) timed in turn")
+    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1) timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()
@@ -195,8 +196,10 @@ def _apply_variant(variant: str) -> str:
             _set_prod_ctas(*val.split(":"))
         elif key == "fw":
             _set_moe_fw(int(val))
+        elif key == "silu":
+            M.MOE_SILU_EPILOGUE = bool(int(val))
         else:
-            raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C or fw=0|1|2")
+            raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2 or silu=0|1")
     K.clear_kernel_caches()
     return variant
 

@@ -767,6 +767,15 @@ for st in $STAGES; do
              grep -E "issue_stalled" "$OUT/s31a_${dt}_${f}.txt" | sort -k3 -g -r | head -8
            done
            unset JITMARLIN_NVCC_FLAGS;;
+    s31b)  # session 31: SiLU-mul in the gate/up producer form's epilogue (moe_gemm_silu). GPU tests of the MoE
+           # kernels (the wgmma MoE tests, test_moe_gpu, test_moe_util_gpu), then the Mixtral layer with it off /
+           # on, interleaved, three rounds (prediction: -5 .. -10 us per layer at 48-256 tokens).
+           timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rs --maxfail=20 tests/gpu/test_wgmma_gpu.py \
+             tests/gpu/test_moe_gpu.py tests/gpu/test_moe_util_gpu.py -k "moe or silu" > "$OUT/s31b_tests.log" 2>&1
+           echo "s31b tests rc=$?"; tail -15 "$OUT/s31b_tests.log"
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64,96,256 --rounds 3 \
+             --ab "silu=0;silu=1" > "$OUT/s31b_ab.log" 2>&1
+           echo "s31b ab rc=$?"; grep "us$" "$OUT/s31b_ab.log" | sed 's/.*\] \[/[/';;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -22,4 +22,14 @@ template <> struct DType<__nv_bfloat16> {
 
 JM_HD constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// SiLU(g) * u rounded to the activation dtype between the two, as F.silu(gate) * up does (the MoE
+// SiLU-mul kernels of jm_moe_util.cuh and the gate/up GEMM's SiLU epilogue of jm_wgmma.cuh: one
+// formula, so the two routes give the same bits)
+template <typename T>
+JM_DEVICE T silu_times(const T g, const T u) {
+  const float gf = static_cast<float>(g);
+  const T s = static_cast<T>(gf / (1.f + __expf(-gf)));
+  return static_cast<T>(static_cast<float>(s) * static_cast<float>(u));
+}
+
 }  // namespace jm

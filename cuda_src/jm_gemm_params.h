@@ -39,6 +39,10 @@ struct JmGemmParams {
   int32_t ids_shift;         // MoE, mma.sync kernel: expert of m tile i = expert_ids[i << ids_shift] (1: the
                              // low words of int64 router ids read as the table, one block per slot)
   int32_t num_experts;       // MoE, mma.sync kernel: expert ids are clamped to num_experts - 1 (0: not)
+  int32_t silu_out;          // MoE, sm_90a producer form without zero points: 1 = the gate/up GEMM writes
+                             // SiLU(gate) * up by position into c [rows of the padded list, n / 2]
+                             // (jm_wgmma.cuh, "SiLU epilogue"); 0 = the GEMM's output. (Fills the
+                             // padding before `timeline`: the struct's size and offsets are unchanged.)
   unsigned long long* timeline;  // diagnostics, kernels built with -DJM_TIMELINE: 8 values per CTA
                                  // (jm_gemm.cuh, "timeline"), or null
 };

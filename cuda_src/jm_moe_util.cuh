@@ -194,14 +194,6 @@ JM_DEVICE bool chunk_of_thread(const JmMoeParams& p, int& r, int& j) {
   return true;
 }
 
-// SiLU(g) * u rounded to the activation dtype between the two, as F.silu(gate) * up does
-template <typename T>
-JM_DEVICE T silu_times(const T g, const T u) {
-  const float gf = static_cast<float>(g);
-  const T s = static_cast<T>(gf / (1.f + __expf(-gf)));
-  return static_cast<T>(static_cast<float>(s) * static_cast<float>(u));
-}
-
 template <typename T>
 JM_DEVICE void silu_mul_body(const JmMoeParams p) {
   int r, j;

@@ -400,7 +400,16 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #else
   auto tl_end = [&]() {};
 #endif
-  const int strip0 = f_tile * S::kStrips;  // the CTA's first strip
+  // SiLU epilogue (the MoE gate/up GEMM on the producer form without zero points, p.silu_out = 1): the
+  // CTA's strip 0 is gate strip f_tile and its strip 1 the up strip of the same features, f_tiles strips
+  // later (the gate columns come first in w13), so that one thread ends with both sums of a feature and
+  // writes SiLU(gate) * up (the formula of jm_silu_gather, silu_times) by position into c [rows, n / 2]:
+  // the down projection's input, with no SiLU / gather kernel and no [slots, n] round trip between.
+  // Local strip j of the CTA is global strip strip0 + j * sstep.
+  constexpr bool kSilu = MOE && PROD && !HAS_ZP && S::kStrips == 2 && WGS == 1;
+  const bool silu = kSilu && p.silu_out != 0;
+  const int sstep = silu ? f_tiles : 1;
+  const int strip0 = silu ? f_tile : f_tile * S::kStrips;  // the CTA's first strip
   const int tok0 = m_tile * NT;  // this piece's stages: [kt0, kt0 + k_tiles)
   const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
   if (tid == 0) {
@@ -482,15 +491,23 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #pragma unroll
         for (int j = 0; j < S::kStrips; j++)  // a strip's 4 k16 of the stage are contiguous
           bulk_copy_g2s(st + S::kAct + j * S::kStripBytes,
-                        bbase + static_cast<int64_t>(j) * (p.k / 16) * kWordsPerK16 + kt * 4 * kWordsPerK16,
+                        bbase + static_cast<int64_t>(j * sstep) * (p.k / 16) * kWordsPerK16 + kt * 4 * kWordsPerK16,
                         S::kStripBytes, &ring.full[slot]);
         if constexpr (kGrouped) {
           const int grp0 = kt * 4 / GROUP_BLOCKS;
 #pragma unroll
           for (int r = 0; r < S::kRows; r++) {
-            bulk_copy_g2s(st + S::kAct + S::kW + r * (S::kStrips * 64 * 2),
-                          sbase + static_cast<int64_t>(grp0 + r) * p.n + strip0 * 64, S::kStrips * 64 * 2,
-                          &ring.full[slot]);
+            if (silu) {  // the two strips' scales are not adjacent: one copy each
+#pragma unroll
+              for (int j = 0; j < S::kStrips; j++)
+                bulk_copy_g2s(st + S::kAct + S::kW + r * (S::kStrips * 64 * 2) + j * 128,
+                              sbase + static_cast<int64_t>(grp0 + r) * p.n + (strip0 + j * sstep) * 64, 128,
+                              &ring.full[slot]);
+            } else {
+              bulk_copy_g2s(st + S::kAct + S::kW + r * (S::kStrips * 64 * 2),
+                            sbase + static_cast<int64_t>(grp0 + r) * p.n + strip0 * 64, S::kStrips * 64 * 2,
+                            &ring.full[slot]);
+            }
             if constexpr (HAS_ZP)
               bulk_copy_g2s(st + S::kAct + S::kW + S::kS + r * (S::kStrips * 64 * BITS / 8),
                             zbase + static_cast<int64_t>(grp0 + r) * (p.n * BITS / 32) + strip0 * (2 * BITS),
@@ -596,7 +613,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   if constexpr (!kGrouped) {
 #pragma unroll
     for (int j = 0; j < FW; j++) {
-      const int strip = strip0 + wg * FW + j;
+      const int strip = strip0 + (wg * FW + j) * sstep;
       const T lo = sbase[strip * 64 + 8 * e0 + g], hi = sbase[strip * 64 + 8 * (e0 + 1) + g];
       T pair[2] = {lo, hi};
       sc_chan[j] = *reinterpret_cast<uint32_t*>(pair);
@@ -1017,6 +1034,23 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   T* cbase = static_cast<T*>(p.c);
   const T* bias = static_cast<const T*>(p.bias);
   const int t4 = lane & 3;
+  if constexpr (kSilu) {
+    if (silu) {  // d[0]: gate, d[1]: up, features 64 f_tile + 16 warp + g (+ 8); rows = positions (padding
+      // positions too: their gathered input rows are zeros, so they get SiLU(0) * 0 = 0 as the gather's)
+      const int f_lo = f_tile * 64 + 16 * warp + g, f_hi = f_lo + 8;
+#pragma unroll
+      for (int i = 0; i < NT / 8; i++) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+          T* row = cbase + static_cast<int64_t>(tok0 + 8 * i + 2 * t4 + c) * p.ldc;
+          row[f_lo] = silu_times<T>(from_float<T>(d[0][4 * i + c]), from_float<T>(d[1][4 * i + c]));
+          row[f_hi] = silu_times<T>(from_float<T>(d[0][4 * i + 2 + c]), from_float<T>(d[1][4 * i + 2 + c]));
+        }
+      }
+      tl_end();
+      return;
+    }
+  }
   // MoE with K splits: fp32 partial sums, split s into slice s of [k_splits, m, ldc] (summed by the
   // top-k sum kernel); the split is recomputed from the CTA index (wgmma_body's mapping)
   // (not with 128-token blocks: the branch costs the 8-bit bf16 form registers it does not have)

@@ -394,3 +394,58 @@ def test_blocks_of_24_host_rules():
     assert M.choose_block_size(64, 2, 8, True, mixtral_kn, prod_blocks=False) == 32
     assert M.choose_block_size(64, 2, 8, True, 2048 * 2816) == 32  # small experts: the gathers do not pay
     assert M.choose_block_size(64, 2, 8) == 32  # the mma.sync choice never takes 24
+
+
+def test_moe_gemm_silu_op_shapes_and_host_rules(monkeypatch):
+    """moe_gemm_silu (the gate/up GEMM with SiLU-mul in its epilogue): torch.compile's view of it is the
+    down projection's input by position, [L, I] in the activation dtype (L = the slot list's length, I half
+    the GEMM's N); CPU tensors are a clear error; silu_epilogue_ok declines what the epilogue cannot take
+    (CPU or meta tensors, zero points, four strips per CTA, a block size off the producer form)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from jitmarlin.ops import moe as M
+
+    e, h, inter, slots, block = 8, 256, 512, 96, 32
+    L = slots + e * (block - 1)
+
+    def args(device, dtype=torch.float16):
+        return (torch.empty(L, h, dtype=dtype, device=device),
+                torch.empty(e, 2 * inter // 64, h // 16, 128, dtype=torch.int32, device=device),
+                torch.empty(e, h // 128, 2 * inter, dtype=dtype, device=device),
+                torch.empty(L, dtype=torch.int32, device=device),
+                torch.empty(-(-L // block), dtype=torch.int32, device=device),
+                torch.empty(1, dtype=torch.int32, device=device), slots, 2, block)
+
+    with FakeTensorMode():
+        for dtype in (torch.float16, torch.bfloat16):
+            out = torch.ops.jitmarlin.moe_gemm_silu(*args("cuda", dtype))
+            assert tuple(out.shape) == (L, inter) and out.dtype == dtype
+        bad = list(args("cuda"))
+        bad[2] = torch.empty(e, h // 128, 2 * inter, dtype=torch.bfloat16, device="cuda")  # scales' dtype
+        with pytest.raises(ValueError, match="expert scales"):
+            torch.ops.jitmarlin.moe_gemm_silu(*bad)
+    cpu = args("cpu")
+    with pytest.raises(ValueError, match="run on CUDA tensors"):
+        torch.ops.jitmarlin.moe_gemm_silu(*cpu)
+    a, b, s = cpu[:3]
+    assert not M.silu_epilogue_ok(a, b, s, None, slots, block)  # CPU
+    # on a CUDA device that takes the producer form (stood in for: the device rule is _use_wgmma_moe's):
+    asked = []
+    monkeypatch.setattr(M, "_use_wgmma_moe", lambda bs, n, k, fam, index, per_expert=None, by_position=False:
+                        asked.append((bs, n, k, fam.zero_points, by_position)) or True)
+    monkeypatch.setattr(M.K, "cuda_index", lambda device: 0)
+    import warnings
+
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (FakeTensor.data_ptr: the alignment rule reads 0 here)
+        a, b, s = args("cuda")[:3]
+        assert M.silu_epilogue_ok(a, b, s, None, slots, block)
+        assert asked == [(block, 2 * inter, h, False, True)]
+        zeros = torch.empty(e, h // 128, 2 * inter // 8, dtype=torch.int32, device="cuda")
+        assert not M.silu_epilogue_ok(a, b, s, zeros, slots, block)  # zero points
+        assert not M.silu_epilogue_ok(a, b, s, None, slots, 64)  # blocks of 64: the plain form
+        monkeypatch.setattr(M, "MOE_WGMMA_PROD_FW", 2)  # four strips per CTA
+        assert not M.silu_epilogue_ok(a, b, s, None, slots, block)
+        assert len(asked) == 1
+    schema = {x.name for x in torch.ops.jitmarlin.moe_gemm_silu.default._schema.arguments}
+    assert "zeros" not in schema and "topk_weights" not in schema  # the epilogue takes neither

@@ -567,7 +567,8 @@ class GemmParams(ctypes.Structure):
         ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("lda", ctypes.c_int32),
         ("ldc", ctypes.c_int32), ("nwarps", ctypes.c_int32), ("grid", ctypes.c_int32), ("top_k", ctypes.c_int32),
         ("a_by_position", ctypes.c_int32), ("k_splits", ctypes.c_int32), ("tables_ready", ctypes.c_int32),
-        ("ids_shift", ctypes.c_int32), ("num_experts", ctypes.c_int32), ("timeline", ctypes.c_void_p),
+        ("ids_shift", ctypes.c_int32), ("num_experts", ctypes.c_int32), ("silu_out", ctypes.c_int32),
+        ("timeline", ctypes.c_void_p),
     ]
 
 

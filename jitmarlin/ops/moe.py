@@ -471,7 +471,8 @@ def wgmma_prod_moe_config(block_size: int, fw: int = 1) -> tuple[int, int, int] 
 
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
-                      top_k, block_size, a_by_position, index, fw: int | None = None, k_splits: int = 1) -> None:
+                      top_k, block_size, a_by_position, index, fw: int | None = None, k_splits: int = 1,
+                      silu: bool = False) -> None:
     from ..jit import driver
     from .gemm import _cc, use_pdl, wgmma_act_map, wgmma_strips
 
@@ -499,6 +500,9 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     else:
         nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
         amap = K.NO_TENSOR_MAP
+    if silu and not (prod and fw == 1 and k_splits == 1 and zeros is None and topk_weights is None and n % 128 == 0):
+        raise AssertionError("the SiLU epilogue needs the producer form of two strips per CTA, no K splits, zero "
+                             "points or routing weights")
     fn = K.get_wgmma_kernel(fam, nt, fw, stages, index, prod=prod)
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
@@ -508,8 +512,8 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
     p.s_expert_stride = scales.shape[1] * scales.shape[2]
     p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
-    p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, n
-    p.top_k, p.a_by_position, p.k_splits = top_k, int(a_by_position), k_splits
+    p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, (n // 2 if silu else n)
+    p.top_k, p.a_by_position, p.k_splits, p.silu_out = top_k, int(a_by_position), k_splits, int(silu)
     p.grid = -(-sorted_ids.numel() // block_size)  # m tiles, an upper bound (the kernel reads num_padded)
     grid, smem = (n // (128 * fw)) * k_splits * p.grid, K.wgmma_smem_bytes(fam, nt, fw, stages)
     if prod and k_splits == 1 and MOE_STREAM_K:
@@ -593,6 +597,63 @@ def _moe_gemm_ready_tables_cuda(a, b, scales, zeros, sorted_ids, expert_ids, num
 _lib.impl("moe_gemm_ready_tables", _moe_gemm_ready_tables_cuda, "CUDA")
 _lib.impl("moe_gemm_ready_tables", _moe_gemm_cpu, "CPU")
 torch.library.register_fake("jitmarlin::moe_gemm_ready_tables", _moe_gemm_fake, lib=_lib)
+
+
+# The gate/up GEMM with SiLU-mul in its epilogue (the sm_90a producer form, jm_wgmma.cuh "SiLU epilogue"): from
+# the input gathered by position, SiLU(gate) * up of each position straight into the down projection's input
+# [L, I] (L = the slot list's length), the values jm_silu_gather would write from the GEMM's [slots, 2I]
+# output (bit for bit: the same rounding of the sums to the activation dtype, then the same formula), with no
+# SiLU-gather kernel and no [slots, 2I] round trip. fused_marlin_moe takes it where silu_epilogue_ok says;
+# MOE_SILU_EPILOGUE = False (probe switch) keeps the two-kernel path.
+MOE_SILU_EPILOGUE = True
+
+_lib.define("moe_gemm_silu(Tensor a, Tensor b, Tensor scales, Tensor sorted_ids, Tensor expert_ids, "
+            "Tensor num_padded, int size_m, int top_k, int block_size) -> Tensor")
+
+
+def silu_epilogue_ok(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros, size_m: int,
+                     block_size: int) -> bool:
+    """Whether moe_gemm_silu runs these gate/up experts (b [E, 2I/64, K/16, .], the gate columns first) on
+    input `a` gathered by position: the producer form of the wgmma MoE kernel at this block size (sm_90a, the
+    switches, a built config of two strips per CTA, A 16-byte aligned), I a multiple of 64 (one 64-feature
+    strip of gate and the same of up in a CTA), no zero points."""
+    if not (a.is_cuda and zeros is None and b.dim() == 4 and b.shape[1] % 2 == 0 and a.dtype in DTYPES
+            and a.data_ptr() % 16 == 0 and block_size in MOE_WGMMA_PROD_BLOCKS and MOE_WGMMA_PROD_FW == 1
+            and wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW) is not None):
+        return False
+    fam = _expert_family(a, b, scales, zeros)
+    n, k = b.shape[1] * 64, b.shape[2] * 16
+    return fam is not None and _use_wgmma_moe(block_size, n, k, fam, K.cuda_index(a.device), size_m / b.shape[0],
+                                              by_position=True)
+
+
+def _moe_gemm_silu_cuda(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k, block_size):
+    n, k, fam = _check_moe_args(a, b, scales, None, sorted_ids, expert_ids, num_padded, None, size_m, top_k,
+                                block_size)
+    _check_expert_table(sorted_ids, expert_ids, block_size, 0, 0, b.shape[0])
+    if not silu_epilogue_ok(a, b, scales, None, size_m, block_size):
+        raise ValueError(f"moe_gemm_silu needs the sm_90a wgmma MoE kernel's producer form: compute capability 9.0, "
+                         f"N = 2I with I % 64 == 0 and K % 64 == 0 (got N={n}, K={k}), block_size in "
+                         f"{MOE_WGMMA_PROD_BLOCKS} with a built config (got {block_size}), input gathered by "
+                         f"position and 16-byte aligned, JITMARLIN_WGMMA not 0")
+    out = torch.empty(sorted_ids.numel(), n // 2, dtype=a.dtype, device=a.device)
+    if size_m == 0:
+        return out
+    _launch_wgmma_moe(a, b, scales, None, sorted_ids, expert_ids, num_padded, None, out, size_m, n, k, fam, top_k,
+                      block_size, True, K.cuda_index(a.device), silu=True)
+    return out
+
+
+def _moe_gemm_silu_fake(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k, block_size):
+    n, _, _ = _check_moe_args(a, b, scales, None, sorted_ids, expert_ids, num_padded, None, size_m, top_k,
+                              block_size)
+    _check_expert_table(sorted_ids, expert_ids, block_size, 0, 0, b.shape[0])
+    return a.new_empty(sorted_ids.shape[0], n // 2)
+
+
+_lib.impl("moe_gemm_silu", _moe_gemm_silu_cuda, "CUDA")
+_lib.impl("moe_gemm_silu", _moe_gemm_cpu, "CPU")
+torch.library.register_fake("jitmarlin::moe_gemm_silu", _moe_gemm_silu_fake, lib=_lib)
 
 
 def moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m: int, top_k: int,
@@ -819,13 +880,19 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     gathered = w13_perm is None and w2_perm is None and one is None and i2 * h > MOE_WGMMA_PROD_MIN_KN \
         and _prod_route(hidden, bs, t * top_k / e, ((i2, h, w13, w13_scales, w13_zeros),
                                                     (h, inter, w2, w2_scales, w2_zeros)))
+    silu_epi = gathered and MOE_SILU_EPILOGUE
     if w13_perm is None and not gathered:
         c1 = moe_gemm(hidden, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                       top_k, bs, False, shift, clamp)  # [T*k, 2I]
     else:
         a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, w13_perm, top_k, bs)
-        c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
-                      top_k, bs, True)
+        silu_epi = silu_epi and silu_epilogue_ok(a1, w13, w13_scales, w13_zeros, t * top_k, bs)
+        if silu_epi:  # SiLU-mul in the GEMM's epilogue: the down projection's input by position, [L, I]
+            a2 = torch.ops.jitmarlin.moe_gemm_silu(a1, w13, w13_scales, sorted_ids, expert_ids, num_padded,
+                                                   t * top_k, top_k, bs)
+        else:
+            c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
+                          top_k, bs, True)
     tw = topk_weights.reshape(-1).to(torch.float32)
     by_position = w2_perm is not None or gathered
     splits = 1 if shift else _down_splits(hidden, bs, t * top_k, e, inter, w2, w2_scales, w2_zeros)
@@ -834,7 +901,9 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs, False, shift, clamp, splits)
     else:
-        if MOE_SILU_GATHER:  # SiLU-mul and the gather in one kernel: [L, I] by position
+        if silu_epi:
+            pass  # a2 came from the gate/up GEMM's SiLU epilogue
+        elif MOE_SILU_GATHER:  # SiLU-mul and the gather in one kernel: [L, I] by position
             a2 = silu_gather_by_position(c1, inter, sorted_ids, expert_ids, num_padded, w2_perm, bs)
         else:
             a2 = gather_by_position(silu_mul(c1, inter), sorted_ids, expert_ids, num_padded, w2_perm, 1, bs)

@@ -798,3 +798,108 @@ def test_moe_producer_blocks(monkeypatch, kw, nt):
             slot_w = w13[ids.reshape(-1).long()]  # [T*k, 2I, H]: each slot's expert
             want = torch.einsum("sh,sih->si", x.float().repeat_interleave(2, 0), slot_w)
             check_close(got, want, tol, f"blocks of {nt} (mma.sync) without gathered rows")
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16), dict(bits=8, group=64), dict(group=-1)],
+                         ids=["f16", "bf16", "u8g64", "gc"])
+def test_moe_silu_epilogue(monkeypatch, kw):
+    """SiLU-mul in the gate/up GEMM's epilogue (moe_gemm_silu, the producer form writing SiLU(gate) * up by
+    position) against the two-kernel path it replaces (the GEMM's [slots, 2I] output, then jm_silu_gather) on
+    every position below num_padded: bit for bit with whole tiles, within rounding with stream-K (its cuts
+    fall elsewhere in the remapped strips); blocks of 24 / 32 / 48 rows, random and skewed routing (experts
+    with several blocks, empty experts), the output poisoned with NaN first; the layer with it
+    (fused_marlin_moe, moe.MOE_SILU_EPILOGUE) against the layer without (equal with whole tiles) and the
+    plain-PyTorch reference, also replayed in a CUDA graph; launched with silu_out = 1; blocks
+    the producer form does not take are a clear error."""
+    from .test_moe_gpu import make_moe, reference
+
+    from jitmarlin.ops import moe as M
+
+    silu_flags = []
+    orig = K.get_wgmma_kernel
+
+    def spy(fam, nt, fw, stages, index, wide=False, prod=False):
+        fn = orig(fam, nt, fw, stages, index, wide, prod)
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(fn, name)
+
+            def launch(self, grid, *a, **kw2):
+                silu_flags.append(a[3].silu_out)
+                return fn.launch(grid, *a, **kw2)
+        return Spy()
+
+    monkeypatch.setattr(K, "get_wgmma_kernel", spy)
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)  # (small experts: the producer route's size rule off)
+    e, h, inter, top_k = 8, 1024, 512, 2
+    moe, w13, w2 = make_moe(e, h, inter, top_k, **kw)
+    dtype = kw.get("dtype", torch.float16)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    wq, ws = moe.w13_qweight, moe.w13_scales
+    for nt in (24, 32, 48):
+        layer = _poisoned_moe_layer(moe, dtype, nt)
+        for t, skew in ((37, False), (64, False), (64, True), (200, True)):
+            x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
+            sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, nt, e)
+            a1 = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, nt)
+            assert M.silu_epilogue_ok(a1, wq, ws, None, t * top_k, nt)
+            npad = int(num_padded.item())
+            for stream in (True, False):
+                monkeypatch.setattr(M, "MOE_STREAM_K", stream)
+                c1 = M.moe_gemm(a1, wq, ws, None, sorted_ids, expert_ids, num_padded, None, t * top_k, top_k, nt,
+                                True)
+                two = M.silu_gather_by_position(c1, inter, sorted_ids, expert_ids, num_padded, None, nt)
+                torch.full((1 << 24,), float("nan"), device="cuda", dtype=dtype)  # poison the next allocation
+                silu_flags.clear()
+                one = torch.ops.jitmarlin.moe_gemm_silu(a1, wq, ws, sorted_ids, expert_ids, num_padded, t * top_k,
+                                                        top_k, nt)
+                torch.cuda.synchronize()
+                assert silu_flags == [1], silu_flags
+                assert one.shape == (sorted_ids.numel(), inter) and one.dtype == dtype
+                assert not one[:npad].isnan().any(), f"blocks of {nt}, T={t}: positions left unwritten"
+                if stream:  # stream-K cuts a CTA's tile where it cuts the plain GEMM's tile of other strips: the
+                    # fp32 sums are added in another order, so equal up to rounding
+                    check_close(one[:npad], two[:npad].float(), tol, f"SiLU epilogue vs two kernels, blocks of "
+                                f"{nt}, T={t}, stream-K")
+                else:  # whole tiles: the same sums, rounded alike, through the same formula
+                    assert torch.equal(one[:npad], two[:npad]), \
+                        (nt, t, skew, (one[:npad].float() - two[:npad].float()).abs().max().item())
+                monkeypatch.setattr(M, "MOE_SILU_EPILOGUE", False)
+                silu_flags.clear()
+                off = layer(x, weights, ids)
+                assert silu_flags == [0, 0], silu_flags
+                monkeypatch.setattr(M, "MOE_SILU_EPILOGUE", True)
+                silu_flags.clear()
+                on = layer(x, weights, ids)
+                torch.cuda.synchronize()
+                assert silu_flags == [1, 0], silu_flags  # the gate/up GEMM with the epilogue, then the down GEMM
+                if stream:
+                    check_close(on, off.float(), tol, f"layer with / without the epilogue, blocks of {nt}, T={t}")
+                else:
+                    assert torch.equal(on, off), (nt, t, skew)
+                check_close(on, want, tol, f"SiLU epilogue, blocks of {nt}, T={t}, skewed={skew}, stream-K {stream}")
+    # the layer in a CUDA graph, replayed on new tokens and routing
+    layer = _poisoned_moe_layer(moe, dtype, 32)
+    x = torch.randn(48, h, device="cuda", dtype=dtype)
+    weights, ids = moe.route(x)
+    layer(x, weights, ids)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x, weights, ids)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        w_new, ids_new = moe.route(x)
+        weights.copy_(w_new)
+        ids.copy_(ids_new)
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(y, reference(x, w13, w2, weights, ids, dtype), tol, "SiLU epilogue in a CUDA graph")
+    # blocks of 64 (the plain wgmma form): a clear error, not a launch
+    sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, 64, e)
+    a1 = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, 64)
+    silu_flags.clear()
+    with pytest.raises(ValueError, match="moe_gemm_silu needs the sm_90a wgmma MoE kernel's producer form"):
+        torch.ops.jitmarlin.moe_gemm_silu(a1, wq, ws, sorted_ids, expert_ids, num_padded, 48 * top_k, top_k, 64)
+    assert silu_flags == []
