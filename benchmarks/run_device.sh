@@ -776,6 +776,38 @@ for st in $STAGES; do
            timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64,96,256 --rounds 3 \
              --ab "silu=0;silu=1" > "$OUT/s31b_ab.log" 2>&1
            echo "s31b ab rc=$?"; grep "us$" "$OUT/s31b_ab.log" | sed 's/.*\] \[/[/';;
+    s31c)  # session 31: where the SiLU epilogue's time goes (Mixtral 64 / 256 tokens): the route's chain with and
+           # without it (prefix graph times) and the gate/up GEMM with / without it and SiLU-gather alone, twice;
+           # per-kernel eager GPU time of the layer with it off / on
+           for r in 1 2; do
+             timeout 150 python3 benchmarks/probe_moe_chain.py --shapes mixtral --tokens 64,256 --gathered --silu-epi \
+               --dense 0 > "$OUT/s31c_chain$r.log" 2>&1
+             echo "s31c chain$r rc=$?"; grep -E "prefix|alone" "$OUT/s31c_chain$r.log"
+           done
+           timeout 150 python3 benchmarks/profile_moe.py --shapes mixtral --tokens 64,256 --silu-epi 0,1 \
+             > "$OUT/s31c_prof.log" 2>&1
+           echo "s31c prof rc=$?"; grep -v "^jitmarlin" "$OUT/s31c_prof.log" | head -60;;
+    s31d)  # session 31 (diagnostic): why the gate/up GEMM with the SiLU epilogue is slower alone (Mixtral 64 / 256
+           # tokens: 185 -> 192, 347 -> 369 us): its SiLU arithmetic (-DJM_SILU_PLAIN_EPI: the remapped strips
+           # without it) or the remapped strips (-DJM_SILU_NO_REMAP: the epilogue on the usual strips)
+           for f in none -DJM_SILU_PLAIN_EPI -DJM_SILU_NO_REMAP none; do
+             if [ $f = none ]; then unset JITMARLIN_NVCC_FLAGS; else export JITMARLIN_NVCC_FLAGS=$f; fi
+             timeout 120 python3 benchmarks/probe_moe_chain.py --shapes mixtral --tokens 64,256 --gathered --silu-epi \
+               --dense 0 > "$OUT/s31d_$f.log" 2>&1
+             echo "== $f rc=$?"; grep -E "alone" "$OUT/s31d_$f.log"
+           done
+           unset JITMARLIN_NVCC_FLAGS;;
+    s31e)  # session 31: the SiLU epilogue with the approximate quotient in silu_times (no slow-path branch per
+           # value): MoE GPU tests, the Mixtral layer off / on (three rounds), the gate/up GEMM alone
+           timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rs --maxfail=20 tests/gpu/test_wgmma_gpu.py \
+             tests/gpu/test_moe_gpu.py tests/gpu/test_moe_util_gpu.py -k "moe or silu" > "$OUT/s31e_tests.log" 2>&1
+           echo "s31e tests rc=$?"; tail -4 "$OUT/s31e_tests.log"
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 48,64,96,256 --rounds 3 \
+             --ab "silu=0;silu=1" > "$OUT/s31e_ab.log" 2>&1
+           echo "s31e ab rc=$?"; grep "us$" "$OUT/s31e_ab.log" | sed 's/.*\] \[/[/'
+           timeout 120 python3 benchmarks/probe_moe_chain.py --shapes mixtral --tokens 64,256 --gathered --silu-epi \
+             --dense 0 > "$OUT/s31e_chain.log" 2>&1
+           echo "s31e chain rc=$?"; grep -E "prefix|alone" "$OUT/s31e_chain.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

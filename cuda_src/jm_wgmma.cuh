@@ -408,8 +408,15 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // Local strip j of the CTA is global strip strip0 + j * sstep.
   constexpr bool kSilu = MOE && PROD && !HAS_ZP && S::kStrips == 2 && WGS == 1;
   const bool silu = kSilu && p.silu_out != 0;
+  // (diagnostics, wrong results: -DJM_SILU_NO_REMAP the epilogue on strips 2 f_tile, 2 f_tile + 1;
+  // -DJM_SILU_PLAIN_EPI the remapped strips, the epilogue writing gate + up without the SiLU arithmetic)
+#if defined(JM_SILU_NO_REMAP)
+  const int sstep = 1;
+  const int strip0 = f_tile * S::kStrips;
+#else
   const int sstep = silu ? f_tiles : 1;
   const int strip0 = silu ? f_tile : f_tile * S::kStrips;  // the CTA's first strip
+#endif
   const int tok0 = m_tile * NT;  // this piece's stages: [kt0, kt0 + k_tiles)
   const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
   if (tid == 0) {
@@ -1043,8 +1050,13 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #pragma unroll
         for (int c = 0; c < 2; c++) {
           T* row = cbase + static_cast<int64_t>(tok0 + 8 * i + 2 * t4 + c) * p.ldc;
+#if defined(JM_SILU_PLAIN_EPI)
+          row[f_lo] = from_float<T>(d[0][4 * i + c] + d[1][4 * i + c]);
+          row[f_hi] = from_float<T>(d[0][4 * i + 2 + c] + d[1][4 * i + 2 + c]);
+#else
           row[f_lo] = silu_times<T>(from_float<T>(d[0][4 * i + c]), from_float<T>(d[1][4 * i + c]));
           row[f_hi] = silu_times<T>(from_float<T>(d[0][4 * i + 2 + c]), from_float<T>(d[1][4 * i + 2 + c]));
+#endif
         }
       }
       tl_end();
