@@ -32,7 +32,9 @@
                       routing draws hit each alike); a variant is comma-separated items: flags=F+F
                       ($JITMARLIN_NVCC_FLAGS, '+' between flags; none: empty), ctas=NT-FW-S:C (CTAs per SM of
                       a producer-form config, K.WGMMA_PROD_CTAS / _U4), fw=0|1|2 (as --fw; 0: the rule),
-                      silu=0|1 (moe.MOE_SILU_EPILOGUE: SiLU-mul in the gate/up GEMM's epilogue off / on), e.g.
+                      silu=0|1 (moe.MOE_SILU_EPILOGUE: SiLU-mul in the gate/up GEMM's epilogue off / on),
+                      minkn=N (moe.MOE_WGMMA_PROD_MIN_KN: the producer route from experts of K*N > N),
+                      smallcover=R (moe.WGMMA_COVER_SMALL_MIN_ROWS; 0: small experts never take the cover rule), e.g.
                       --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
@@ -91,7 +93,7 @@ def main() -> None:
                          "default 1: none)")
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
-    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1) timed in turn")
+    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, smallcover=R) timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()
@@ -198,8 +200,13 @@ def _apply_variant(variant: str) -> str:
             _set_moe_fw(int(val))
         elif key == "silu":
             M.MOE_SILU_EPILOGUE = bool(int(val))
+        elif key == "minkn":
+            M.MOE_WGMMA_PROD_MIN_KN = int(val)
+        elif key == "smallcover":  # rows per expert from which small experts take the cover rule (0: never)
+            M.WGMMA_COVER_SMALL_MIN_ROWS = float(val) if float(val) > 0 else float("inf")
         else:
-            raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2 or silu=0|1")
+            raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N "
+                             "or smallcover=R")
     K.clear_kernel_caches()
     return variant
 

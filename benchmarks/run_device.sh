@@ -808,6 +808,18 @@ for st in $STAGES; do
            timeout 120 python3 benchmarks/probe_moe_chain.py --shapes mixtral --tokens 64,256 --gathered --silu-epi \
              --dense 0 > "$OUT/s31e_chain.log" 2>&1
            echo "s31e chain rc=$?"; grep -E "prefix|alone" "$OUT/s31e_chain.log";;
+    s31h)  # session 31: small experts (E=64) take the cover rule on the producer form from 25 rows per expert
+           # (moe.small_cover). MoE GPU tests; the layer with the rule off / on, two rounds; bench_moe at the token
+           # counts it changes, with Humming
+           timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rs --maxfail=20 tests/gpu/test_wgmma_gpu.py \
+             tests/gpu/test_moe_gpu.py tests/gpu/test_moe_util_gpu.py -k "moe or silu" > "$OUT/s31h_tests.log" 2>&1
+           echo "s31h tests rc=$?"; tail -4 "$OUT/s31h_tests.log"
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 256,288,384,448,512,640,768,896 \
+             --rounds 2 --ab "smallcover=0;smallcover=25" > "$OUT/s31h_ab.log" 2>&1
+           echo "s31h ab rc=$?"; grep "us$" "$OUT/s31h_ab.log" | sed 's/.*\] \[/[/'
+           timeout 200 python3 benchmarks/bench_moe.py --shapes e64 --tokens 288,384,512,768 --json "$OUT/s31h_moe.json" \
+             > "$OUT/s31h_moe.log" 2>&1
+           echo "s31h moe rc=$?"; grep -E "^\| e64" "$OUT/s31h_moe.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -90,9 +90,18 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert abs(M.covered_rows(64, 2, 8) - (64 + 1.75 * 48 ** 0.5)) < 1e-9
     assert [choose_block_size(t, 2, 8, True, prod_blocks=False) for t in (72, 88, 210, 213)] == [32, 64, 64, 128]
     assert choose_block_size(40, 2, 8, True) == 16  # 10 rows (large experts): the mma.sync kernel's
-    small = 2048 * 2816  # E=64 experts: blocks of 32 from 9 to 24 rows per expert, 64 while it covers, then 128
-    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 96, 256, 267, 320, 512, 550, 560, 1024)] == \
-        [16, 32, 32, 64, 64, 64, 64, 128, 128]
+    # E=64 experts: blocks of 32 from 9 to 24 rows per expert, then (small_cover) the smallest producer-form
+    # block of 48 / 80 / 96 that holds the covered rows, then 128
+    small = 2048 * 2816
+    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 96, 256, 266, 267, 320, 402, 403, 512, 560, 708,
+                                                               709, 864, 865, 1024)] == \
+        [16, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
+    for t in range(267, 865, 11):
+        b, cover = choose_block_size(t, 6, 64, True, small), M.covered_rows(t * 6 / 64, 6, 64)
+        assert M.small_cover(t * 6 / 64, 6, 64, small) and b >= cover, (t, b, cover)
+        assert b in M.WGMMA_COVER_SMALL_BLOCKS and all(s < cover for s in M.WGMMA_COVER_SMALL_BLOCKS if s < b), t
+    assert choose_block_size(320, 6, 64, True, small, prod_blocks=False) == 64  # no producer form: as before
+    assert not M.small_cover(30.0, 6, 64, 4096 * 28672)  # large experts: the cover rule above
     assert choose_block_size(64, 2, 8) == 32  # (the mma.sync kernel's choice)
     assert choose_block_size(16, 2, 8, True) == 8 and choose_block_size(64, 6, 64, True) == 8  # 4, 6 rows
     assert choose_block_size(1024, 2, 8) == 64 and choose_block_size(100000, 8, 8) == 64

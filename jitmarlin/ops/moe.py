@@ -85,11 +85,29 @@ WGMMA_COVER_BLOCKS = (24, 32, 48, 64, 80, 96)
 # at 768 tokens, which lost; 96 wins or ties at each point within the run's ~5% noise. (The multi-block
 # time is tensor-bound: the prepared estimate of ~0.53 us per padded row from 384 tokens did not hold.)
 WGMMA_MULTI_BLOCK = 96
+# Small experts (K*N <= WGMMA_32_SMALL_KN, e.g. E=64 top-6's 2048 x 2816) past wgmma_block32's range take the
+# cover rule too, on the producer form only (blocks of WGMMA_COVER_SMALL_BLOCKS; the plain form's 64 lost there),
+# with both inputs gathered, while the covered rows fit a block of 96; past that the rule below (128 on the plain
+# form: the producer form lost at 96 rows per expert in session 27). H200 session 31 (probe_moe_tiles, E=64 top-6
+# layer us, two rounds, the rule then / blocks of 48 / 80 on the producer form): 288 tokens (27 rows per expert)
+# 242.1, 248.5 / 198.1, 200.2 / 223.4, 223.3; 320 (30) 244.6, 246.0 / 199.3, 201.0 / 223.6, 225.6; 352 (33)
+# 247.3, 248.0 / 202.0, 201.8 / 225.5; 384 (36) 248.5, 249.8 / 201.9, 204.2 / 224.8, 226.6; 448 (42) 256.8,
+# 256.6 / 233.4, 233.6 / 230.7, 228.6; 512 (48) 281.5, 280.4 / 280.7, 279.6 / 232.5, 231.3. At 256 tokens (24
+# rows) blocks of 32 stay (plain 168.8, on the producer form 167.4; 48: 187-196).
+WGMMA_COVER_SMALL_MIN_ROWS = 25
+WGMMA_COVER_SMALL_BLOCKS = (48, 80, 96)
 
 
 def covered_rows(per_expert: float, top_k: int, num_experts: int) -> float:
     """Rows per expert a block should hold: the mean plus WGMMA_COVER_Z binomial standard deviations."""
     return per_expert + WGMMA_COVER_Z * math.sqrt(per_expert * max(0.0, 1.0 - top_k / max(1, num_experts)))
+
+
+def small_cover(per_expert: float, top_k: int, num_experts: int, expert_kn: int) -> bool:
+    """Whether experts of K*N = expert_kn (the first GEMM's) at per_expert rows per expert take the small-expert
+    cover rule (WGMMA_COVER_SMALL_MIN_ROWS): producer-form blocks, both inputs gathered."""
+    return (expert_kn <= WGMMA_32_SMALL_KN and per_expert >= WGMMA_COVER_SMALL_MIN_ROWS
+            and covered_rows(per_expert, top_k, num_experts) <= WGMMA_COVER_SMALL_BLOCKS[-1])
 
 
 def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_blocks: bool = False,
@@ -99,8 +117,9 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
     With large_blocks (the wgmma MoE kernel runs both GEMMs): on experts of K*N = expert_kn (the first
     GEMM's) above WGMMA_32_SMALL_KN from WGMMA_COVER_MIN_ROWS rows per expert the smallest block of
     WGMMA_COVER_BLOCKS that holds covered_rows, else 128 (unless not prod_blocks: the producer form
-    cannot take them); elsewhere 128 where 64 does not cover, 32 where wgmma_block32 says so, 64 from
-    WGMMA_64_MIN_ROWS."""
+    cannot take them); on smaller experts where small_cover says so, the smallest of
+    WGMMA_COVER_SMALL_BLOCKS that holds them; elsewhere 128 where 64 does not cover, 32 where wgmma_block32
+    says so, 64 from WGMMA_64_MIN_ROWS."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if large_blocks:
         cover = covered_rows(per_expert, top_k, num_experts)
@@ -108,6 +127,8 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
             if cover > WGMMA_BLOCK:
                 return WGMMA_MULTI_BLOCK
             return next((b for b in WGMMA_COVER_BLOCKS if b >= cover), WGMMA_BLOCK)
+        if prod_blocks and small_cover(per_expert, top_k, num_experts, expert_kn):
+            return next(b for b in WGMMA_COVER_SMALL_BLOCKS if b >= cover)
         if cover > 64:
             return WGMMA_BLOCK
     if large_blocks and wgmma_block32(per_expert, expert_kn):
@@ -498,7 +519,12 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
         nt, fw, stages = cfg
         amap = wgmma_act_map(a, a.shape[0], k, nt, True)  # boxes of a block's rows
     else:
-        nt, fw, stages = next(c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw))
+        cfg = next((c for c in K.WGMMA_MOE_CONFIGS if c[:2] == (block_size, fw)), None)
+        if cfg is None:
+            raise ValueError(f"no wgmma MoE kernel is built for blocks of {block_size} rows with {fw} strip(s) per "
+                             f"warpgroup (plain form: {K.WGMMA_MOE_CONFIGS}; producer form, A gathered by position: "
+                             f"{K.WGMMA_MOE_PROD_CONFIGS})")
+        nt, fw, stages = cfg
         amap = K.NO_TENSOR_MAP
     if silu and not (prod and fw == 1 and k_splits == 1 and zeros is None and topk_weights is None and n % 128 == 0):
         raise AssertionError("the SiLU epilogue needs the producer form of two strips per CTA, no K splits, zero "
@@ -877,7 +903,8 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     hidden = hidden.contiguous()
     # blocks on the wgmma kernel's producer form read both GEMMs' inputs gathered in slot-list order
     # (no column order), as act-order experts do (theirs in each expert's column order)
-    gathered = w13_perm is None and w2_perm is None and one is None and i2 * h > MOE_WGMMA_PROD_MIN_KN \
+    gathered = w13_perm is None and w2_perm is None and one is None \
+        and (i2 * h > MOE_WGMMA_PROD_MIN_KN or small_cover(t * top_k / e, top_k, e, i2 * h)) \
         and _prod_route(hidden, bs, t * top_k / e, ((i2, h, w13, w13_scales, w13_zeros),
                                                     (h, inter, w2, w2_scales, w2_zeros)))
     silu_epi = gathered and MOE_SILU_EPILOGUE
