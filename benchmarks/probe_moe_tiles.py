@@ -34,7 +34,8 @@
                       a producer-form config, K.WGMMA_PROD_CTAS / _U4), fw=0|1|2 (as --fw; 0: the rule),
                       silu=0|1 (moe.MOE_SILU_EPILOGUE: SiLU-mul in the gate/up GEMM's epilogue off / on),
                       minkn=N (moe.MOE_WGMMA_PROD_MIN_KN: the producer route from experts of K*N > N),
-                      smallcover=R (moe.WGMMA_COVER_SMALL_MIN_ROWS; 0: small experts never take the cover rule), e.g.
+                      smallcover=R (moe.WGMMA_COVER_SMALL_MIN_ROWS; 0: small experts never take the cover rule),
+                      pfw=1|2 (moe.MOE_WGMMA_PROD_FW; the (NT, 2, S) configs from --prod-configs), e.g.
                       --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
@@ -93,7 +94,7 @@ def main() -> None:
                          "default 1: none)")
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
-    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, smallcover=R) timed in turn")
+    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, smallcover=R, pfw=1|2) timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()
@@ -202,11 +203,13 @@ def _apply_variant(variant: str) -> str:
             M.MOE_SILU_EPILOGUE = bool(int(val))
         elif key == "minkn":
             M.MOE_WGMMA_PROD_MIN_KN = int(val)
+        elif key == "pfw":  # strips per warpgroup pair of the producer form (its configs: --prod-configs)
+            M.MOE_WGMMA_PROD_FW = int(val)
         elif key == "smallcover":  # rows per expert from which small experts take the cover rule (0: never)
             M.WGMMA_COVER_SMALL_MIN_ROWS = float(val) if float(val) > 0 else float("inf")
         else:
-            raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N "
-                             "or smallcover=R")
+            raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, "
+                             "smallcover=R or pfw=1|2")
     K.clear_kernel_caches()
     return variant
 
