@@ -110,23 +110,31 @@ def main() -> None:
             if args.gathered:
                 gbs = M.choose_block_size(t, top_k, e, True, 2 * i * h)
 
-                def gchain(upto: int):  # the first upto + 1 kernels of the route
+                def gchain(upto: int, epi: bool = False):  # the first upto + 1 kernels of the route (epi: with
+                    # SiLU-mul in the gate/up GEMM's epilogue, whose steps 2, 3, 4 are its GEMMs and top-k sum)
                     sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, gbs, e)
                     if upto == 0:
                         return sorted_ids
                     a1 = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, gbs)
                     if upto == 1:
                         return a1
-                    c1 = M.moe_gemm(a1, moe.w13_qweight, moe.w13_scales, None, sorted_ids, expert_ids, num_padded,
-                                    None, t * top_k, top_k, gbs, True)
-                    if upto == 2:
-                        return c1
-                    c2 = M.silu_mul(c1, i)
-                    if upto == 3:
-                        return c2
-                    a2 = M.gather_by_position(c2, sorted_ids, expert_ids, num_padded, None, 1, gbs)
-                    if upto == 4:
-                        return a2
+                    if epi:
+                        a2 = torch.ops.jitmarlin.moe_gemm_silu(a1, moe.w13_qweight, moe.w13_scales, sorted_ids,
+                                                               expert_ids, num_padded, t * top_k, top_k, gbs)
+                        if upto == 2:
+                            return a2
+                        upto += 2  # (SiLU-mul and the second gather: in the epilogue)
+                    else:
+                        c1 = M.moe_gemm(a1, moe.w13_qweight, moe.w13_scales, None, sorted_ids, expert_ids,
+                                        num_padded, None, t * top_k, top_k, gbs, True)
+                        if upto == 2:
+                            return c1
+                        c2 = M.silu_mul(c1, i)
+                        if upto == 3:
+                            return c2
+                        a2 = M.gather_by_position(c2, sorted_ids, expert_ids, num_padded, None, 1, gbs)
+                        if upto == 4:
+                            return a2
                     c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, moe.w2_qweight, moe.w2_scales, None, sorted_ids,
                                                                    expert_ids, num_padded, tw, t * top_k, 1, gbs, True)
                     if upto == 5:
@@ -143,30 +151,12 @@ def main() -> None:
                 print(f"{name} T={t} block {gbs} gathered ({active} experts): prefix graph us: {steps}", flush=True)
                 if args.silu_epi and M.silu_epilogue_ok(gchain(1), moe.w13_qweight, moe.w13_scales, None,
                                                         t * top_k, gbs):
-                    def echain(upto: int):  # the route with SiLU-mul in the gate/up GEMM's epilogue
-                        sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, gbs, e)
-                        if upto == 0:
-                            return sorted_ids
-                        a1 = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, gbs)
-                        if upto == 1:
-                            return a1
-                        a2 = torch.ops.jitmarlin.moe_gemm_silu(a1, moe.w13_qweight, moe.w13_scales, sorted_ids,
-                                                               expert_ids, num_padded, t * top_k, top_k, gbs)
-                        if upto == 2:
-                            return a2
-                        c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, moe.w2_qweight, moe.w2_scales, None,
-                                                                       sorted_ids, expert_ids, num_padded, tw,
-                                                                       t * top_k, 1, gbs, True)
-                        if upto == 3:
-                            return c3
-                        return M.topk_sum(c3, t, top_k, x.dtype)
-
                     if "-DJM_SILU_" not in os.environ.get("JITMARLIN_NVCC_FLAGS", ""):  # (diagnostic builds: wrong
                         # results, the kernels alone only)
-                        got = echain(4).float()
+                        got = gchain(4, True).float()
                         assert ((got - ref).norm() / ref.norm()).item() < 1e-3, "the epilogue chain differs"
                         enames = ["align", "+gather", "+gemm1_silu", "+gemm2", "+topk_sum"]
-                        etimes = [common.time_graph(lambda _i, u=u: echain(u), 1, calls=10) for u in range(5)]
+                        etimes = [common.time_graph(lambda _i, u=u: gchain(u, True), 1, calls=10) for u in range(5)]
                         steps = " ".join(f"{nm} {tm:.1f}" for nm, tm in zip(enames, etimes))
                         print(f"{name} T={t} block {gbs} SiLU epilogue: prefix graph us: {steps}", flush=True)
                     # each kernel alone (tables and inputs made once), graphs of 10 back-to-back calls

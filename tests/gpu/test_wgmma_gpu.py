@@ -733,6 +733,29 @@ def test_moe_stream_k(monkeypatch, kw):
     check_graph_replays(moe, w13, w2, graph_x, 2, tol, "stream-K in a CUDA graph")
 
 
+def _layer_graph_replays(layer, moe, w13, w2, dtype, tol, what):
+    """The layer (x, weights, ids) -> out captured in a CUDA graph on 48 tokens, replayed twice on new tokens
+    and routing, each replay against the reference; returns the last (x, weights, ids)."""
+    from .test_moe_gpu import reference
+
+    x = torch.randn(48, 1024, device="cuda", dtype=dtype)
+    weights, ids = moe.route(x)
+    layer(x, weights, ids)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x, weights, ids)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        w_new, ids_new = moe.route(x)
+        weights.copy_(w_new)
+        ids.copy_(ids_new)
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(y, reference(x, w13, w2, weights, ids, dtype), tol, what)
+    return x, weights, ids
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
                                 dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
 @pytest.mark.parametrize("nt", [24, 48, 80, 96])
@@ -742,7 +765,7 @@ def test_moe_producer_blocks(monkeypatch, kw, nt):
     output memory poisoned with NaN first, a CUDA graph replayed on new tokens and routing; blocks of
     24 / 80 / 96 where the producer form cannot take them are a clear error, blocks of 48 there take
     the mma.sync kernel."""
-    from .test_moe_gpu import make_moe, reference
+    from .test_moe_gpu import make_moe
 
     from jitmarlin.ops import moe as M
 
@@ -772,21 +795,7 @@ def test_moe_producer_blocks(monkeypatch, kw, nt):
             check_close(got, want, tol, f"blocks of {nt}, T={t}, skewed={skew}, stream-K {stream}")
             check_close(got, b32, tol, f"blocks of {nt} vs 32, T={t}")
     # a CUDA graph of the layer on these blocks, replayed on new tokens and routing
-    x = torch.randn(48, 1024, device="cuda", dtype=dtype)
-    weights, ids = moe.route(x)
-    layer_nt(x, weights, ids)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = layer_nt(x, weights, ids)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        w_new, ids_new = moe.route(x)
-        weights.copy_(w_new)
-        ids.copy_(ids_new)
-        g.replay()
-        torch.cuda.synchronize()
-        check_close(y, reference(x, w13, w2, weights, ids, dtype), tol, f"blocks of {nt} in a CUDA graph")
+    x, weights, ids = _layer_graph_replays(layer_nt, moe, w13, w2, dtype, tol, f"blocks of {nt} in a CUDA graph")
     # these blocks with A not gathered by position: a clear error, not a launch (48: the mma.sync kernel)
     sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, nt, 8)
     args = (x, moe.w13_qweight, moe.w13_scales, moe.w13_qzeros, sorted_ids, expert_ids, num_padded, None, 48 * 2, 2, nt)
@@ -814,7 +823,7 @@ def test_moe_silu_epilogue(monkeypatch, kw):
     (fused_marlin_moe, moe.MOE_SILU_EPILOGUE) against the layer without (equal with whole tiles) and the
     plain-PyTorch reference, also replayed in a CUDA graph; launched with silu_out = 1; blocks
     the producer form does not take are a clear error."""
-    from .test_moe_gpu import make_moe, reference
+    from .test_moe_gpu import make_moe
 
     from jitmarlin.ops import moe as M
 
@@ -883,22 +892,8 @@ def test_moe_silu_epilogue(monkeypatch, kw):
                     assert torch.equal(on, off), (nt, t, skew)
                 check_close(on, want, tol, f"SiLU epilogue, blocks of {nt}, T={t}, skewed={skew}, stream-K {stream}")
     # the layer in a CUDA graph, replayed on new tokens and routing
-    layer = _poisoned_moe_layer(moe, dtype, 32)
-    x = torch.randn(48, h, device="cuda", dtype=dtype)
-    weights, ids = moe.route(x)
-    layer(x, weights, ids)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = layer(x, weights, ids)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        w_new, ids_new = moe.route(x)
-        weights.copy_(w_new)
-        ids.copy_(ids_new)
-        g.replay()
-        torch.cuda.synchronize()
-        check_close(y, reference(x, w13, w2, weights, ids, dtype), tol, "SiLU epilogue in a CUDA graph")
+    x, weights, ids = _layer_graph_replays(_poisoned_moe_layer(moe, dtype, 32), moe, w13, w2, dtype, tol,
+                                           "SiLU epilogue in a CUDA graph")
     # blocks of 64 (the plain wgmma form): a clear error, not a launch
     sorted_ids, expert_ids, num_padded = M.moe_align_block_size(ids, 64, e)
     a1 = M.gather_by_position(x, sorted_ids, expert_ids, num_padded, None, top_k, 64)
