@@ -687,21 +687,7 @@ def test_moe_stream_k(monkeypatch, kw):
     from jitmarlin.ops import moe as M
 
     grids = []
-    orig = K.get_wgmma_kernel
-
-    def spy(fam, nt, fw, stages, index, wide=False, prod=False):
-        fn = orig(fam, nt, fw, stages, index, wide, prod)
-
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(fn, name)
-
-            def launch(self, grid, *a, **kw2):
-                grids.append((grid, a[3].k_splits))
-                return fn.launch(grid, *a, **kw2)
-        return Spy()
-
-    monkeypatch.setattr(K, "get_wgmma_kernel", spy)
+    _spy_wgmma_launches(monkeypatch, lambda grid, p: grids.append((grid, p.k_splits)))
     monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
@@ -731,6 +717,25 @@ def test_moe_stream_k(monkeypatch, kw):
     graph_x = torch.randn(64, 1024, device="cuda", dtype=dtype)
     moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
     check_graph_replays(moe, w13, w2, graph_x, 2, tol, "stream-K in a CUDA graph")
+
+
+def _spy_wgmma_launches(monkeypatch, record):
+    """K.get_wgmma_kernel wrapped so that every launch of its kernels first calls record(grid, params)."""
+    orig = K.get_wgmma_kernel
+
+    def spy(fam, nt, fw, stages, index, wide=False, prod=False):
+        fn = orig(fam, nt, fw, stages, index, wide, prod)
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(fn, name)
+
+            def launch(self, grid, *a, **kw2):
+                record(grid, a[3])
+                return fn.launch(grid, *a, **kw2)
+        return Spy()
+
+    monkeypatch.setattr(K, "get_wgmma_kernel", spy)
 
 
 def _layer_graph_replays(layer, moe, w13, w2, dtype, tol, what):
@@ -828,21 +833,7 @@ def test_moe_silu_epilogue(monkeypatch, kw):
     from jitmarlin.ops import moe as M
 
     silu_flags = []
-    orig = K.get_wgmma_kernel
-
-    def spy(fam, nt, fw, stages, index, wide=False, prod=False):
-        fn = orig(fam, nt, fw, stages, index, wide, prod)
-
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(fn, name)
-
-            def launch(self, grid, *a, **kw2):
-                silu_flags.append(a[3].silu_out)
-                return fn.launch(grid, *a, **kw2)
-        return Spy()
-
-    monkeypatch.setattr(K, "get_wgmma_kernel", spy)
+    _spy_wgmma_launches(monkeypatch, lambda grid, p: silu_flags.append(p.silu_out))
     monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)  # (small experts: the producer route's size rule off)
     e, h, inter, top_k = 8, 1024, 512, 2
     moe, w13, w2 = make_moe(e, h, inter, top_k, **kw)
