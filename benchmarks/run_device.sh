@@ -820,6 +820,17 @@ for st in $STAGES; do
            timeout 200 python3 benchmarks/bench_moe.py --shapes e64 --tokens 288,384,512,768 --json "$OUT/s31h_moe.json" \
              > "$OUT/s31h_moe.log" 2>&1
            echo "s31h moe rc=$?"; grep -E "^\| e64" "$OUT/s31h_moe.log";;
+    s32a)  # PREPARED in session 31 (probe only, no route change): the MoE producer form's blocks of 48 at three
+           # CTAs per SM (12 compute warps per SM instead of 8; without the group-scale form, which spilled there;
+           # compiles clean, SASS of the built kernels unchanged) where ncu found the E=64 288-token GEMMs
+           # latency-bound (0.6 eligible warps per scheduler). E=64 288-384 tokens and Mixtral 128 / 160 tokens
+           # (blocks of 48), two rounds each, interleaved.
+           timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 288,320,384 --rounds 2 \
+             --ab "ctas=48-1-6:2;ctas=48-1-6:3" > "$OUT/s32a_e64.log" 2>&1
+           echo "s32a e64 rc=$?"; grep "us$" "$OUT/s32a_e64.log" | sed 's/.*\] \[/[/'
+           timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 128,160 --rounds 2 \
+             --ab "ctas=48-1-6:2;ctas=48-1-6:3" > "$OUT/s32a_mixtral.log" 2>&1
+           echo "s32a mixtral rc=$?"; grep "us$" "$OUT/s32a_mixtral.log" | sed 's/.*\] \[/[/';;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

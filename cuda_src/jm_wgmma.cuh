@@ -344,7 +344,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // 187.8 us, separate processes); with the late fold they gained 2% (session 30, interleaved, two rounds:
   // 96 / 256 tokens 160.1, 160.0 / 173.3, 172.2 -> 157.3, 156.9 / 169.5, 169.2 us). Dense 8192 x 28672
   // M = 17 / 48 / 64 55.3 / 71.1 / 78.7 -> 54.2 / 69.6 / 71.2 us (benchmarks/NOTES.md, session 29). Not the
-  // 32-token tiles with zero points: their g128 forms spilled 4 (plain) and 20 bytes (three CTAs per SM).
+  // 32-token tiles with zero points: their g128 forms spilled 4 (plain) and 20 bytes (three CTAs per SM). Not
+  // tiles past 32 tokens at three CTAs per SM (the MoE blocks of 48 there, probes only: 1224 bytes of spills
+  // with the form, 616 with two fragment buffers, none without it; session 31).
   // 8-bit weights (session 30): at up to two CTAs per SM, and with zero points only on 16-token tiles
   // (three CTAs per SM spilled 20-250 bytes, zero points at 32 / 64 tokens 4-16); fp16 u8b128 route, two
   // rounds, NO_GACC -> this: 4096 x 28672 M=32 43.2, 43.2 -> 41.1, 41.4 us, 28672 x 8192 M=64 82.4, 81.3 ->
@@ -365,7 +367,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   constexpr bool kGacc = false;
 #else
   constexpr bool kGacc = kGrouped && GROUP_BLOCKS >= 4 && FW <= 2 &&
-                         (BITS == 4 ? (MINB <= 3 || NT <= 24) && !(HAS_ZP && NT == 32)
+                         (BITS == 4 ? (MINB <= 2 || (MINB == 3 && NT <= 32) || NT <= 24) && !(HAS_ZP && NT == 32)
                                     : (MINB <= 2 && (!HAS_ZP || NT <= 16))) &&
                          (NT <= 32 || (NT <= 64 && PROD)) && (PROD || !MOE || BITS == 4) &&
                          (!kBf16Rule || (BITS == 4 && !PROD && !MOE));
@@ -876,8 +878,12 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   const uint64_t desc_base = wgmma_desc_sw128(smem_base);  // slot 0, step 0 (the others: + offsets)
   // NB fragment buffers: step s dequantizes into buffer s % NB while up to NB - 1 earlier steps'
   // wgmma still run (wait_group NB - 1 before a buffer is rewritten). Four when the registers allow
-  // (a whole stage in flight), else two.
+  // (a whole stage in flight), else two. -DJM_WG_NB=2 / 4: that many everywhere (probes).
+#if defined(JM_WG_NB)
+  constexpr int NB = JM_WG_NB;
+#else
   constexpr int NB = ((FW == 2 && NT == 128) || (MINB >= 4 && (NT > 24 || kGacc))) ? 2 : 4;
+#endif
   uint32_t abuf[NB][FW][4];
   preload(smem);
   load_groups(smem);

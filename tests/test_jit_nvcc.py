@@ -150,10 +150,10 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
     monkeypatch.setattr(K, "WGMMA_CONFIGS", ((32, 1, 8), (64, 1, 6)))
     monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ())
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6), (32, 2, 6)))
-    monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3, (24, 1, 6): 3})
+    monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3, (24, 1, 6): 3, (48, 1, 6): 3})
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS_U4", {(24, 1, 6): 4})
     monkeypatch.setattr(K, "WGMMA_MOE_CONFIGS", ((32, 1, 8),))
-    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6),))
+    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6), (48, 1, 6)))
     cubins, expect = {}, {}
     fams = (K.Family("f16", 4, False, 128), K.Family("f16", 4, False, 64, moe=True), K.Family("f16", 4, True, 128),
             K.Family("bf16", 4, False, 128), K.Family("f16", 8, False, 128), K.Family("bf16", 8, True, 64))
@@ -182,15 +182,16 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
                 assert not K.wgmma_scales_on_sums(4, 128, 32), "the mirror must see the flag"
         finally:
             K.wgmma_build_spec.cache_clear()
-    # per dense family n32 / n64 plain and producer (n32 at three CTAs; n32 with four strips), MoE n32 plain
-    # and n24 producer (four CTAs). fp16 4-bit: all but the dense plain n64, the four strips and, with zero
+    # per dense family n32 / n64 plain and producer (n32 at three CTAs; n32 with four strips), MoE n32 plain,
+    # n24 producer (four CTAs) and n48 producer at three CTAs (a probe config). fp16 4-bit: all but the dense
+    # plain n64, the four strips, the MoE n48 at three CTAs (its registers: spills with the form) and, with zero
     # points (u4, not u4b8), the dense n32 tiles (the plain MoE n32 too: late fold); bf16 4-bit: the dense
     # plain n32 only; fp16 8-bit (two CTAs per SM at most): the plain n32 and the producer n64, not with zero
     # points; bf16 8-bit: none.
-    assert len(expect) == 27, sorted(expect)
+    assert len(expect) == 28, sorted(expect)
     assert sorted(n for n, on in expect.items() if on) == sorted(
         [n for n in expect if n.startswith("jm_wgmma_f16_u4") and ("_prod" in n or "_n32" in n) and "_f2_" not in n
-         and not ("_u4_" in n and "_n32_" in n)]
+         and not ("_u4_" in n and "_n32_" in n) and "_n48_" not in n]
         + ["jm_wgmma_bf16_u4b8_g128_n32_f1_s8"]
         + [n for n in expect if n.startswith("jm_wgmma_f16_u8b128_") and n.endswith(("_n32_f1_s8", "_n64_f1_s6_prod"))]
     ), expect
