@@ -94,7 +94,8 @@ def main() -> None:
                          "default 1: none)")
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
-    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, smallcover=R, pfw=1|2) timed in turn")
+    ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, "
+                    "minkn=N, smallcover=R, pfw=1|2) timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()

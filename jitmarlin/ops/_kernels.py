@@ -341,8 +341,8 @@ def wgmma_scales_on_sums(bits: int, group: int, nt: int, ctas: int = 1, prod: bo
     per SM) applies group scales to fp32 sums of whole groups (jm_wgmma.cuh kGacc, built unless
     -DJM_WG_NO_GACC) instead of to each weight: weights in groups of 64 or 128, at most two strips
     per warpgroup, token tiles of up to 32 (the producer form's up to 64); 4-bit weights at up to two
-    CTAs per SM, three with tiles of up to 32 (four: up to 24), with zero points (`zp`) not on 32-token tiles; 8-bit at up to
-    two, with zero points only on 16-token tiles; the plain MoE form only for fp16 4-bit; bf16 (`dtype`
+    CTAs per SM, three with tiles of up to 32 (four: up to 24), with zero points (`zp`) not on 32-token
+    tiles; 8-bit at up to two, with zero points only on 16-token tiles; the plain MoE form only for fp16 4-bit; bf16 (`dtype`
     "bf16") only on the dense plain 4-bit tiles (with the probe flag -DJM_WG_GACC_BF16 by the fp16 rule).
     Kernels on either side of this round their fp32 sums differently (tests compare those bit for bit only
     on the same side)."""
