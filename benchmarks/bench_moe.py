@@ -80,17 +80,21 @@ def eager_us(fn, reps=30):
     return statistics.median(ts)
 
 
-def moe_cases(names, tokens):
+def moe_cases(names, tokens, dtype=torch.float16):
     """(shape name, tokens, fn, topk_ids) for every shape and token count (the probes' cases): one
     random layer per shape, seeded, fresh activations per token count; fn() runs its experts with
-    their routing (router excluded)."""
+    their routing (router excluded). `dtype`: of the activations and scales (fp16 or bf16)."""
+    def packed(k, n, gen):
+        p = _packed(k, n, gen)
+        return p if dtype == torch.float16 else Packed(p.b, p.scales.to(dtype), None, 4, GROUP)
+
     for name in names:
         e, h, i, k = SHAPES[name]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        moe = MarlinMoE([_packed(h, 2 * i, gen) for _ in range(e)], [_packed(i, h, gen) for _ in range(e)],
+        moe = MarlinMoE([packed(h, 2 * i, gen) for _ in range(e)], [packed(i, h, gen) for _ in range(e)],
                         torch.randn(e, h, device="cuda", generator=gen) * 0.05, k)
         for t in tokens:
-            x = torch.randn(t, h, device="cuda", dtype=torch.float16, generator=gen)
+            x = torch.randn(t, h, device="cuda", dtype=dtype, generator=gen)
             weights, ids = moe.route(x)
             yield name, t, (lambda x=x, w=weights, ids=ids: fused_marlin_moe(
                 x, moe.w13_qweight, moe.w13_scales, moe.w2_qweight, moe.w2_scales, w, ids)), ids

@@ -65,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small-kn", type=int, default=None, help="override gemm._SMALL_KN (before any launch)")
     ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--dtype", default="f16", choices=("f16", "bf16"), help="activations and scales")
     ap.add_argument("--shapes", default="mixtral,e64")
     ap.add_argument("--block", default="", help="B,..: expert block sizes, each timed in turn (default: the rule)")
     ap.add_argument("--prod-min-kn", type=int, default=None,
@@ -163,10 +164,12 @@ def main() -> None:
            + (f" tile={args.tile}" if args.tile else "") + (" no-occ" if args.no_occ else "")
            + (f" fw={args.fw}" if args.fw else "") + (f" prod={args.prod}" if args.prod is not None else "")
            + (" pregather" if args.pregather else "") + (f" prod_fw={args.prod_fw}" if args.prod_fw else "")
-           + (f" prod_min_kn={args.prod_min_kn}" if args.prod_min_kn is not None else ""))
+           + (f" prod_min_kn={args.prod_min_kn}" if args.prod_min_kn is not None else "")
+           + (f" dtype={args.dtype}" if args.dtype != "f16" else ""))
     blocks = [int(v) or None for v in args.block.split(",") if v] or [None]  # (0: the rule)
     # the cases (weights, inputs, routing) once; each block size times the same ones
-    cases = list(bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")]))
+    cases = list(bench_moe.moe_cases(args.shapes.split(","), [int(v) for v in args.tokens.split(",")],
+                                     torch.bfloat16 if args.dtype == "bf16" else torch.float16))
     variants = [v for v in args.ab.split(";") if v] or [None]
     for rnd in range(args.rounds if args.ab else 1):
         for variant in variants:
@@ -181,6 +184,7 @@ def _set_prod_ctas(cfg: str, ctas: str) -> None:
     key = tuple(int(x) for x in cfg.split("-"))
     K.WGMMA_PROD_CTAS[key] = int(ctas)
     K.WGMMA_PROD_CTAS_U4.pop(key, None)
+    K.WGMMA_PROD_CTAS_MOE_U4.pop(key, None)
 
 
 def _set_moe_fw(fw: int) -> None:

@@ -152,6 +152,7 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6), (32, 2, 6)))
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3, (24, 1, 6): 3, (48, 1, 6): 3})
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS_U4", {(24, 1, 6): 4})
+    monkeypatch.setattr(K, "WGMMA_PROD_CTAS_MOE_U4", {})
     monkeypatch.setattr(K, "WGMMA_MOE_CONFIGS", ((32, 1, 8),))
     monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6), (48, 1, 6)))
     cubins, expect = {}, {}
@@ -172,7 +173,7 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
                     if not flags:
                         nt, fw, st = (int(v) for v in re.search(r"_n(\d+)_f(\d)_s(\d+)", name).groups())
                         prod = "_prod" in name
-                        ctas = K.prod_ctas((nt, fw, st), fam.bits) if prod else 1
+                        ctas = K.prod_ctas((nt, fw, st), fam.bits, fam.moe) if prod else 1
                         expect[name] = K.wgmma_scales_on_sums(fam.bits, fam.group_size, nt, ctas, prod, fam.moe, fw,
                                                               fam.zero_points, fam.dtype)
                 log = (mod.path / "build.log").read_text()

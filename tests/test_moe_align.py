@@ -66,7 +66,7 @@ def test_align_errors():
 
 def test_large_blocks_only_when_asked_and_experts_are_full():
     """With the wgmma MoE kernel (sm_90), rows per expert r (average): on large experts from 14 rows
-    the smallest block of 24 / 32 / 48 / 64 / 80 / 96 that holds r + 1.75 binomial standard deviations,
+    the smallest block of 24 / 32 / 48 / 80 / 96 that holds r + 1.75 binomial standard deviations,
     else 128; on small experts (or without the producer form) 128 where 64 does not, 32 in the
     wgmma_block32 range, 64 from 14 rows; never without large_blocks; CPU tensors never ask for them."""
     from jitmarlin.ops import _kernels as K
@@ -79,8 +79,9 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert choose_block_size(1024, 2, 8, True, prod_blocks=False) == 128  # no producer form: blocks of 128
     # Mixtral (top-2 of 8): sd = sqrt(0.75 r)
     tokens = (44, 48, 56, 64, 68, 72, 96, 100, 128, 160, 192, 224, 256, 288, 320, 330)
-    assert [choose_block_size(t, 2, 8, True) for t in tokens] == [16, 24, 24, 24, 24, 32, 32, 48, 48, 64, 64, 80, 80, 96,
+    assert [choose_block_size(t, 2, 8, True) for t in tokens] == [16, 24, 24, 24, 24, 32, 32, 48, 48, 80, 80, 80, 80, 96,
                                                                   96, 128]
+    assert 64 not in M.WGMMA_COVER_BLOCKS  # (the plain form's blocks of 64 lost to 48 / 80 there: session 32)
     for t in range(56, 440, 7):  # the block holds the covered rows, and the next smaller one does not
         b = choose_block_size(t, 2, 8, True)
         cover = M.covered_rows(t * 2 / 8, 2, 8)
@@ -287,11 +288,12 @@ def test_producer_form_route_host_rules(monkeypatch):
     assert not M._prod_route(x, 32, 16.0, gemms)
 
 
-@pytest.mark.parametrize("route", [False, True])
-def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route):
+@pytest.mark.parametrize("route,silu", [(False, True), (True, False), (True, True)])
+def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route, silu):
     """Where the producer-form route applies, fused_marlin_moe gathers the first GEMM's input in
-    slot-list order (no column order) and runs that GEMM on positions; elsewhere it passes the hidden
-    states as they are (the second GEMM's side runs on CUDA only)."""
+    slot-list order (no column order) and runs that GEMM on positions — with SiLU-mul in its epilogue
+    where MOE_SILU_EPILOGUE is on (moe_gemm_silu); elsewhere it passes the hidden states as they are
+    (the second GEMM's side runs on CUDA only)."""
     from jitmarlin.ops import moe as M
 
     calls = []
@@ -307,22 +309,43 @@ def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route):
         calls.append(("gemm", tuple(a.shape), args[10]))  # a_by_position
         raise Stop
 
+    def fake_gemm_silu(a, *args):
+        calls.append(("gemm_silu", tuple(a.shape), args[-1]))  # block_size
+        raise Stop
+
     monkeypatch.setattr(M, "_prod_route", lambda *a: route)
+    monkeypatch.setattr(M, "MOE_SILU_EPILOGUE", silu)
+    monkeypatch.setattr(M, "moe_gemm_silu", fake_gemm_silu)
     monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)
     monkeypatch.setattr(M, "gather_by_position", fake_gather)
     monkeypatch.setattr(M, "moe_gemm", fake_gemm)
     e, h, inter, top_k, t = 8, 256, 128, 2, 64
+    _fused_moe_first_calls(M, e, h, inter, top_k, t, Stop)
+    if route and silu:
+        assert calls[0] == ("gather", None, top_k, 32) and calls[1][0] == "gemm_silu" and calls[1][2] == 32
+    elif route:
+        assert calls[0] == ("gather", None, top_k, 32) and calls[1][0] == "gemm" and calls[1][2] is True
+    else:
+        assert calls == [("gemm", (t, h), False)]
+    # small experts (K*N <= MOE_WGMMA_PROD_MIN_KN, no cover rule at these rows): blocks of 32 gather for the
+    # producer form from WGMMA_PROD_SMALL32_MIN_ROWS rows per expert (t * top_k / e), not below
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 1 << 24)
+    assert M.WGMMA_PROD_SMALL32_MIN_ROWS == M.WGMMA_32_ROWS_SMALL[0] == 9
+    for tokens, gathers in ((64, True), (36, True), (32, False)):
+        calls.clear()
+        _fused_moe_first_calls(M, e, h, inter, top_k, tokens, Stop)
+        assert (calls[0][0] == "gather") == (gathers and route), (tokens, calls)
+
+
+def _fused_moe_first_calls(M, e, h, inter, top_k, t, stop):
+    """fused_marlin_moe on zero experts of this shape (blocks of 32) until its first GEMM (which raises `stop`)."""
     w13 = torch.zeros(e, 2 * inter // 64, h // 16, 128, dtype=torch.int32)
     w2 = torch.zeros(e, h // 64, inter // 16, 128, dtype=torch.int32)
     s13, s2 = torch.zeros(e, 2, 2 * inter, dtype=torch.float16), torch.zeros(e, 1, h, dtype=torch.float16)
     ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(t)])
-    with pytest.raises(Stop):
+    with pytest.raises(stop):
         M.fused_marlin_moe(torch.zeros(t, h, dtype=torch.float16), w13, s13, w2, s2, torch.ones(t, top_k), ids,
                            block_size=32)
-    if route:
-        assert calls[0] == ("gather", None, top_k, 32) and calls[1][0] == "gemm" and calls[1][2] is True
-    else:
-        assert calls == [("gemm", (t, h), False)]
 
 
 def test_one_token_tables_host_rules(monkeypatch):

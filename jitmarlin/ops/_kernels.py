@@ -323,13 +323,28 @@ WGMMA_PROD_CTAS: dict[tuple[int, int, int], int] = {(32, 1, 6): 3, (24, 1, 6): 3
 # (probe_moe_tiles, Mixtral layer us, blocks of 24, three / four CTAs, two rounds each): 48 tokens 307.7,
 # 307.2 / 297.7, 301.6; 56 308.2, 309.0 / 300.3, 303.3; 64 310.5, 313.0 / 310.7, 304.1; 72 349.7, 347.4 /
 # 341.8, 337.3. ncu at 64 tokens: eligible warps per scheduler 1.1 -> 1.4, the gate/up GEMM 203 -> 197 us.
-WGMMA_PROD_CTAS_U4: dict[tuple[int, int, int], int] = {(24, 1, 6): 4}
+# The MoE blocks of 48 rows at three CTAs per SM (12 compute warps; 120 registers per compute thread, without
+# the group-scale form there: it spilled, wgmma_scales_on_sums) — H200 session 32 (probe_moe_tiles, layer us,
+# two / three CTAs per SM, two interleaved rounds): E=64 top-6 288 tokens 197.7, 200.1 / 187.4, 185.4; 320
+# 199.8, 199.4 / 189.3, 186.9; 384 207.3, 205.5 / 196.4, 193.9; Mixtral 128 tokens 381.5, 382.0 / 359.3, 376.5,
+# 160 491.4, 494.4 / 506.2, 512.1 (NOTES.md session 32).
+WGMMA_PROD_CTAS_U4: dict[tuple[int, int, int], int] = {(24, 1, 6): 4, (48, 1, 6): 3}
+# 4-bit MoE families only (the dense 32-token producer form lost 4-5% at four CTAs per SM, session 28): the
+# MoE blocks of 32 rows at four CTAs per SM (two fragment buffers, 88 registers per compute thread, no
+# group-scale form there). H200 session 32 (probe_moe_tiles, E=64 top-6 layer us, the plain form's blocks of 32
+# / the producer form's at four CTAs, two interleaved rounds): 192 tokens 163.1, 162.7 / 154.9, 154.9; 256
+# 168.7, 167.6 / 159.1, 159.0. Session 28 (Mixtral, three / four CTAs): 80 tokens 328.4, 327.2 / 323.8, 321.5;
+# 96 358.7, 355.2 / 337.1, 357.4.
+WGMMA_PROD_CTAS_MOE_U4: dict[tuple[int, int, int], int] = {(32, 1, 6): 4}
 
 
-def prod_ctas(cfg: tuple[int, int, int], bits: int = 0) -> int:
-    """CTAs per SM of the producer-form config cfg = (NT, FW, STAGES) of a family of `bits`-bit weights:
-    2, or WGMMA_PROD_CTAS's, or for 4 bits WGMMA_PROD_CTAS_U4's (kernel names end in _c3 / _c4)."""
+def prod_ctas(cfg: tuple[int, int, int], bits: int = 0, moe: bool = False) -> int:
+    """CTAs per SM of the producer-form config cfg = (NT, FW, STAGES) of a family of `bits`-bit weights
+    (`moe`: a MoE family): 2, or WGMMA_PROD_CTAS's, or for 4 bits WGMMA_PROD_CTAS_U4's, or for 4-bit MoE
+    WGMMA_PROD_CTAS_MOE_U4's (kernel names end in _c3 / _c4)."""
     cfg = tuple(cfg[:3])
+    if bits == 4 and moe and cfg in WGMMA_PROD_CTAS_MOE_U4:
+        return WGMMA_PROD_CTAS_MOE_U4[cfg]
     if bits == 4 and cfg in WGMMA_PROD_CTAS_U4:
         return WGMMA_PROD_CTAS_U4[cfg]
     return WGMMA_PROD_CTAS.get(cfg, 2)
@@ -389,7 +404,7 @@ WGMMA_PROD_THREADS = 256  # a producer-form CTA: one compute warpgroup (of 2 FW 
 
 def wgmma_kernel_name(fam: Family, nt: int, fw: int, stages: int, wide: bool = False, prod: bool = False) -> str:
     g = "gc" if fam.group_size == -1 else f"g{fam.group_size}"
-    ctas = prod_ctas((nt, fw, stages), fam.bits) if prod else 2
+    ctas = prod_ctas((nt, fw, stages), fam.bits, fam.moe) if prod else 2
     return (f"jm_wgmma_{fam.dtype}_{fam.weight_type}_{g}_{'moe_' if fam.moe else ''}n{nt}_f{fw}_s{stages}"
             f"{'_wide' if wide else ''}{'_prod' if prod else ''}{f'_c{ctas}' if ctas != 2 else ''}")
 
@@ -436,7 +451,7 @@ def wgmma_build_spec(fam: Family, cc: tuple[int, int]) -> BuildSpec:
          '#include "jm_wgmma.cuh"\n'
          f"{macro}({wgmma_kernel_name(fam, nt, fw, st, prod=True)}, {CTYPES[fam.dtype]}, "
          f"{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {nt}, {2 * fw}, "
-         f"{st}, 1, {prod_ctas((nt, fw, st), fam.bits)})\n")
+         f"{st}, 1, {prod_ctas((nt, fw, st), fam.bits, fam.moe)})\n")
         for nt, fw, st in prod_configs)
     return BuildSpec(family="wgmma", cc=cc, key=fam.key(), sources=sources, flags=extra_nvcc_flags(),
                      arch_specific=True, cli_hint=f"jitmarlin build --arch 9.0 {fam.cli_args()}")

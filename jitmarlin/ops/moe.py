@@ -61,8 +61,8 @@ WGMMA_COVER_MIN_ROWS = 12
 # standard deviation sqrt(r (1 - k/E))), and an expert past its block takes a second block that streams
 # its weights again, so the wgmma kernel's blocks must hold r + WGMMA_COVER_Z standard deviations. On
 # experts above WGMMA_32_SMALL_KN weights from WGMMA_COVER_MIN_ROWS rows per expert: the smallest block of
-# WGMMA_COVER_BLOCKS that does (24, 32, 48, 80, 96 on the producer form, 64 the plain form, measured
-# level), else 128. Elsewhere (smaller experts, or where the producer form cannot run): 128 where 64 does
+# WGMMA_COVER_BLOCKS that does (24, 32, 48, 80, 96, all on the producer form; 64, the plain form, measured
+# level in session 27 and left the list in session 32, below), else 128. Elsewhere (smaller experts, or where the producer form cannot run): 128 where 64 does
 # not cover, else the rules below. H200 session 27 (probe_moe_tiles, Mixtral layer us by block size; each
 # token count one routing draw, a probe's token list decides the draw): 96 tokens (24 rows per expert)
 # 32: 573.7 / 48: 411.9 in one draw, 32: 332.6 / 48: 417.9 in another (92 tokens 333.9 / 412.8; 84 and
@@ -76,8 +76,14 @@ WGMMA_COVER_MIN_ROWS = 12
 # 334.4). E=64 top-6 (2048 x 2816 experts) 512 tokens (48 rows) 64 plain: 260.4, 128: 299.1 (80 on the
 # producer form 261.1), 768 (72) 128: 310.9, 96 on the producer form: 307.1, 1024 (96) 128: 327.3 (on
 # the producer form 367.6).
+# Session 32 (the producer form's blocks of 48 at three CTAs per SM since then; probe_moe_tiles --block, two
+# timings each, one draw per token count, us, 48 / 64 / 80): 160 tokens (40 rows) 424.0, 442.5 / 508.3, 503.4 /
+# 443.8, 457.0; 176 437.5, 436.0 / 509.4, 502.0 / 461.6, 479.4; 192 588.6, 582.1 / 507.4, 512.6 / 448.6, 511.4;
+# 208 714.2, 735.3 / 522.7, 529.3 / 493.2, 500.0 — the plain form's 64 now the slowest that covers, so it left
+# WGMMA_COVER_BLOCKS (Mixtral 155-211 tokens take 80; 48 where no expert overflows it, as in these draws at
+# 160 / 176, but an overflow costs 30-45% at 192 / 208).
 WGMMA_COVER_Z = 1.75
-WGMMA_COVER_BLOCKS = (24, 32, 48, 64, 80, 96)
+WGMMA_COVER_BLOCKS = (24, 32, 48, 80, 96)
 # Past one block of 128 per expert (covered rows above 128), several blocks of 96 rows per expert on the
 # producer form. Measured (session 28, probe_moe_tiles, Mixtral layer us, blocks 80 / 96 / 128): 512 tokens
 # 1102 / 1155 / 1130, 768 1670 / 1519 / 1620, 1024 2235 / 1913 / 2002 (blocks of 56 / 72: 1351 / 1074 at
@@ -469,6 +475,14 @@ MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strip
 # act-order, level without. Probe switch: probe_moe_tiles.py --prod 0|1.
 MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (24, 32, 48, 80, 96)
 MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
+# Smaller experts' blocks of 32 rows (wgmma_block32's range, from 9 rows per expert) take the producer form
+# too from this many rows per expert (average), both inputs gathered: since session 32 that form's blocks of 32
+# run at four CTAs per SM in 4-bit MoE families (K.WGMMA_PROD_CTAS_MOE_U4), where session 25's three measured
+# level with the plain form. H200 session 32 (probe_moe_tiles --ab "minkn=16777216;minkn=0", E=64 top-6 layer
+# us, plain / producer form, two interleaved rounds): 96 tokens (9 rows) 156.7, 156.5 / 149.4, 150.3; 128 (12)
+# 159.3, 158.4 / 151.5, 152.1; 160 (15) 160.8, 160.2 / 153.9, 153.6; 192 (18) 163.1, 162.7 / 154.9, 154.9; 256
+# (24) 168.7, 167.6 / 159.1, 159.0. (A probe switch: a larger value keeps the plain form below it.)
+WGMMA_PROD_SMALL32_MIN_ROWS = 9
 # Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
 # strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features
 # per CTA (as Humming's MoE blocks of 24 x 512 / 32 x 256), two CTAs per SM — slower (H200 session 26,
@@ -680,6 +694,14 @@ def _moe_gemm_silu_fake(a, b, scales, sorted_ids, expert_ids, num_padded, size_m
 _lib.impl("moe_gemm_silu", _moe_gemm_silu_cuda, "CUDA")
 _lib.impl("moe_gemm_silu", _moe_gemm_cpu, "CPU")
 torch.library.register_fake("jitmarlin::moe_gemm_silu", _moe_gemm_silu_fake, lib=_lib)
+
+
+def moe_gemm_silu(a, b, scales, sorted_ids, expert_ids, num_padded, size_m: int, top_k: int,
+                  block_size: int) -> torch.Tensor:
+    """The gate/up expert GEMM with SiLU-mul in its epilogue (torch.ops.jitmarlin.moe_gemm_silu); see
+    _moe_gemm_silu_cuda."""
+    return torch.ops.jitmarlin.moe_gemm_silu(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k,
+                                             block_size)
 
 
 def moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m: int, top_k: int,
@@ -904,19 +926,21 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     # blocks on the wgmma kernel's producer form read both GEMMs' inputs gathered in slot-list order
     # (no column order), as act-order experts do (theirs in each expert's column order)
     gathered = w13_perm is None and w2_perm is None and one is None \
-        and (i2 * h > MOE_WGMMA_PROD_MIN_KN or small_cover(t * top_k / e, top_k, e, i2 * h)) \
+        and (i2 * h > MOE_WGMMA_PROD_MIN_KN or small_cover(t * top_k / e, top_k, e, i2 * h)
+             or (bs == 32 and t * top_k / e >= WGMMA_PROD_SMALL32_MIN_ROWS)) \
         and _prod_route(hidden, bs, t * top_k / e, ((i2, h, w13, w13_scales, w13_zeros),
                                                     (h, inter, w2, w2_scales, w2_zeros)))
-    silu_epi = gathered and MOE_SILU_EPILOGUE
+    # SiLU-mul in the gate/up GEMM's epilogue (moe_gemm_silu): _prod_route has already put w13 on the producer
+    # form for these blocks; what silu_epilogue_ok asks beyond that is this (a1 is a fresh, aligned allocation)
+    silu_epi = gathered and MOE_SILU_EPILOGUE and w13_zeros is None and MOE_WGMMA_PROD_FW == 1 \
+        and w13.shape[1] % 2 == 0
     if w13_perm is None and not gathered:
         c1 = moe_gemm(hidden, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                       top_k, bs, False, shift, clamp)  # [T*k, 2I]
     else:
         a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, w13_perm, top_k, bs)
-        silu_epi = silu_epi and silu_epilogue_ok(a1, w13, w13_scales, w13_zeros, t * top_k, bs)
         if silu_epi:  # SiLU-mul in the GEMM's epilogue: the down projection's input by position, [L, I]
-            a2 = torch.ops.jitmarlin.moe_gemm_silu(a1, w13, w13_scales, sorted_ids, expert_ids, num_padded,
-                                                   t * top_k, top_k, bs)
+            a2 = moe_gemm_silu(a1, w13, w13_scales, sorted_ids, expert_ids, num_padded, t * top_k, top_k, bs)
         else:
             c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
                           top_k, bs, True)
@@ -928,12 +952,11 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(c2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs, False, shift, clamp, splits)
     else:
-        if silu_epi:
-            pass  # a2 came from the gate/up GEMM's SiLU epilogue
-        elif MOE_SILU_GATHER:  # SiLU-mul and the gather in one kernel: [L, I] by position
-            a2 = silu_gather_by_position(c1, inter, sorted_ids, expert_ids, num_padded, w2_perm, bs)
-        else:
-            a2 = gather_by_position(silu_mul(c1, inter), sorted_ids, expert_ids, num_padded, w2_perm, 1, bs)
+        if not silu_epi:  # (else a2 came from the gate/up GEMM's SiLU epilogue)
+            if MOE_SILU_GATHER:  # SiLU-mul and the gather in one kernel: [L, I] by position
+                a2 = silu_gather_by_position(c1, inter, sorted_ids, expert_ids, num_padded, w2_perm, bs)
+            else:
+                a2 = gather_by_position(silu_mul(c1, inter), sorted_ids, expert_ids, num_padded, w2_perm, 1, bs)
         c3 = torch.ops.jitmarlin.moe_gemm_ready_tables(a2, w2, w2_scales, w2_zeros, sorted_ids, expert_ids,
                                                        num_padded, tw, t * top_k, 1, bs, True, 0, 0, splits)
     return topk_sum(c3, t, top_k, hidden.dtype)  # [T, H] (c3: [T*k, H], or [splits, T*k, H] fp32)

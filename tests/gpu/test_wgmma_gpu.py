@@ -708,8 +708,10 @@ def test_moe_stream_k(monkeypatch, kw):
             got = layer(x, weights, ids)
             again = layer(x, weights, ids)
             torch.cuda.synchronize()
-            # both GEMMs, twice, on every resident CTA slot (three per SM; two with 8-bit stages)
-            assert grids == [((2 if kw.get("bits") == 8 else 3) * sms, -1)] * 4, (t, grids)
+            # both GEMMs, twice, on every resident CTA slot (4-bit: K.prod_ctas, four per SM since session 32;
+            # 8-bit: two, its stages do not fit three)
+            per_sm = 2 if kw.get("bits") == 8 else K.prod_ctas((32, 1, 6), 4, moe=True)
+            assert grids == [(per_sm * sms, -1)] * 4, (t, grids)
             check_close(got, want, tol, f"stream-K, E={e}, T={t}, skewed={skew}")
             check_close(got, whole, tol, f"stream-K vs whole tiles, E={e}, T={t}")
             assert torch.equal(got, again), "stream-K sums in a fixed order: repeat calls are identical"
