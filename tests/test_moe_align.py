@@ -331,16 +331,16 @@ def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route, silu):
     # producer form from WGMMA_PROD_SMALL32_MIN_ROWS rows per expert (t * top_k / e), not below
     monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 1 << 24)
     assert M.WGMMA_PROD_SMALL32_MIN_ROWS == M.WGMMA_32_ROWS_SMALL[0] == 9
-    for tokens, gathers in ((64, True), (36, True), (32, False)):
-        calls.clear()
-        _fused_moe_first_calls(M, e, h, inter, top_k, tokens, Stop)
-        assert (calls[0][0] == "gather") == (gathers and route), (tokens, calls)
+    for tokens, bits, gathers in ((64, 4, True), (36, 4, True), (32, 4, False), (64, 8, False)):  # (8-bit: not
+        calls.clear()                                                               # at four CTAs per SM)
+        _fused_moe_first_calls(M, e, h, inter, top_k, tokens, Stop, bits)
+        assert (calls[0][0] == "gather") == (gathers and route), (tokens, bits, calls)
 
 
-def _fused_moe_first_calls(M, e, h, inter, top_k, t, stop):
+def _fused_moe_first_calls(M, e, h, inter, top_k, t, stop, bits=4):
     """fused_marlin_moe on zero experts of this shape (blocks of 32) until its first GEMM (which raises `stop`)."""
-    w13 = torch.zeros(e, 2 * inter // 64, h // 16, 128, dtype=torch.int32)
-    w2 = torch.zeros(e, h // 64, inter // 16, 128, dtype=torch.int32)
+    w13 = torch.zeros(e, 2 * inter // 64, h // 16, 32 * bits, dtype=torch.int32)
+    w2 = torch.zeros(e, h // 64, inter // 16, 32 * bits, dtype=torch.int32)
     s13, s2 = torch.zeros(e, 2, 2 * inter, dtype=torch.float16), torch.zeros(e, 1, h, dtype=torch.float16)
     ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(t)])
     with pytest.raises(stop):

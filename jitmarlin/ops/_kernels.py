@@ -325,9 +325,10 @@ WGMMA_PROD_CTAS: dict[tuple[int, int, int], int] = {(32, 1, 6): 3, (24, 1, 6): 3
 # 341.8, 337.3. ncu at 64 tokens: eligible warps per scheduler 1.1 -> 1.4, the gate/up GEMM 203 -> 197 us.
 # The MoE blocks of 48 rows at three CTAs per SM (12 compute warps; 120 registers per compute thread, without
 # the group-scale form there: it spilled, wgmma_scales_on_sums) — H200 session 32 (probe_moe_tiles, layer us,
-# two / three CTAs per SM, two interleaved rounds): E=64 top-6 288 tokens 197.7, 200.1 / 187.4, 185.4; 320
-# 199.8, 199.4 / 189.3, 186.9; 384 207.3, 205.5 / 196.4, 193.9; Mixtral 128 tokens 381.5, 382.0 / 359.3, 376.5,
-# 160 491.4, 494.4 / 506.2, 512.1 (NOTES.md session 32).
+# two / three CTAs per SM, interleaved rounds): E=64 top-6 288 tokens 197.7, 200.1 / 187.4, 185.4; 320 199.8,
+# 199.4 / 189.3, 186.9; 384 207.3, 205.5 / 196.4, 193.9 (bf16 288 205.3, 207.1 / 190.0, 190.5); Mixtral 112
+# tokens 378.4, 380.5, 379.2 / 352.3, 356.7, 354.7; 128 379.4, 386.1, 386.6 / 371.3, 379.9, 375.4; 144 385.5,
+# 393.9, 391.1 / 385.1, 376.6, 381.3 (NOTES.md session 32).
 WGMMA_PROD_CTAS_U4: dict[tuple[int, int, int], int] = {(24, 1, 6): 4, (48, 1, 6): 3}
 # 4-bit MoE families only (the dense 32-token producer form lost 4-5% at four CTAs per SM, session 28): the
 # MoE blocks of 32 rows at four CTAs per SM (two fragment buffers, 88 registers per compute thread, no

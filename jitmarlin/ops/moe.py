@@ -62,9 +62,10 @@ WGMMA_COVER_MIN_ROWS = 12
 # its weights again, so the wgmma kernel's blocks must hold r + WGMMA_COVER_Z standard deviations. On
 # experts above WGMMA_32_SMALL_KN weights from WGMMA_COVER_MIN_ROWS rows per expert: the smallest block of
 # WGMMA_COVER_BLOCKS that does (24, 32, 48, 80, 96, all on the producer form; 64, the plain form, measured
-# level in session 27 and left the list in session 32, below), else 128. Elsewhere (smaller experts, or where the producer form cannot run): 128 where 64 does
-# not cover, else the rules below. H200 session 27 (probe_moe_tiles, Mixtral layer us by block size; each
-# token count one routing draw, a probe's token list decides the draw): 96 tokens (24 rows per expert)
+# level in session 27 and left the list in session 32, below), else 128. Elsewhere (smaller experts, or where
+# the producer form cannot run): 128 where 64 does not cover, else the rules below. H200 session 27
+# (probe_moe_tiles, Mixtral layer us by block size; each token count one routing draw, a probe's token list
+# decides the draw): 96 tokens (24 rows per expert)
 # 32: 573.7 / 48: 411.9 in one draw, 32: 332.6 / 48: 417.9 in another (92 tokens 333.9 / 412.8; 84 and
 # 88 tokens 336.8 / 416.1 and 338.7 / 413.1): blocks of 32 win unless an expert overflows them, which
 # then costs about three times what they save; 128 (32 rows) 48: 423.9 (32: 855.9, 64: 465.7), 160 (40)
@@ -481,7 +482,8 @@ MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # level with the plain form. H200 session 32 (probe_moe_tiles --ab "minkn=16777216;minkn=0", E=64 top-6 layer
 # us, plain / producer form, two interleaved rounds): 96 tokens (9 rows) 156.7, 156.5 / 149.4, 150.3; 128 (12)
 # 159.3, 158.4 / 151.5, 152.1; 160 (15) 160.8, 160.2 / 153.9, 153.6; 192 (18) 163.1, 162.7 / 154.9, 154.9; 256
-# (24) 168.7, 167.6 / 159.1, 159.0. (A probe switch: a larger value keeps the plain form below it.)
+# (24) 168.7, 167.6 / 159.1, 159.0. 4-bit weights only (8-bit blocks of 32 stay at three CTAs per SM: not
+# measured there). (A probe switch: a larger value keeps the plain form below it.)
 WGMMA_PROD_SMALL32_MIN_ROWS = 9
 # Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
 # strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features
@@ -927,7 +929,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     # (no column order), as act-order experts do (theirs in each expert's column order)
     gathered = w13_perm is None and w2_perm is None and one is None \
         and (i2 * h > MOE_WGMMA_PROD_MIN_KN or small_cover(t * top_k / e, top_k, e, i2 * h)
-             or (bs == 32 and t * top_k / e >= WGMMA_PROD_SMALL32_MIN_ROWS)) \
+             or (bs == 32 and w13.shape[-1] == 32 * 4 and t * top_k / e >= WGMMA_PROD_SMALL32_MIN_ROWS)) \
         and _prod_route(hidden, bs, t * top_k / e, ((i2, h, w13, w13_scales, w13_zeros),
                                                     (h, inter, w2, w2_scales, w2_zeros)))
     # SiLU-mul in the gate/up GEMM's epilogue (moe_gemm_silu): _prod_route has already put w13 on the producer
