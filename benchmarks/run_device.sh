@@ -831,6 +831,17 @@ for st in $STAGES; do
            timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 128,160 --rounds 2 \
              --ab "ctas=48-1-6:2;ctas=48-1-6:3" > "$OUT/s32a_mixtral.log" 2>&1
            echo "s32a mixtral rc=$?"; grep "us$" "$OUT/s32a_mixtral.log" | sed 's/.*\] \[/[/';;
+    s33a)  # PREPARED in session 32 (probe only, no route change): with blocks of 32 at four CTAs per SM and 48 at
+           # three (session 32), E=64 jumps from 159 us at 256 tokens (24 rows per expert, blocks of 32) to 186 at 288
+           # (27 rows: small_cover's blocks of 48). Are blocks of 32 still faster past 25 rows, although some experts
+           # then take a second block? E=64 272-352 tokens and Mixtral 96-112 tokens, blocks 0 (the rule) / 32 / 48,
+           # each timed twice in one process (same routing draw per token count).
+           timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 272,288,320,352 --block 0,32,48,0,32,48 \
+             > "$OUT/s33a_e64.log" 2>&1
+           echo "s33a e64 rc=$?"; grep "us$" "$OUT/s33a_e64.log" | sed 's/.*block=/block=/'
+           timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 96,104,112 --block 0,32,48,0,32,48 \
+             > "$OUT/s33a_mixtral.log" 2>&1
+           echo "s33a mixtral rc=$?"; grep "us$" "$OUT/s33a_mixtral.log" | sed 's/.*block=/block=/';;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
