@@ -377,13 +377,14 @@ def wgmma_scales_on_sums(bits: int, group: int, nt: int, ctas: int = 1, prod: bo
 # probe_moe_tiles.py --fw 2 builds it back)
 WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (64, 2, 4), (128, 1, 4))
 # The MoE kernel's producer form (session 25; jm_wgmma.cuh JM_WGMMA_KERNEL_PROD_MOE): (NT, FW, STAGES) as
-# the dense producer configs (one compute warpgroup of 2 FW strips, prod_ctas CTAs per SM: three for
-# (32, 1, 6), three or four for (24, 1, 6)), reading activations pre-gathered in slot-list order (moe.MOE_WGMMA_PROD_BLOCKS).
+# the dense producer configs (one compute warpgroup of 2 FW strips, prod_ctas CTAs per SM: for 4-bit weights
+# four for (32, 1, 6) and (24, 1, 6), three for (48, 1, 6); 8-bit three for (32, 1, 6) and (24, 1, 6); two
+# otherwise — launch bounds: where the stages do not fit that many, the launch takes the occupancy), reading activations pre-gathered in slot-list order (moe.MOE_WGMMA_PROD_BLOCKS).
 # (64, 1, 6) measured level with the plain kernel (moe.py): probes build it (probe_moe_tiles.py
 # --prod-configs 64-1-6). (24, 1, 6) (session 26, three CTAs per SM; four in 4-bit families since session
 # 28: WGMMA_PROD_CTAS_U4), (48, 1, 6), (80, 1, 6), (96, 1, 5)
 # (session 27, two): blocks of 24 / 48 / 80 / 96 rows (m64nNTk16; 24, 80, 96 on this form only), chosen by
-# moe.choose_block_size's cover rule.
+# moe.choose_block_size's cover rule; session 32: 4-bit (48, 1, 6) at three, MoE (32, 1, 6) at four.
 WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6), (24, 1, 6), (48, 1, 6), (80, 1, 6), (96, 1, 5))
 
 
