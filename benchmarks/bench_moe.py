@@ -24,6 +24,7 @@ peer (its time / ours; below 1 the peer is faster).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -84,9 +85,9 @@ def moe_cases(names, tokens, dtype=torch.float16):
     """(shape name, tokens, fn, topk_ids) for every shape and token count (the probes' cases): one
     random layer per shape, seeded, fresh activations per token count; fn() runs its experts with
     their routing (router excluded). `dtype`: of the activations and scales (fp16 or bf16)."""
-    def packed(k, n, gen):
+    def packed(k, n, gen):  # our fp16 expert, its scales in `dtype`
         p = _packed(k, n, gen)
-        return p if dtype == torch.float16 else Packed(p.b, p.scales.to(dtype), None, 4, GROUP)
+        return dataclasses.replace(p, scales=p.scales.to(dtype))
 
     for name in names:
         e, h, i, k = SHAPES[name]
