@@ -35,6 +35,8 @@
                       silu=0|1 (moe.MOE_SILU_EPILOGUE: SiLU-mul in the gate/up GEMM's epilogue off / on),
                       minkn=N (moe.MOE_WGMMA_PROD_MIN_KN: the producer route from experts of K*N > N),
                       smallcover=R (moe.WGMMA_COVER_SMALL_MIN_ROWS; 0: small experts never take the cover rule),
+                      small32hi=R (moe.WGMMA_32_SMALL_U4_HI: 4-bit small experts' blocks of 32 below R rows),
+                      smallblocks=B+B (moe.WGMMA_PROD_SMALL_BLOCKS: small experts' producer-form blocks),
                       pfw=1|2 (moe.MOE_WGMMA_PROD_FW; the (NT, 2, S) configs from --prod-configs), e.g.
                       --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
@@ -96,7 +98,7 @@ def main() -> None:
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
     ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, "
-                    "minkn=N, smallcover=R, pfw=1|2) timed in turn")
+                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, pfw=1|2) timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()
@@ -212,9 +214,13 @@ def _apply_variant(variant: str) -> str:
             M.MOE_WGMMA_PROD_FW = int(val)
         elif key == "smallcover":  # rows per expert from which small experts take the cover rule (0: never)
             M.WGMMA_COVER_SMALL_MIN_ROWS = float(val) if float(val) > 0 else float("inf")
+        elif key == "small32hi":  # 4-bit small experts: blocks of 32 below this many rows per expert
+            M.WGMMA_32_SMALL_U4_HI = float(val)
+        elif key == "smallblocks":  # blocks that small experts run on the producer form (e.g. 24+32)
+            M.WGMMA_PROD_SMALL_BLOCKS = tuple(int(v) for v in val.split("+"))
         else:
             raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, "
-                             "smallcover=R or pfw=1|2")
+                             "smallcover=R, small32hi=R, smallblocks=B+B or pfw=1|2")
     K.clear_kernel_caches()
     return variant
 

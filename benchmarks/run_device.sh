@@ -847,6 +847,25 @@ for st in $STAGES; do
            timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 512,768,1024 --block 0,32,48,0,32,48 \
              > "$OUT/s33a_e64_large.log" 2>&1
            echo "s33a e64 large rc=$?"; grep "us$" "$OUT/s33a_e64_large.log" | sed 's/.*block=/block=/';;
+    s33b)  # session 33: 4-bit small experts keep blocks of 32 below moe.WGMMA_32_SMALL_U4_HI = 28 rows per expert
+           # (s33a: 32 beat the rule's 48 at 25.5 / 27 rows by 7-10%, lost at 30). Where is the edge? E=64
+           # 296 / 304 / 312 tokens (27.75 / 28.5 / 29.25 rows), blocks 32 / 48, twice each.
+           timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 296,304,312 --block 32,48,32,48 \
+             > "$OUT/s33b_edge.log" 2>&1
+           echo "s33b edge rc=$?"; grep "us$" "$OUT/s33b_edge.log" | sed 's/.*block=/block=/'
+           # small experts' blocks of 24 on the producer form (four CTAs per SM, m64n24k16; choose_block_size
+           # never picks them for small experts) against the rule (32 up to 27.99 rows, then 48 / 80)
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 128,192,256,320,384,448 \
+             --ab "smallblocks=24+32" --rounds 2 --block 0,24 > "$OUT/s33b_b24.log" 2>&1
+           echo "s33b b24 rc=$?"; grep "us$" "$OUT/s33b_b24.log" | sed 's/.*block=/block=/'
+           # bf16 at 288 tokens: the new rule (32) against 48, twice
+           timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --dtype bf16 --tokens 288 --block 0,48,0,48 \
+             > "$OUT/s33b_bf16.log" 2>&1
+           echo "s33b bf16 rc=$?"; grep "us$" "$OUT/s33b_bf16.log" | sed 's/.*block=/block=/'
+           # ours against Humming's two GEMMs at the rule's new points (E=64 272 / 288 tokens; 256 as the anchor)
+           timeout 200 python3 benchmarks/bench_moe.py --shapes e64 --tokens 256,272,288 --json "$OUT/s33b_moe.json" \
+             > "$OUT/s33b_moe.log" 2>&1
+           echo "s33b moe rc=$?"; grep -E "^\| " "$OUT/s33b_moe.log" | tail -5;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

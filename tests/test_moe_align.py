@@ -91,16 +91,21 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert abs(M.covered_rows(64, 2, 8) - (64 + 1.75 * 48 ** 0.5)) < 1e-9
     assert [choose_block_size(t, 2, 8, True, prod_blocks=False) for t in (72, 88, 210, 213)] == [32, 64, 64, 128]
     assert choose_block_size(40, 2, 8, True) == 16  # 10 rows (large experts): the mma.sync kernel's
-    # E=64 experts: blocks of 32 from 9 to 24 rows per expert, then (small_cover) the smallest producer-form
-    # block of 48 / 80 / 96 that holds the covered rows, then 128
+    # E=64 experts, 4-bit: blocks of 32 from 9 to 27.99 rows per expert (WGMMA_32_SMALL_U4_HI), then (small_cover)
+    # the smallest producer-form block of 48 / 80 / 96 that holds the covered rows, then 128
     small = 2048 * 2816
-    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 96, 256, 266, 267, 320, 402, 403, 512, 560, 708,
-                                                               709, 864, 865, 1024)] == \
-        [16, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
-    for t in range(267, 865, 11):
+    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 96, 256, 266, 267, 298, 299, 320, 402, 403, 512,
+                                                               560, 708, 709, 864, 865, 1024)] == \
+        [16, 32, 32, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
+    for t in range(299, 865, 11):
         b, cover = choose_block_size(t, 6, 64, True, small), M.covered_rows(t * 6 / 64, 6, 64)
         assert M.small_cover(t * 6 / 64, 6, 64, small) and b >= cover, (t, b, cover)
         assert b in M.WGMMA_COVER_SMALL_BLOCKS and all(s < cover for s in M.WGMMA_COVER_SMALL_BLOCKS if s < b), t
+    # 8-bit small experts: blocks of 32 up to 24.99 rows (WGMMA_32_ROWS_SMALL), the cover rule from 25
+    assert [choose_block_size(t, 6, 64, True, small, bits=8) for t in (96, 266, 267, 298, 320)] == [32, 32, 48, 48, 48]
+    assert not M.small_cover(26.0, 6, 64, small) and M.small_cover(26.0, 6, 64, small, bits=8)
+    for t in range(96, 299):  # no gap between the two rules: every count takes 32 or a covering block
+        assert choose_block_size(t, 6, 64, True, small) in (32, 48), t
     assert choose_block_size(320, 6, 64, True, small, prod_blocks=False) == 64  # no producer form: as before
     assert not M.small_cover(30.0, 6, 64, 4096 * 28672)  # large experts: the cover rule above
     assert choose_block_size(64, 2, 8) == 32  # (the mma.sync kernel's choice)

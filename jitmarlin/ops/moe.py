@@ -41,12 +41,23 @@ WGMMA_64_MIN_ROWS = 14  # rows per expert (average) from which blocks of 64, whe
 WGMMA_32_ROWS = (14, 22)  # [lo, hi) rows per expert ...
 WGMMA_32_ROWS_SMALL = (9, 25)  # ... or this range for experts of K*N <= WGMMA_32_SMALL_KN
 WGMMA_32_SMALL_KN = 1 << 24
+# 4-bit small experts keep blocks of 32 (the producer form at four CTAs per SM, K.WGMMA_PROD_CTAS_MOE_U4) below
+# this many rows per expert, where small_cover's blocks of 48 take over (8-bit: WGMMA_32_ROWS_SMALL's end). Experts
+# past 32 rows take a second block, which streams their small weights again; up to ~28 rows that costs less than
+# the 48-row tiles' work. H200 session 33 (probe_moe_tiles --block, E=64 top-6 layer us, one draw per token count,
+# two timings each, the rule then (48) / 32): 272 tokens (25.5 rows) 184.3, 186.3 / 171.1, 172.0; 288 (27) 186.4,
+# 186.5 / 169.2, 167.6; 320 (30) 189.1, 190.3 / 195.7, 195.4; 352 (33) 191.4, 193.4 / 217.1, 218.4.
+WGMMA_32_SMALL_U4_HI = 28
 
 
-def wgmma_block32(per_expert: float, kn: int) -> bool:
+def wgmma_block32(per_expert: float, kn: int, bits: int = 4) -> bool:
     """Whether blocks of 32 rows go to the wgmma kernel at `per_expert` rows per expert (average)
-    for experts of K*N = kn (the shape rule only; the device and switch: _use_wgmma_moe)."""
-    lo, hi = WGMMA_32_ROWS_SMALL if kn <= WGMMA_32_SMALL_KN else WGMMA_32_ROWS
+    for experts of K*N = kn with `bits`-bit weights (the shape rule only; the device and switch:
+    _use_wgmma_moe)."""
+    if kn <= WGMMA_32_SMALL_KN:
+        lo, hi = WGMMA_32_ROWS_SMALL[0], WGMMA_32_SMALL_U4_HI if bits == 4 else WGMMA_32_ROWS_SMALL[1]
+    else:
+        lo, hi = WGMMA_32_ROWS
     return lo <= per_expert < hi
 
 
@@ -110,15 +121,17 @@ def covered_rows(per_expert: float, top_k: int, num_experts: int) -> float:
     return per_expert + WGMMA_COVER_Z * math.sqrt(per_expert * max(0.0, 1.0 - top_k / max(1, num_experts)))
 
 
-def small_cover(per_expert: float, top_k: int, num_experts: int, expert_kn: int) -> bool:
-    """Whether experts of K*N = expert_kn (the first GEMM's) at per_expert rows per expert take the small-expert
-    cover rule (WGMMA_COVER_SMALL_MIN_ROWS): producer-form blocks, both inputs gathered."""
-    return (expert_kn <= WGMMA_32_SMALL_KN and per_expert >= WGMMA_COVER_SMALL_MIN_ROWS
+def small_cover(per_expert: float, top_k: int, num_experts: int, expert_kn: int, bits: int = 4) -> bool:
+    """Whether experts of K*N = expert_kn (the first GEMM's) of `bits`-bit weights at per_expert rows per expert
+    take the small-expert cover rule (from WGMMA_COVER_SMALL_MIN_ROWS rows, 4-bit from WGMMA_32_SMALL_U4_HI if
+    that is more): producer-form blocks, both inputs gathered."""
+    lo = max(WGMMA_COVER_SMALL_MIN_ROWS, WGMMA_32_SMALL_U4_HI) if bits == 4 else WGMMA_COVER_SMALL_MIN_ROWS
+    return (expert_kn <= WGMMA_32_SMALL_KN and per_expert >= lo
             and covered_rows(per_expert, top_k, num_experts) <= WGMMA_COVER_SMALL_BLOCKS[-1])
 
 
 def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_blocks: bool = False,
-                      expert_kn: int = 1 << 30, prod_blocks: bool = True) -> int:
+                      expert_kn: int = 1 << 30, prod_blocks: bool = True, bits: int = 4) -> int:
     """Rows per expert block (= the kernel's m tile): the first B with T*k/E/B < 0.9, else 64.
     Small blocks waste few padded rows at small batch; large ones reuse weights at large batch.
     With large_blocks (the wgmma MoE kernel runs both GEMMs): on experts of K*N = expert_kn (the first
@@ -126,7 +139,7 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
     WGMMA_COVER_BLOCKS that holds covered_rows, else 128 (unless not prod_blocks: the producer form
     cannot take them); on smaller experts where small_cover says so, the smallest of
     WGMMA_COVER_SMALL_BLOCKS that holds them; elsewhere 128 where 64 does not cover, 32 where wgmma_block32
-    says so, 64 from WGMMA_64_MIN_ROWS."""
+    says so, 64 from WGMMA_64_MIN_ROWS. `bits`: of the expert weights (small_cover, wgmma_block32)."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if large_blocks:
         cover = covered_rows(per_expert, top_k, num_experts)
@@ -134,11 +147,11 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
             if cover > WGMMA_BLOCK:
                 return WGMMA_MULTI_BLOCK
             return next((b for b in WGMMA_COVER_BLOCKS if b >= cover), WGMMA_BLOCK)
-        if prod_blocks and small_cover(per_expert, top_k, num_experts, expert_kn):
+        if prod_blocks and small_cover(per_expert, top_k, num_experts, expert_kn, bits):
             return next(b for b in WGMMA_COVER_SMALL_BLOCKS if b >= cover)
         if cover > 64:
             return WGMMA_BLOCK
-    if large_blocks and wgmma_block32(per_expert, expert_kn):
+    if large_blocks and wgmma_block32(per_expert, expert_kn, bits):
         return 32
     if large_blocks and per_expert >= WGMMA_64_MIN_ROWS:
         return 64
@@ -456,7 +469,7 @@ def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
     elif block_size in PROD_ONLY_BLOCKS:
         wanted = prod  # (moe_gemm raises a clear error where A is not by position)
     elif block_size == 32:
-        wanted = per_expert is not None and wgmma_block32(per_expert, n * k)
+        wanted = per_expert is not None and wgmma_block32(per_expert, n * k, fam.bits)
     else:
         wanted = block_size in (64, WGMMA_BLOCK)
     return wanted and n % 128 == 0 and k % 64 == 0 and wgmma_allowed(fam, index, True)
@@ -485,6 +498,9 @@ MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # (24) 168.7, 167.6 / 159.1, 159.0. 4-bit weights only (8-bit blocks of 32 stay at three CTAs per SM: not
 # measured there). (A probe switch: a larger value keeps the plain form below it.)
 WGMMA_PROD_SMALL32_MIN_ROWS = 9
+# The blocks that rule applies to (a probe switch, probe_moe_tiles --ab smallblocks=24+32: the producer form's
+# blocks of 24 too, which choose_block_size never picks for small experts).
+WGMMA_PROD_SMALL_BLOCKS: tuple[int, ...] = (32,)
 # Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
 # strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features
 # per CTA (as Humming's MoE blocks of 24 x 512 / 32 x 256), two CTAs per SM — slower (H200 session 26,
@@ -893,6 +909,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not form experts of hidden={h}: need "
                          f"w13 [E, 2I/64, {h}/16, .] and w2 [E, {h}/64, I/16, .]")
     inter = i2 // 2
+    bits = w13.shape[-1] // 32  # packed words per 16 x 64 piece: 32 * bits
     for name, perm, k in (("w13_perm", w13_perm, h), ("w2_perm", w2_perm, inter)):
         if perm is None:
             continue
@@ -903,7 +920,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         check_perm_values(perm, k)
     bs = block_size
     if bs is None:  # the expert families are only needed when the wgmma blocks would differ
-        bs, wide = choose_block_size(t, top_k, e), choose_block_size(t, top_k, e, True, i2 * h)
+        bs, wide = choose_block_size(t, top_k, e), choose_block_size(t, top_k, e, True, i2 * h, bits=bits)
         # (48 rows: the mma.sync kernel's tile too, the producer form's where the wide rule chose it; 32 rows
         # on large experts: the producer form's from the cover rule, else the plain form's rule)
         if (wide != bs or wide == 48) and _large_blocks_ok(
@@ -912,7 +929,7 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
             if wide in PROD_ONLY_BLOCKS + (32, 48) and not _prod_route(hidden, wide, t * top_k / e,
                                                                      ((i2, h, w13, w13_scales, w13_zeros),
                                                                       (h, inter, w2, w2_scales, w2_zeros))):
-                wide = choose_block_size(t, top_k, e, True, i2 * h, prod_blocks=False)  # the producer form cannot
+                wide = choose_block_size(t, top_k, e, True, i2 * h, prod_blocks=False, bits=bits)  # the producer form cannot
             bs = wide
     one = None
     if t == 1 and bs == 8 and w13_perm is None and w2_perm is None and topk_ids.device == hidden.device \
@@ -928,8 +945,8 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     # blocks on the wgmma kernel's producer form read both GEMMs' inputs gathered in slot-list order
     # (no column order), as act-order experts do (theirs in each expert's column order)
     gathered = w13_perm is None and w2_perm is None and one is None \
-        and (i2 * h > MOE_WGMMA_PROD_MIN_KN or small_cover(t * top_k / e, top_k, e, i2 * h)
-             or (bs == 32 and w13.shape[-1] == 32 * 4 and t * top_k / e >= WGMMA_PROD_SMALL32_MIN_ROWS)) \
+        and (i2 * h > MOE_WGMMA_PROD_MIN_KN or small_cover(t * top_k / e, top_k, e, i2 * h, bits)
+             or (bs in WGMMA_PROD_SMALL_BLOCKS and bits == 4 and t * top_k / e >= WGMMA_PROD_SMALL32_MIN_ROWS)) \
         and _prod_route(hidden, bs, t * top_k / e, ((i2, h, w13, w13_scales, w13_zeros),
                                                     (h, inter, w2, w2_scales, w2_zeros)))
     # SiLU-mul in the gate/up GEMM's epilogue (moe_gemm_silu): _prod_route has already put w13 on the producer

@@ -72,8 +72,10 @@ def test_moe_module(shape, dtype, act_order):
     e, h, i, top_k = shape
     moe, w13, w2 = make_moe(e, h, i, top_k, dtype, act_order)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
-    for t in (1, 3, 16, 64, 160, 257, 1024):  # (e64 at 160 tokens: 15 rows per expert, small experts' blocks
-        x = torch.randn(t, h, device="cuda", dtype=dtype)  # of 32 on the producer form since session 32)
+    # (e64 at 160 / 288 tokens: 15 / 27 rows per expert, small experts' blocks of 32 on the producer form since
+    # session 32 / 33, at 27 rows many experts in two blocks)
+    for t in (1, 3, 16, 64, 160, 257, 288, 1024):
+        x = torch.randn(t, h, device="cuda", dtype=dtype)
         out = moe(x)
         assert out.shape == (t, h) and out.dtype == dtype
         weights, ids = moe.route(x)
