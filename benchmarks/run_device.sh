@@ -869,6 +869,18 @@ for st in $STAGES; do
            # where E=64's time goes at 256 / 384 tokens (Humming's two GEMMs lead by 12-22% there): kernels' GPU time
            timeout 100 python3 benchmarks/profile_moe.py --shapes e64 --tokens 256,384 > "$OUT/s33b_prof.log" 2>&1
            echo "s33b prof rc=$?"; grep -v "^jitmarlin" "$OUT/s33b_prof.log" | head -40;;
+    s33c)  # session 33: small experts' blocks of 24 (moe.small_block24, rows per expert in [9, 19)) against 32, at
+           # 9 / 10.5 / 15 / 19.5 / 21 rows (E=64 96 / 112 / 160 / 208 / 224 tokens), fp16 and bf16, two rounds
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 96,112,160,208,224 \
+             --ab "small24=0;small24=9-22" --rounds 2 > "$OUT/s33c_b24.log" 2>&1
+           echo "s33c b24 rc=$?"; grep "us$" "$OUT/s33c_b24.log" | sed 's/.*block=/block=/'
+           timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes e64 --dtype bf16 --tokens 128,192 \
+             --ab "small24=0;small24=9-22" --rounds 2 > "$OUT/s33c_b24_bf16.log" 2>&1
+           echo "s33c b24 bf16 rc=$?"; grep "us$" "$OUT/s33c_b24_bf16.log" | sed 's/.*block=/block=/'
+           # ours against Humming's two GEMMs where the rules changed (E=64 128 / 192 / 288 / 304 tokens)
+           timeout 200 python3 benchmarks/bench_moe.py --shapes e64 --tokens 128,192,288,304 --json "$OUT/s33c_moe.json" \
+             > "$OUT/s33c_moe.log" 2>&1
+           echo "s33c moe rc=$?"; grep -E "^\| " "$OUT/s33c_moe.log" | tail -5;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

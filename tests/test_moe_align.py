@@ -91,21 +91,24 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert abs(M.covered_rows(64, 2, 8) - (64 + 1.75 * 48 ** 0.5)) < 1e-9
     assert [choose_block_size(t, 2, 8, True, prod_blocks=False) for t in (72, 88, 210, 213)] == [32, 64, 64, 128]
     assert choose_block_size(40, 2, 8, True) == 16  # 10 rows (large experts): the mma.sync kernel's
-    # E=64 experts, 4-bit: blocks of 32 from 9 to 27.99 rows per expert (WGMMA_32_SMALL_U4_HI), then (small_cover)
-    # the smallest producer-form block of 48 / 80 / 96 that holds the covered rows, then 128
+    # E=64 experts, 4-bit: blocks of 24 from 9 to 18.99 rows per expert (WGMMA_24_ROWS_SMALL_U4), of 32 to 29.49
+    # (WGMMA_32_SMALL_U4_HI), then (small_cover) the smallest producer-form block of 48 / 80 / 96 that holds the
+    # covered rows, then 128
     small = 2048 * 2816
-    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 96, 256, 266, 267, 298, 299, 320, 402, 403, 512,
-                                                               560, 708, 709, 864, 865, 1024)] == \
-        [16, 32, 32, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
-    for t in range(299, 865, 11):
+    assert [choose_block_size(t, 6, 64, True, small) for t in (80, 95, 96, 202, 203, 256, 266, 267, 314, 315, 320, 402,
+                                                               403, 512, 560, 708, 709, 864, 865, 1024)] == \
+        [16, 16, 24, 24, 32, 32, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
+    assert choose_block_size(150, 6, 64, True, small, prod_blocks=False) == 32  # 24 is a producer-form block
+    for t in range(315, 865, 11):
         b, cover = choose_block_size(t, 6, 64, True, small), M.covered_rows(t * 6 / 64, 6, 64)
         assert M.small_cover(t * 6 / 64, 6, 64, small) and b >= cover, (t, b, cover)
         assert b in M.WGMMA_COVER_SMALL_BLOCKS and all(s < cover for s in M.WGMMA_COVER_SMALL_BLOCKS if s < b), t
     # 8-bit small experts: blocks of 32 up to 24.99 rows (WGMMA_32_ROWS_SMALL), the cover rule from 25
-    assert [choose_block_size(t, 6, 64, True, small, bits=8) for t in (96, 266, 267, 298, 320)] == [32, 32, 48, 48, 48]
+    assert [choose_block_size(t, 6, 64, True, small, bits=8) for t in (96, 150, 266, 267, 298, 320)] == \
+        [32, 32, 32, 48, 48, 48]
     assert not M.small_cover(26.0, 6, 64, small) and M.small_cover(26.0, 6, 64, small, bits=8)
-    for t in range(96, 299):  # no gap between the two rules: every count takes 32 or a covering block
-        assert choose_block_size(t, 6, 64, True, small) in (32, 48), t
+    for t in range(96, 330):  # no gap between the rules: every count takes 24, 32 or a covering block
+        assert choose_block_size(t, 6, 64, True, small) == (24 if t < 203 else 32 if t < 315 else 48), t
     assert choose_block_size(320, 6, 64, True, small, prod_blocks=False) == 64  # no producer form: as before
     assert not M.small_cover(30.0, 6, 64, 4096 * 28672)  # large experts: the cover rule above
     assert choose_block_size(64, 2, 8) == 32  # (the mma.sync kernel's choice)
@@ -162,10 +165,11 @@ def test_fused_moe_block_choice(monkeypatch, wgmma):
     w13 = torch.zeros(e, 2 * inter // 64, h // 16, 128, dtype=torch.int32)
     w2 = torch.zeros(e, h // 64, inter // 16, 128, dtype=torch.int32)
     s13, s2 = torch.zeros(e, 2, 2 * inter, dtype=torch.float16), torch.zeros(e, 1, h, dtype=torch.float16)
-    # 16 rows per expert: blocks of 32 either way (moe_gemm sends them to the wgmma kernel where it
-    # runs); 28 rows: 64 (wgmma) vs 32; 64 rows: 128 vs 64
-    for t, want, asks in ((16, 8, False), (64, 32, False), (112, 64 if wgmma else 32, True),
-                          (256, 128 if wgmma else 64, True)):
+    # 16 rows per expert: the producer form's blocks of 24 for these small 4-bit experts (small_block24), asked
+    # for, and 32 where the producer form does not run (here: CPU tensors) or the kernels cannot (moe_gemm sends
+    # blocks of 32 to the wgmma kernel where it runs); 28 rows: 32 both (4-bit small experts keep blocks of 32 up
+    # to WGMMA_32_SMALL_U4_HI rows); 64 rows: 128 vs 64
+    for t, want, asks in ((16, 8, False), (64, 32, True), (112, 32, False), (256, 128 if wgmma else 64, True)):
         x = torch.zeros(t, h, dtype=torch.float16)
         ids = torch.zeros(t, top_k, dtype=torch.int64)
         asked.clear()
@@ -429,7 +433,11 @@ def test_blocks_of_24_host_rules():
     assert [M.choose_block_size(t, 2, 8, True, mixtral_kn) for t in (40, 44, 48, 56, 64, 68, 72)] == \
         [16, 16, 24, 24, 24, 24, 32]
     assert M.choose_block_size(64, 2, 8, True, mixtral_kn, prod_blocks=False) == 32
-    assert M.choose_block_size(64, 2, 8, True, 2048 * 2816) == 32  # small experts: the gathers do not pay
+    # small experts (K*N <= 2^24, 4-bit): blocks of 24 at 9-19 rows per expert too (small_block24, session 33), on
+    # the producer form only; 8-bit keeps 32
+    assert M.choose_block_size(64, 2, 8, True, 2048 * 2816) == 24
+    assert M.choose_block_size(64, 2, 8, True, 2048 * 2816, prod_blocks=False) == 32
+    assert M.choose_block_size(64, 2, 8, True, 2048 * 2816, bits=8) == 32
     assert M.choose_block_size(64, 2, 8) == 32  # the mma.sync choice never takes 24
 
 

@@ -43,11 +43,18 @@ WGMMA_32_ROWS_SMALL = (9, 25)  # ... or this range for experts of K*N <= WGMMA_3
 WGMMA_32_SMALL_KN = 1 << 24
 # 4-bit small experts keep blocks of 32 (the producer form at four CTAs per SM, K.WGMMA_PROD_CTAS_MOE_U4) below
 # this many rows per expert, where small_cover's blocks of 48 take over (8-bit: WGMMA_32_ROWS_SMALL's end). Experts
-# past 32 rows take a second block, which streams their small weights again; up to ~28 rows that costs less than
+# past 32 rows take a second block, which streams their small weights again; up to ~29.5 rows that costs less than
 # the 48-row tiles' work. H200 session 33 (probe_moe_tiles --block, E=64 top-6 layer us, one draw per token count,
-# two timings each, the rule then (48) / 32): 272 tokens (25.5 rows) 184.3, 186.3 / 171.1, 172.0; 288 (27) 186.4,
-# 186.5 / 169.2, 167.6; 320 (30) 189.1, 190.3 / 195.7, 195.4; 352 (33) 191.4, 193.4 / 217.1, 218.4.
-WGMMA_32_SMALL_U4_HI = 28
+# two timings each, 48 (the rule then) / 32): 272 tokens (25.5 rows) 184.3, 186.3 / 171.1, 172.0; 288 (27) 186.4,
+# 186.5 / 169.2, 167.6; 296 (27.75) 265.0, 265.0 / 177.1, 177.9 (an expert past 48 rows in that draw); 304 (28.5)
+# 185.8, 185.7 / 177.9, 178.0; 312 (29.25) 190.0, 188.6 / 184.4, 185.6; 320 (30) 189.1, 190.3 / 195.7, 195.4; 352
+# (33) 191.4, 193.4 / 217.1, 218.4. bf16 288: 269.7, 269.0 / 178.4, 178.8.
+WGMMA_32_SMALL_U4_HI = 29.5
+# ... and blocks of 24 (the producer form at four CTAs per SM) in this range of rows per expert: less padding
+# than 32 where few experts pass 24 rows. H200 session 33 (probe_moe_tiles --ab smallblocks=24+32 --block 0,24,
+# two rounds, E=64 top-6 layer us, 32 / 24): 128 tokens (12 rows) 149.5, 150.4 / 143.0, 143.4; 192 (18) 153.4,
+# 154.0 / 150.7, 151.2; 256 (24) 163.9, 164.5 / 195.3, 196.1; 320 (30; the rule's 48 there) 186.5, 186.9 / 236.7.
+WGMMA_24_ROWS_SMALL_U4 = (9, 19)
 
 
 def wgmma_block32(per_expert: float, kn: int, bits: int = 4) -> bool:
@@ -116,6 +123,13 @@ WGMMA_COVER_SMALL_MIN_ROWS = 25
 WGMMA_COVER_SMALL_BLOCKS = (48, 80, 96)
 
 
+def small_block24(per_expert: float, expert_kn: int, bits: int = 4) -> bool:
+    """Whether 4-bit experts of K*N = expert_kn <= WGMMA_32_SMALL_KN (the first GEMM's) at per_expert rows per
+    expert take the producer form's blocks of 24 (WGMMA_24_ROWS_SMALL_U4; both inputs gathered)."""
+    lo, hi = WGMMA_24_ROWS_SMALL_U4
+    return bits == 4 and expert_kn <= WGMMA_32_SMALL_KN and lo <= per_expert < hi
+
+
 def covered_rows(per_expert: float, top_k: int, num_experts: int) -> float:
     """Rows per expert a block should hold: the mean plus WGMMA_COVER_Z binomial standard deviations."""
     return per_expert + WGMMA_COVER_Z * math.sqrt(per_expert * max(0.0, 1.0 - top_k / max(1, num_experts)))
@@ -138,8 +152,9 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
     GEMM's) above WGMMA_32_SMALL_KN from WGMMA_COVER_MIN_ROWS rows per expert the smallest block of
     WGMMA_COVER_BLOCKS that holds covered_rows, else 128 (unless not prod_blocks: the producer form
     cannot take them); on smaller experts where small_cover says so, the smallest of
-    WGMMA_COVER_SMALL_BLOCKS that holds them; elsewhere 128 where 64 does not cover, 32 where wgmma_block32
-    says so, 64 from WGMMA_64_MIN_ROWS. `bits`: of the expert weights (small_cover, wgmma_block32)."""
+    WGMMA_COVER_SMALL_BLOCKS that holds them; elsewhere 128 where 64 does not cover, 24 where small_block24 says
+    so (producer form only), 32 where wgmma_block32 says so, 64 from WGMMA_64_MIN_ROWS. `bits`: of the expert
+    weights (small_cover, small_block24, wgmma_block32)."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if large_blocks:
         cover = covered_rows(per_expert, top_k, num_experts)
@@ -151,6 +166,8 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
             return next(b for b in WGMMA_COVER_SMALL_BLOCKS if b >= cover)
         if cover > 64:
             return WGMMA_BLOCK
+    if large_blocks and prod_blocks and small_block24(per_expert, expert_kn, bits):
+        return 24
     if large_blocks and wgmma_block32(per_expert, expert_kn, bits):
         return 32
     if large_blocks and per_expert >= WGMMA_64_MIN_ROWS:
@@ -498,9 +515,9 @@ MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # (24) 168.7, 167.6 / 159.1, 159.0. 4-bit weights only (8-bit blocks of 32 stay at three CTAs per SM: not
 # measured there). (A probe switch: a larger value keeps the plain form below it.)
 WGMMA_PROD_SMALL32_MIN_ROWS = 9
-# The blocks that rule applies to (a probe switch, probe_moe_tiles --ab smallblocks=24+32: the producer form's
-# blocks of 24 too, which choose_block_size never picks for small experts).
-WGMMA_PROD_SMALL_BLOCKS: tuple[int, ...] = (32,)
+# The blocks that rule applies to (small_block24's 24 since session 33; probe_moe_tiles --ab smallblocks=32
+# takes them off).
+WGMMA_PROD_SMALL_BLOCKS: tuple[int, ...] = (24, 32)
 # Strips per warpgroup pair of that producer form (its config (32, FW, stages) must be built): 1 = two
 # strips on its compute warpgroup, 128 features per CTA, three CTAs per SM; 2 = four strips, 256 features
 # per CTA (as Humming's MoE blocks of 24 x 512 / 32 x 256), two CTAs per SM — slower (H200 session 26,
