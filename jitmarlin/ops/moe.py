@@ -54,7 +54,14 @@ WGMMA_32_SMALL_U4_HI = 29.5
 # than 32 where few experts pass 24 rows. H200 session 33 (probe_moe_tiles --ab smallblocks=24+32 --block 0,24,
 # two rounds, E=64 top-6 layer us, 32 / 24): 128 tokens (12 rows) 149.5, 150.4 / 143.0, 143.4; 192 (18) 153.4,
 # 154.0 / 150.7, 151.2; 256 (24) 163.9, 164.5 / 195.3, 196.1; 320 (30; the rule's 48 there) 186.5, 186.9 / 236.7.
-WGMMA_24_ROWS_SMALL_U4 = (9, 19)
+# s33c (--ab "small24=0;small24=9-22"): 96 (9) 148.8, 148.3 / 142.9, 141.3; 112 (10.5) 151.0, 149.0 / 142.4, 142.4;
+# 160 (15) 153.3, 151.2 / 144.6, 144.6; 208 (19.5) 156.0, 154.9 / 156.2, 156.2; 224 (21) 156.8, 155.3 / 175.9,
+# 176.0; bf16 128 152.9, 153.1 / 148.2, 147.4, 192 157.1, 156.3 / 156.3, 155.7. Below 9 rows, against the mma.sync
+# kernel's blocks of 8 / 16 (--ab "small24=9-19,smallmin=9;small24=4-19,smallmin=4"): 48 / 64 / 72 tokens (4.5 /
+# 6 / 6.75 rows, blocks of 8) 97.9, 98.4 / 107.1, 107.3 / 109.1, 109.1 vs 136.6, 136.5 / 139.8, 139.7 / 140.4,
+# 140.1; 80 / 88 (7.5 / 8.25 rows, blocks of 16) 145.8, 145.3 / 146.7, 146.4 vs 141.2, 141.1 / 141.4, 140.7: from
+# where blocks of 8 end (7.2 rows).
+WGMMA_24_ROWS_SMALL_U4 = (7.2, 19)
 
 
 def wgmma_block32(per_expert: float, kn: int, bits: int = 4) -> bool:
@@ -513,8 +520,9 @@ MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # us, plain / producer form, two interleaved rounds): 96 tokens (9 rows) 156.7, 156.5 / 149.4, 150.3; 128 (12)
 # 159.3, 158.4 / 151.5, 152.1; 160 (15) 160.8, 160.2 / 153.9, 153.6; 192 (18) 163.1, 162.7 / 154.9, 154.9; 256
 # (24) 168.7, 167.6 / 159.1, 159.0. 4-bit weights only (8-bit blocks of 32 stay at three CTAs per SM: not
-# measured there). (A probe switch: a larger value keeps the plain form below it.)
-WGMMA_PROD_SMALL32_MIN_ROWS = 9
+# measured there). (A probe switch: a larger value keeps the plain form below it.) Since session 33 also the blocks
+# of 24 (small_block24), from where the mma.sync rule leaves blocks of 8 (7.2 rows per expert: T*k/E/8 >= 0.9).
+WGMMA_PROD_SMALL32_MIN_ROWS = 7.2
 # The blocks that rule applies to (small_block24's 24 since session 33; probe_moe_tiles --ab smallblocks=32
 # takes them off).
 WGMMA_PROD_SMALL_BLOCKS: tuple[int, ...] = (24, 32)
