@@ -91,13 +91,15 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert abs(M.covered_rows(64, 2, 8) - (64 + 1.75 * 48 ** 0.5)) < 1e-9
     assert [choose_block_size(t, 2, 8, True, prod_blocks=False) for t in (72, 88, 210, 213)] == [32, 64, 64, 128]
     assert choose_block_size(40, 2, 8, True) == 16  # 10 rows (large experts): the mma.sync kernel's
-    # E=64 experts, 4-bit: blocks of 24 from 7.2 to 18.99 rows per expert (WGMMA_24_ROWS_SMALL_U4), of 32 to 29.49
+    # E=64 experts, 4-bit: blocks of 8 up to 9.49 rows per expert (the mma.sync rule alone: 16 from 7.2), of 24 to
+    # 18.99 (WGMMA_24_ROWS_SMALL_U4), of 32 to 29.49
     # (WGMMA_32_SMALL_U4_HI), then (small_cover) the smallest producer-form block of 48 / 80 / 96 that holds the
     # covered rows, then 128
     small = 2048 * 2816
-    assert [choose_block_size(t, 6, 64, True, small) for t in (76, 77, 95, 96, 202, 203, 256, 266, 267, 314, 315, 320,
+    assert [choose_block_size(t, 6, 64, True, small) for t in (77, 101, 102, 202, 203, 256, 266, 267, 314, 315, 320,
                                                                402, 403, 512, 560, 708, 709, 864, 865, 1024)] == \
-        [8, 24, 24, 24, 24, 32, 32, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
+        [8, 8, 24, 24, 32, 32, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
+    assert choose_block_size(80, 6, 64) == 16 and choose_block_size(80, 6, 64, True, small, bits=8) == 16
     assert choose_block_size(150, 6, 64, True, small, prod_blocks=False) == 32  # 24 is a producer-form block
     for t in range(315, 865, 11):
         b, cover = choose_block_size(t, 6, 64, True, small), M.covered_rows(t * 6 / 64, 6, 64)
@@ -107,8 +109,9 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert [choose_block_size(t, 6, 64, True, small, bits=8) for t in (96, 150, 266, 267, 298, 320)] == \
         [32, 32, 32, 48, 48, 48]
     assert not M.small_cover(26.0, 6, 64, small) and M.small_cover(26.0, 6, 64, small, bits=8)
-    for t in range(96, 330):  # no gap between the rules: every count takes 24, 32 or a covering block
-        assert choose_block_size(t, 6, 64, True, small) == (24 if t < 203 else 32 if t < 315 else 48), t
+    for t in range(1, 330):  # no gap between the rules: every count takes 8, 24, 32 or a covering block
+        want = 8 if t < 102 else 24 if t < 203 else 32 if t < 315 else 48
+        assert choose_block_size(t, 6, 64, True, small) == want, t
     assert choose_block_size(320, 6, 64, True, small, prod_blocks=False) == 64  # no producer form: as before
     assert not M.small_cover(30.0, 6, 64, 4096 * 28672)  # large experts: the cover rule above
     assert choose_block_size(64, 2, 8) == 32  # (the mma.sync kernel's choice)
@@ -339,8 +342,8 @@ def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route, silu):
     # small experts (K*N <= MOE_WGMMA_PROD_MIN_KN, no cover rule at these rows): blocks of 32 gather for the
     # producer form from WGMMA_PROD_SMALL32_MIN_ROWS rows per expert (t * top_k / e), not below
     monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 1 << 24)
-    assert M.WGMMA_PROD_SMALL32_MIN_ROWS == M.WGMMA_24_ROWS_SMALL_U4[0] == 7.2  # (8 * 0.9: where blocks of 8 end)
-    for tokens, bits, gathers in ((64, 4, True), (36, 4, True), (29, 4, True), (28, 4, False), (64, 8, False)):  # (8-bit: not
+    assert M.WGMMA_PROD_SMALL32_MIN_ROWS == M.WGMMA_32_ROWS_SMALL[0] == 9
+    for tokens, bits, gathers in ((64, 4, True), (36, 4, True), (32, 4, False), (64, 8, False)):  # (8-bit: not
         calls.clear()                                                               # at four CTAs per SM)
         _fused_moe_first_calls(M, e, h, inter, top_k, tokens, Stop, bits)
         assert (calls[0][0] == "gather") == (gathers and route), (tokens, bits, calls)

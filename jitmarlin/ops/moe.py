@@ -59,9 +59,12 @@ WGMMA_32_SMALL_U4_HI = 29.5
 # 176.0; bf16 128 152.9, 153.1 / 148.2, 147.4, 192 157.1, 156.3 / 156.3, 155.7. Below 9 rows, against the mma.sync
 # kernel's blocks of 8 / 16 (--ab "small24=9-19,smallmin=9;small24=4-19,smallmin=4"): 48 / 64 / 72 tokens (4.5 /
 # 6 / 6.75 rows, blocks of 8) 97.9, 98.4 / 107.1, 107.3 / 109.1, 109.1 vs 136.6, 136.5 / 139.8, 139.7 / 140.4,
-# 140.1; 80 / 88 (7.5 / 8.25 rows, blocks of 16) 145.8, 145.3 / 146.7, 146.4 vs 141.2, 141.1 / 141.4, 140.7: from
-# where blocks of 8 end (7.2 rows).
-WGMMA_24_ROWS_SMALL_U4 = (7.2, 19)
+# 140.1; 80 / 88 (7.5 / 8.25 rows, blocks of 16) 145.8, 145.3 / 146.7, 146.4 vs 141.2, 141.1 / 141.4, 140.7. But
+# blocks of 8 (the mma.sync kernel) beat both there (--block 0,8,0,8, 24 / 8): 80 tokens 139.3, 139.3 / 122.0,
+# 123.1; 96 (9) 141.5, 141.4 / 136.7, 136.8; 112 (10.5) 142.2, 142.6 / 153.1, 153.4; 128 (12) 142.8, 143.8 / 167.4,
+# 167.9. So below the range's start 4-bit small experts keep blocks of 8 (on sm_90: choose_block_size's large_blocks;
+# the mma.sync rule alone moves to 16 from 7.2 rows).
+WGMMA_24_ROWS_SMALL_U4 = (9.5, 19)
 
 
 def wgmma_block32(per_expert: float, kn: int, bits: int = 4) -> bool:
@@ -159,8 +162,9 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
     GEMM's) above WGMMA_32_SMALL_KN from WGMMA_COVER_MIN_ROWS rows per expert the smallest block of
     WGMMA_COVER_BLOCKS that holds covered_rows, else 128 (unless not prod_blocks: the producer form
     cannot take them); on smaller experts where small_cover says so, the smallest of
-    WGMMA_COVER_SMALL_BLOCKS that holds them; elsewhere 128 where 64 does not cover, 24 where small_block24 says
-    so (producer form only), 32 where wgmma_block32 says so, 64 from WGMMA_64_MIN_ROWS. `bits`: of the expert
+    WGMMA_COVER_SMALL_BLOCKS that holds them; elsewhere 128 where 64 does not cover, on 4-bit small experts 8
+    below WGMMA_24_ROWS_SMALL_U4 and 24 where small_block24 says so (producer form only), 32 where wgmma_block32
+    says so, 64 from WGMMA_64_MIN_ROWS. `bits`: of the expert
     weights (small_cover, small_block24, wgmma_block32)."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if large_blocks:
@@ -173,6 +177,8 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
             return next(b for b in WGMMA_COVER_SMALL_BLOCKS if b >= cover)
         if cover > 64:
             return WGMMA_BLOCK
+    if large_blocks and bits == 4 and expert_kn <= WGMMA_32_SMALL_KN and per_expert < WGMMA_24_ROWS_SMALL_U4[0]:
+        return 8
     if large_blocks and prod_blocks and small_block24(per_expert, expert_kn, bits):
         return 24
     if large_blocks and wgmma_block32(per_expert, expert_kn, bits):
@@ -521,8 +527,8 @@ MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # 159.3, 158.4 / 151.5, 152.1; 160 (15) 160.8, 160.2 / 153.9, 153.6; 192 (18) 163.1, 162.7 / 154.9, 154.9; 256
 # (24) 168.7, 167.6 / 159.1, 159.0. 4-bit weights only (8-bit blocks of 32 stay at three CTAs per SM: not
 # measured there). (A probe switch: a larger value keeps the plain form below it.) Since session 33 also the blocks
-# of 24 (small_block24), from where the mma.sync rule leaves blocks of 8 (7.2 rows per expert: T*k/E/8 >= 0.9).
-WGMMA_PROD_SMALL32_MIN_ROWS = 7.2
+# of 24 (small_block24, from 9.5 rows).
+WGMMA_PROD_SMALL32_MIN_ROWS = 9
 # The blocks that rule applies to (small_block24's 24 since session 33; probe_moe_tiles --ab smallblocks=32
 # takes them off).
 WGMMA_PROD_SMALL_BLOCKS: tuple[int, ...] = (24, 32)

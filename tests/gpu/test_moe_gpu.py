@@ -72,8 +72,8 @@ def test_moe_module(shape, dtype, act_order):
     e, h, i, top_k = shape
     moe, w13, w2 = make_moe(e, h, i, top_k, dtype, act_order)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
-    # (e64 at 80 / 160 / 288 tokens: 7.5 / 15 / 27 rows per expert, small experts' producer-form blocks of 24 / 24 /
-    # 32 since session 33, at 27 rows many experts in two blocks)
+    # (e64 at 80 / 160 / 288 tokens: 7.5 / 15 / 27 rows per expert, small experts' blocks of 8 (mma.sync kernel) /
+    # the producer form's 24 / 32 since session 33, at 27 rows many experts in two blocks)
     for t in (1, 3, 16, 64, 80, 160, 257, 288, 1024):
         x = torch.randn(t, h, device="cuda", dtype=dtype)
         out = moe(x)
