@@ -881,6 +881,28 @@ for st in $STAGES; do
            timeout 200 python3 benchmarks/bench_moe.py --shapes e64 --tokens 128,192,288,304 --json "$OUT/s33c_moe.json" \
              > "$OUT/s33c_moe.log" 2>&1
            echo "s33c moe rc=$?"; grep -E "^\| " "$OUT/s33c_moe.log" | tail -5;;
+    s34a)  # PREPARED in session 33 (probe only, no route change). E=64 at 7.5-12 rows per expert (80-128 tokens):
+           # Humming's two GEMMs run blocks of 16 there at ~104 us, flat from 64 to 112 tokens; ours 121-143 (blocks
+           # of 8 up to 9.5 rows, then the producer form's 24), and our 16-row MoE tile (w16_k128_s3_bk_o3) took 145
+           # at 80 tokens. (1) the mma.sync kernel's 16-row tiles on these small experts, blocks of 16 forced, beside
+           # the rule (0) and blocks of 8, one tile per process (the first line: the built-in o3 tile).
+           for tl in "" w16_k64_s6_bk_o3 w16_k64_s4_bk_o3 w16_k128_s5_bk w16_k64_s6_bk w16_k128_s6_bk_dr1; do
+             timeout 120 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 80,96,112,128 --block 0,8,16 \
+               ${tl:+--tile $tl} > "$OUT/s34a_tile_${tl:-route}.log" 2>&1
+             echo "s34a tile ${tl:-route} rc=$?"; grep "us$" "$OUT/s34a_tile_${tl:-route}.log" | sed 's/.*block=/block=/'
+           done
+           # (2) a 16-row producer-form config (m64n16k16, four CTAs per SM; compiled in session 33 for f16 g128: 64
+           # registers at launch, no spills): blocks of 16 on the wgmma kernel, inputs gathered, E=64 and Mixtral
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 80,96,112,128 --prod-configs 16-1-6 \
+             --prod-ctas 16-1-6=4 --prod 1 --ab "smallblocks=16+24+32" --block 16,24 > "$OUT/s34a_prod16.log" 2>&1
+           echo "s34a prod16 rc=$?"; grep "us$" "$OUT/s34a_prod16.log" | sed 's/.*block=/block=/'
+           # (Mixtral: with --prod 1 the rule's blocks of 16 take that form too; the first run is the baseline)
+           timeout 120 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 32,48,64 --block 0,16,24 \
+             > "$OUT/s34a_mixtral_base.log" 2>&1
+           echo "s34a mixtral base rc=$?"; grep "us$" "$OUT/s34a_mixtral_base.log" | sed 's/.*block=/block=/'
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 32,48,64 --prod-configs 16-1-6 \
+             --prod-ctas 16-1-6=4 --prod 1 --block 0,16,24 > "$OUT/s34a_prod16_mixtral.log" 2>&1
+           echo "s34a prod16 mixtral rc=$?"; grep "us$" "$OUT/s34a_prod16_mixtral.log" | sed 's/.*block=/block=/';;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
