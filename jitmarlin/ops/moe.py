@@ -50,20 +50,14 @@ WGMMA_32_SMALL_KN = 1 << 24
 # 185.8, 185.7 / 177.9, 178.0; 312 (29.25) 190.0, 188.6 / 184.4, 185.6; 320 (30) 189.1, 190.3 / 195.7, 195.4; 352
 # (33) 191.4, 193.4 / 217.1, 218.4. bf16 288: 269.7, 269.0 / 178.4, 178.8.
 WGMMA_32_SMALL_U4_HI = 29.5
-# ... and blocks of 24 (the producer form at four CTAs per SM) in this range of rows per expert: less padding
-# than 32 where few experts pass 24 rows. H200 session 33 (probe_moe_tiles --ab smallblocks=24+32 --block 0,24,
-# two rounds, E=64 top-6 layer us, 32 / 24): 128 tokens (12 rows) 149.5, 150.4 / 143.0, 143.4; 192 (18) 153.4,
-# 154.0 / 150.7, 151.2; 256 (24) 163.9, 164.5 / 195.3, 196.1; 320 (30; the rule's 48 there) 186.5, 186.9 / 236.7.
-# s33c (--ab "small24=0;small24=9-22"): 96 (9) 148.8, 148.3 / 142.9, 141.3; 112 (10.5) 151.0, 149.0 / 142.4, 142.4;
-# 160 (15) 153.3, 151.2 / 144.6, 144.6; 208 (19.5) 156.0, 154.9 / 156.2, 156.2; 224 (21) 156.8, 155.3 / 175.9,
-# 176.0; bf16 128 152.9, 153.1 / 148.2, 147.4, 192 157.1, 156.3 / 156.3, 155.7. Below 9 rows, against the mma.sync
-# kernel's blocks of 8 / 16 (--ab "small24=9-19,smallmin=9;small24=4-19,smallmin=4"): 48 / 64 / 72 tokens (4.5 /
-# 6 / 6.75 rows, blocks of 8) 97.9, 98.4 / 107.1, 107.3 / 109.1, 109.1 vs 136.6, 136.5 / 139.8, 139.7 / 140.4,
-# 140.1; 80 / 88 (7.5 / 8.25 rows, blocks of 16) 145.8, 145.3 / 146.7, 146.4 vs 141.2, 141.1 / 141.4, 140.7. But
-# blocks of 8 (the mma.sync kernel) beat both there (--block 0,8,0,8, 24 / 8): 80 tokens 139.3, 139.3 / 122.0,
-# 123.1; 96 (9) 141.5, 141.4 / 136.7, 136.8; 112 (10.5) 142.2, 142.6 / 153.1, 153.4; 128 (12) 142.8, 143.8 / 167.4,
-# 167.9. So below the range's start 4-bit small experts keep blocks of 8 (on sm_90: choose_block_size's large_blocks;
-# the mma.sync rule alone moves to 16 from 7.2 rows).
+# ... and blocks of 24 (the producer form at four CTAs per SM) in this range of rows per expert (less padding than
+# 32 where few experts pass 24 rows), blocks of 8 (the mma.sync kernel) below it. H200 session 33 (probe_moe_tiles,
+# E=64 top-6 layer us, two timings each; more in benchmarks/NOTES.md session 33), 32 / 24: 96 tokens (9 rows)
+# 148.8, 148.3 / 142.9, 141.3; 128 (12) 149.5, 150.4 / 143.0, 143.4; 160 (15) 153.3, 151.2 / 144.6, 144.6; 192 (18)
+# 153.4, 154.0 / 150.7, 151.2; 208 (19.5) 156.0, 154.9 / 156.2, 156.2; 224 (21) 156.8, 155.3 / 175.9, 176.0; 256
+# (24) 163.9, 164.5 / 195.3, 196.1; bf16 128 152.9, 153.1 / 148.2, 147.4. 24 / 8: 80 (7.5; the mma.sync rule's 16
+# there: 145.8) 139.3, 139.3 / 122.0, 123.1; 96 141.5, 141.4 / 136.7, 136.8; 112 (10.5) 142.2, 142.6 / 153.1,
+# 153.4; 128 142.8, 143.8 / 167.4, 167.9.
 WGMMA_24_ROWS_SMALL_U4 = (9.5, 19)
 
 
@@ -133,11 +127,16 @@ WGMMA_COVER_SMALL_MIN_ROWS = 25
 WGMMA_COVER_SMALL_BLOCKS = (48, 80, 96)
 
 
+def _small_u4(expert_kn: int, bits: int) -> bool:
+    """Experts of K*N = expert_kn <= WGMMA_32_SMALL_KN (the first GEMM's) with 4-bit weights."""
+    return bits == 4 and expert_kn <= WGMMA_32_SMALL_KN
+
+
 def small_block24(per_expert: float, expert_kn: int, bits: int = 4) -> bool:
-    """Whether 4-bit experts of K*N = expert_kn <= WGMMA_32_SMALL_KN (the first GEMM's) at per_expert rows per
-    expert take the producer form's blocks of 24 (WGMMA_24_ROWS_SMALL_U4; both inputs gathered)."""
+    """Whether small 4-bit experts (_small_u4) at per_expert rows per expert take the producer form's blocks of 24
+    (WGMMA_24_ROWS_SMALL_U4; both inputs gathered)."""
     lo, hi = WGMMA_24_ROWS_SMALL_U4
-    return bits == 4 and expert_kn <= WGMMA_32_SMALL_KN and lo <= per_expert < hi
+    return _small_u4(expert_kn, bits) and lo <= per_expert < hi
 
 
 def covered_rows(per_expert: float, top_k: int, num_experts: int) -> float:
@@ -164,8 +163,8 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
     cannot take them); on smaller experts where small_cover says so, the smallest of
     WGMMA_COVER_SMALL_BLOCKS that holds them; elsewhere 128 where 64 does not cover, on 4-bit small experts 8
     below WGMMA_24_ROWS_SMALL_U4 and 24 where small_block24 says so (producer form only), 32 where wgmma_block32
-    says so, 64 from WGMMA_64_MIN_ROWS. `bits`: of the expert
-    weights (small_cover, small_block24, wgmma_block32)."""
+    says so, 64 from WGMMA_64_MIN_ROWS. `bits`: of the expert weights (small_cover, small_block24,
+    wgmma_block32)."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if large_blocks:
         cover = covered_rows(per_expert, top_k, num_experts)
@@ -177,7 +176,7 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
             return next(b for b in WGMMA_COVER_SMALL_BLOCKS if b >= cover)
         if cover > 64:
             return WGMMA_BLOCK
-    if large_blocks and bits == 4 and expert_kn <= WGMMA_32_SMALL_KN and per_expert < WGMMA_24_ROWS_SMALL_U4[0]:
+    if large_blocks and _small_u4(expert_kn, bits) and per_expert < WGMMA_24_ROWS_SMALL_U4[0]:
         return 8
     if large_blocks and prod_blocks and small_block24(per_expert, expert_kn, bits):
         return 24
@@ -960,7 +959,8 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
             if wide in PROD_ONLY_BLOCKS + (32, 48) and not _prod_route(hidden, wide, t * top_k / e,
                                                                      ((i2, h, w13, w13_scales, w13_zeros),
                                                                       (h, inter, w2, w2_scales, w2_zeros))):
-                wide = choose_block_size(t, top_k, e, True, i2 * h, prod_blocks=False, bits=bits)  # the producer form cannot
+                # the producer form cannot
+                wide = choose_block_size(t, top_k, e, True, i2 * h, prod_blocks=False, bits=bits)
             bs = wide
     one = None
     if t == 1 and bs == 8 and w13_perm is None and w2_perm is None and topk_ids.device == hidden.device \
