@@ -891,8 +891,9 @@ for st in $STAGES; do
                ${tl:+--tile $tl} > "$OUT/s34a_tile_${tl:-route}.log" 2>&1
              echo "s34a tile ${tl:-route} rc=$?"; grep "us$" "$OUT/s34a_tile_${tl:-route}.log" | sed 's/.*block=/block=/'
            done
-           # (2) a 16-row producer-form config (m64n16k16, four CTAs per SM; compiled in session 33 for f16 g128: 64
-           # registers at launch, no spills): blocks of 16 on the wgmma kernel, inputs gathered, E=64 and Mixtral
+           # (2) a 16-row producer-form config (m64n16k16, four CTAs per SM; compiled in session 33 for five 4-bit
+           # formats: 64 registers at launch, no spills): blocks of 16 on the wgmma kernel, inputs gathered, E=64
+           # and Mixtral
            timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 80,96,112,128 --prod-configs 16-1-6 \
              --prod-ctas 16-1-6=4 --prod 1 --ab "smallblocks=16+24+32" --block 16,24 > "$OUT/s34a_prod16.log" 2>&1
            echo "s34a prod16 rc=$?"; grep "us$" "$OUT/s34a_prod16.log" | sed 's/.*block=/block=/'
