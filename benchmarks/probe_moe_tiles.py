@@ -39,6 +39,8 @@
                       smallblocks=B+B (moe.WGMMA_PROD_SMALL_BLOCKS: small experts' producer-form blocks),
                       small24=LO-HI|0 (moe.WGMMA_24_ROWS_SMALL_U4: small experts' blocks of 24; 0: never),
                       smallmin=R (moe.WGMMA_PROD_SMALL32_MIN_ROWS: those blocks on the producer form from R rows),
+                      prodblocks=B+B (moe.MOE_WGMMA_PROD_BLOCKS: blocks on the producer form where A is gathered;
+                      prodblocks=24+32+48+80+96 takes session 34's blocks of 16 off it),
                       pfw=1|2 (moe.MOE_WGMMA_PROD_FW; the (NT, 2, S) configs from --prod-configs), e.g.
                       --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
@@ -100,7 +102,8 @@ def main() -> None:
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
     ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, "
-                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, pfw=1|2) timed in turn")
+                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2) "
+                    "timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
     args = ap.parse_args()
@@ -224,9 +227,11 @@ def _apply_variant(variant: str) -> str:
             M.WGMMA_PROD_SMALL32_MIN_ROWS = float(val)
         elif key == "small24":  # 4-bit small experts' blocks of 24 at LO-HI rows per expert (0: never)
             M.WGMMA_24_ROWS_SMALL_U4 = (0.0, 0.0) if val == "0" else tuple(float(v) for v in val.split("-"))
+        elif key == "prodblocks":  # blocks that take the producer form where A is gathered (e.g. 24+32+48+80+96)
+            M.MOE_WGMMA_PROD_BLOCKS = tuple(int(v) for v in val.split("+"))
         else:
             raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, "
-                             "smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R or pfw=1|2")
+                             "smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B or pfw=1|2")
     K.clear_kernel_caches()
     return variant
 

@@ -904,6 +904,61 @@ for st in $STAGES; do
            timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 32,48,64 --prod-configs 16-1-6 \
              --prod-ctas 16-1-6=4 --prod 1 --block 0,16,24 > "$OUT/s34a_prod16_mixtral.log" 2>&1
            echo "s34a prod16 mixtral rc=$?"; grep "us$" "$OUT/s34a_prod16_mixtral.log" | sed 's/.*block=/block=/';;
+    s34b)  # session 34: the 16-row producer form (m64n16k16) beat the mma.sync blocks of 16 on Mixtral (32 tokens
+           # 292.7 -> 256.8 us) but not the blocks of 8 where both read each expert once (16 tokens 203.6 vs
+           # 256.7). (1) its stages / CTAs per SM, blocks of 16 forced beside the rule, Mixtral and E=64, one
+           # config per process; (2) ncu of the Mixtral 16-token gate/up GEMM: blocks of 8 (mma.sync o3) against
+           # blocks of 16 (16-1-6 at four CTAs): why the same bytes take longer.
+           for c in 16-1-6=4 16-1-7=4 16-1-6=3 16-1-10=3 16-1-8=2; do
+             timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes mixtral,e64 --tokens 16,32,40,80 --block 0,16 \
+               --prod-configs ${c%%=*} --prod-ctas $c --prod 1 > "$OUT/s34b_$c.log" 2>&1
+             echo "s34b $c rc=$?"; grep "us$" "$OUT/s34b_$c.log" | sed 's/.*block=/block=/'
+           done
+           for v in 8 16; do
+             timeout 150 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+               --section Occupancy --section LaunchStats \
+               --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:jm_(gemm|wgmma).*moe" -c 1 \
+               python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 16 --block $v --prod-configs 16-1-6 \
+               --prod-ctas 16-1-6=4 --prod 1 > "$OUT/s34b_ncu_$v.txt" 2>&1
+             echo "== ncu block $v rc=$?"; grep -E "jm_(gemm|wgmma)|Duration|DRAM Throughput|Registers|Issued Ipc|No Eligible|Eligible Warps|Achieved Occupancy" "$OUT/s34b_ncu_$v.txt" | head -12
+             grep -E "issue_stalled" "$OUT/s34b_ncu_$v.txt" | sort -k3 -g -r | head -8
+           done;;
+    s34c)  # session 34: s34b's sweep again, one shape per process (two shapes in one process trip a probe bug),
+           # Mixtral only (E=64 keeps its blocks of 8 there); then bf16 blocks of 16, mma.sync vs the producer form.
+           for c in 16-1-6=4 16-1-7=4 16-1-6=3 16-1-10=3 16-1-8=2; do
+             timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 16,32,40 --block 16 \
+               --prod-configs ${c%%=*} --prod-ctas $c --prod 1 > "$OUT/s34c_$c.log" 2>&1
+             echo "s34c $c rc=$?"; grep "us$" "$OUT/s34c_$c.log" | sed 's/.*block=/block=/'
+           done
+           for pr in "" "--prod-configs 16-1-6 --prod-ctas 16-1-6=4 --prod 1"; do
+             timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 32,40 --block 16 --dtype bf16 \
+               $pr > "$OUT/s34c_bf16_${pr:+prod}.log" 2>&1
+             echo "s34c bf16 ${pr:-mma.sync} rc=$?"; grep "us$" "$OUT/s34c_bf16_${pr:+prod}.log" | sed 's/.*block=/block=/'
+           done;;
+    s34d)  # session 34: blocks of 16 on the 4-bit producer form (16, 1, 6) at four CTAs per SM, routed for large
+           # experts (7.2-12 rows per expert). The layer with blocks of 16 off / on that form (probe --ab prodblocks),
+           # two interleaved rounds, fp16 then bf16; the mma.sync 8 / producer 16 boundary (blocks of 8 / 16 forced,
+           # 24-32 tokens); bench_moe at Mixtral 32 / 40 / 48 tokens with Humming (carry .whl).
+           timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 24,28,32,36,40,44 --rounds 2 \
+             --ab "prodblocks=24+32+48+80+96;prodblocks=16+24+32+48+80+96" > "$OUT/s34d_ab.log" 2>&1
+           echo "s34d ab rc=$?"; grep "us$" "$OUT/s34d_ab.log" | sed 's/.*\] \[/[/'
+           timeout 120 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 32,40 --dtype bf16 \
+             --ab "prodblocks=24+32+48+80+96;prodblocks=16+24+32+48+80+96" > "$OUT/s34d_ab_bf16.log" 2>&1
+           echo "s34d ab bf16 rc=$?"; grep "us$" "$OUT/s34d_ab_bf16.log" | sed 's/.*\] \[/[/'
+           timeout 120 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens 24,28,32 --block 8,16 \
+             > "$OUT/s34d_8v16.log" 2>&1
+           echo "s34d 8v16 rc=$?"; grep "us$" "$OUT/s34d_8v16.log" | sed 's/.*block=/block=/'
+           timeout 200 python3 benchmarks/bench_moe.py --shapes mixtral --tokens 32,40,48 --json "$OUT/s34d_moe.json" \
+             > "$OUT/s34d_moe.log" 2>&1
+           echo "s34d bench_moe rc=$?"; grep -E "^\||copy|Humming" "$OUT/s34d_moe.log" | head -12;;
+    s34e)  # session 34: where blocks of 16 (now the producer form) give way to 24 on Mixtral (WGMMA_COVER_MIN_ROWS = 12
+           # rows per expert, set when 16 ran on the mma.sync kernel): blocks of 16 / 24 forced, 44-56 tokens, two
+           # token lists (two routing draws per token count)
+           for tl in 44,46,48,50,52,54,56 45,47,49,51,53,55; do
+             timeout 120 python3 benchmarks/probe_moe_tiles.py --shapes mixtral --tokens $tl --block 16,24 \
+               > "$OUT/s34e_$tl.log" 2>&1
+             echo "s34e $tl rc=$?"; grep "us$" "$OUT/s34e_$tl.log" | sed 's/.*block=/block=/'
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

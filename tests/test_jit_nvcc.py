@@ -120,6 +120,31 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
         K.wgmma_build_spec.cache_clear()
 
 
+def test_moe_blocks_of_16_producer_form_compiles(cuda_toolchain, monkeypatch):
+    """The 4-bit MoE families' producer form for blocks of 16 rows (K.WGMMA_MOE_PROD_CONFIGS_U4, session 34)
+    compiles at four CTAs per SM (kernel names end in _c4) without spills, with its register reallocation
+    kept and its wgmma not serialized, symmetric and with zero points; 8-bit MoE families do not build it."""
+    monkeypatch.setattr(K, "WGMMA_MOE_CONFIGS", ())
+    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ())
+    K.wgmma_build_spec.cache_clear()
+    try:
+        assert K.wgmma_build_spec(K.Family("f16", 8, False, 128, moe=True), (9, 0)).sources == ()
+        for fam in (K.Family("f16", 4, False, 128, moe=True), K.Family("bf16", 4, True, 64, moe=True)):
+            spec = K.wgmma_build_spec(fam, (9, 0))
+            assert [name for name, _ in spec.sources] == [K.wgmma_kernel_name(fam, 16, 1, 6, prod=True)]
+            name = spec.sources[0][0]
+            assert name.endswith("_moe_n16_f1_s6_prod_c4") and spec.sources[0][1].rstrip().endswith(", 16, 2, 6, 1, 4)")
+            mod = get_module(spec)
+            info = mod.meta["ptxas"][name]
+            assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+            assert info["registers"] <= 64, info  # four CTAs of 256 threads in 64K registers
+            log = (mod.path / "build.log").read_text()
+            for code in ("C7507", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515"):
+                assert code not in log, [line for line in log.splitlines() if code in line]
+    finally:
+        K.wgmma_build_spec.cache_clear()
+
+
 def _elf_text(cubin: bytes) -> bytes:
     """The machine code of a cubin: its .text sections' bytes (ELF64, little-endian), without the
     metadata sections that record the build's flags."""
@@ -155,6 +180,7 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS_MOE_U4", {})
     monkeypatch.setattr(K, "WGMMA_MOE_CONFIGS", ((32, 1, 8),))
     monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6), (48, 1, 6)))
+    monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS_U4", ())
     cubins, expect = {}, {}
     fams = (K.Family("f16", 4, False, 128), K.Family("f16", 4, False, 64, moe=True), K.Family("f16", 4, True, 128),
             K.Family("bf16", 4, False, 128), K.Family("f16", 8, False, 128), K.Family("bf16", 8, True, 64))

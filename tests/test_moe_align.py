@@ -429,6 +429,12 @@ def test_blocks_of_24_host_rules():
     u8 = [n for n, _ in K.wgmma_build_spec(K.Family("bf16", 8, True, 64, moe=True), (9, 0)).sources]
     assert "jm_wgmma_bf16_u8_g64_moe_n24_f1_s6_prod_c3" in u8
     assert M.wgmma_prod_moe_config(24) == (24, 1, 6) and K.prod_ctas((24, 1, 6)) == 3
+    # blocks of 16 (session 34): the producer form in 4-bit MoE families only, at four CTAs per SM
+    assert "jm_wgmma_f16_u4b8_g128_moe_n16_f1_s6_prod_c4" in names and not any("_n16_" in n for n in u8)
+    assert M.wgmma_prod_moe_config(16) == (16, 1, 6) and M.wgmma_prod_moe_config(16, 1, 8) is None
+    assert K.prod_ctas((16, 1, 6), 4, moe=True) == 4 and 16 in M.MOE_WGMMA_PROD_BLOCKS
+    dense = [n for n, _ in K.wgmma_build_spec(K.Family("f16", 4, False, 128), (9, 0)).sources]
+    assert not any("_n16_f1_s6_prod" in n for n in dense)
     assert K.prod_ctas((24, 1, 6), 4) == 4 and K.prod_ctas((24, 1, 6), 8) == 3 and K.prod_ctas((32, 1, 6), 4) == 3
     assert 24 in M.MOE_WGMMA_PROD_BLOCKS
     # the rule: experts above 2^24 weights at 12-17 rows per expert (Mixtral 48-70 tokens), with large blocks

@@ -336,7 +336,12 @@ WGMMA_PROD_CTAS_U4: dict[tuple[int, int, int], int] = {(24, 1, 6): 4, (48, 1, 6)
 # / the producer form's at four CTAs, two interleaved rounds): 192 tokens 163.1, 162.7 / 154.9, 154.9; 256
 # 168.7, 167.6 / 159.1, 159.0. Session 28 (Mixtral, three / four CTAs): 80 tokens 328.4, 327.2 / 323.8, 321.5;
 # 96 358.7, 355.2 / 337.1, 357.4.
-WGMMA_PROD_CTAS_MOE_U4: dict[tuple[int, int, int], int] = {(32, 1, 6): 4}
+# Session 34: the 4-bit MoE blocks of 16 rows (WGMMA_MOE_PROD_CONFIGS_U4) at four CTAs per SM (64 registers at
+# launch, no spills in the 4-bit formats). H200 (probe_moe_tiles --prod-configs 16-1-S --prod-ctas, Mixtral layer
+# us at 16 / 32 / 40 tokens, blocks of 16 forced): two CTAs (16, 1, 8) 327.5 / 328.9 / 329.7, three (16, 1, 6)
+# 273.1 / 273.7 / 273.2, (16, 1, 10) 276.2 / 277.0 / 278.1, four (16, 1, 6) 256.5 / 257.7 / 258.1, (16, 1, 7)
+# 258.7 / 259.7 / 261.0.
+WGMMA_PROD_CTAS_MOE_U4: dict[tuple[int, int, int], int] = {(32, 1, 6): 4, (16, 1, 6): 4}
 
 
 def prod_ctas(cfg: tuple[int, int, int], bits: int = 0, moe: bool = False) -> int:
@@ -386,6 +391,16 @@ WGMMA_MOE_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 8), (64, 1, 6), (
 # (session 27, two): blocks of 24 / 48 / 80 / 96 rows (m64nNTk16; 24, 80, 96 on this form only), chosen by
 # moe.choose_block_size's cover rule; session 32: 4-bit (48, 1, 6) at three, MoE (32, 1, 6) at four.
 WGMMA_MOE_PROD_CONFIGS: tuple[tuple[int, int, int], ...] = ((32, 1, 6), (24, 1, 6), (48, 1, 6), (80, 1, 6), (96, 1, 5))
+# ... and in 4-bit MoE families only (8-bit stages do not fit four CTAs per SM, and at two this form lost to the
+# mma.sync kernel's 16-row tile): (16, 1, 6), m64n16k16, for the blocks of 16 rows of large experts (session 34;
+# moe.MOE_WGMMA_PROD_BLOCKS).
+WGMMA_MOE_PROD_CONFIGS_U4: tuple[tuple[int, int, int], ...] = ((16, 1, 6),)
+
+
+def moe_prod_configs(bits: int) -> tuple[tuple[int, int, int], ...]:
+    """The producer-form configs (NT, FW, STAGES) a MoE family of `bits`-bit weights builds."""
+    return WGMMA_MOE_PROD_CONFIGS + (tuple(c for c in WGMMA_MOE_PROD_CONFIGS_U4 if c not in WGMMA_MOE_PROD_CONFIGS)
+                                     if bits == 4 else ())
 
 
 def _checked_prod_configs() -> tuple[tuple[int, int, int], ...]:
@@ -444,7 +459,7 @@ def wgmma_build_spec(fam: Family, cc: tuple[int, int]) -> BuildSpec:
             for nt, fw, st in WGMMA_WIDE_CONFIGS)
     # JM_WGMMA_KERNEL_PROD / _PROD_MOE(..., NT, FW = 2 fw strips on the compute warpgroup, STAGES, WGS = 1
     # compute warpgroup, MINB = CTAs per SM: prod_ctas)
-    macro, prod_configs = (("JM_WGMMA_KERNEL_PROD_MOE", WGMMA_MOE_PROD_CONFIGS) if fam.moe
+    macro, prod_configs = (("JM_WGMMA_KERNEL_PROD_MOE", moe_prod_configs(fam.bits)) if fam.moe
                            else ("JM_WGMMA_KERNEL_PROD", _checked_prod_configs()))
     sources += tuple(
         (wgmma_kernel_name(fam, nt, fw, st, prod=True),

@@ -492,7 +492,7 @@ def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
     1024 tokens 3306 us on the mma.sync kernel -> 2157 (blocks of 64) -> 1899 (128)."""
     from .gemm import wgmma_allowed
 
-    prod = wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW) is not None
+    prod = wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW, fam.bits) is not None
     if by_position and block_size in MOE_WGMMA_PROD_BLOCKS and prod:
         wanted = True
     elif block_size in PROD_ONLY_BLOCKS:
@@ -516,7 +516,12 @@ MOE_WGMMA_FW: int | None = None  # probe switch (probe_moe_tiles.py --fw): strip
 # way): Mixtral 64 tokens 420 -> 378, E=64 96 / 256 tokens 166 / 193 -> 155 / 181. Blocks of 64 (the
 # (64, 1, 6) form, probes: --prod-configs 64-1-6): Mixtral 96 / 256 tokens 477 / 709 -> 476 / 696 with
 # act-order, level without. Probe switch: probe_moe_tiles.py --prod 0|1.
-MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (24, 32, 48, 80, 96)
+# Since session 34 also blocks of 16 where the experts' weights are 4-bit (K.WGMMA_MOE_PROD_CONFIGS_U4, four CTAs
+# per SM), in place of the mma.sync kernel's 16-row tile: large experts from 7.2 to 12 rows per expert (the plain
+# rule's 16 below WGMMA_COVER_MIN_ROWS; small experts take blocks of 8 or 24 there on sm_90). H200 session 34
+# (probe_moe_tiles, Mixtral layer us, the mma.sync tile / the producer form, one draw per token count): fp16 32
+# tokens 292.7 / 256.8, 40 ~292 / 259.7-261.8; bf16 32 301.4 / 290.0, 40 303.6 / 290.9.
+MOE_WGMMA_PROD_BLOCKS: tuple[int, ...] = (16, 24, 32, 48, 80, 96)
 MOE_WGMMA_PROD_MIN_KN = WGMMA_32_SMALL_KN
 # Smaller experts' blocks of 32 rows (wgmma_block32's range, from 9 rows per expert) take the producer form
 # too from this many rows per expert (average), both inputs gathered: since session 32 that form's blocks of 32
@@ -548,9 +553,10 @@ MOE_WGMMA_PROD_FW = 1
 MOE_STREAM_K = True
 
 
-def wgmma_prod_moe_config(block_size: int, fw: int = 1) -> tuple[int, int, int] | None:
-    """The producer-form MoE config (NT, FW, STAGES) for expert blocks of block_size rows, or None."""
-    return next((c for c in K.WGMMA_MOE_PROD_CONFIGS if c[:2] == (block_size, fw)), None)
+def wgmma_prod_moe_config(block_size: int, fw: int = 1, bits: int = 4) -> tuple[int, int, int] | None:
+    """The producer-form MoE config (NT, FW, STAGES) for expert blocks of block_size rows of `bits`-bit weights
+    (K.moe_prod_configs), or None."""
+    return next((c for c in K.moe_prod_configs(bits) if c[:2] == (block_size, fw)), None)
 
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
@@ -574,10 +580,11 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     # the producer form: A pre-gathered (a block's rows contiguous), read through a TMA descriptor (its
     # base 16-byte aligned; rows are: K % 64 == 0)
     pfw = fw_asked or MOE_WGMMA_PROD_FW
-    prod = block_size in MOE_WGMMA_PROD_BLOCKS and a_by_position and wgmma_prod_moe_config(block_size, pfw) is not None \
+    prod = block_size in MOE_WGMMA_PROD_BLOCKS and a_by_position and wgmma_prod_moe_config(block_size, pfw,
+                                                                                           fam.bits) is not None \
         and a.data_ptr() % 16 == 0
     if prod:
-        cfg = wgmma_prod_moe_config(block_size, pfw)
+        cfg = wgmma_prod_moe_config(block_size, pfw, fam.bits)
         nt, fw, stages = cfg
         amap = wgmma_act_map(a, a.shape[0], k, nt, True)  # boxes of a block's rows
     else:
@@ -585,7 +592,7 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
         if cfg is None:
             raise ValueError(f"no wgmma MoE kernel is built for blocks of {block_size} rows with {fw} strip(s) per "
                              f"warpgroup (plain form: {K.WGMMA_MOE_CONFIGS}; producer form, A gathered by position: "
-                             f"{K.WGMMA_MOE_PROD_CONFIGS})")
+                             f"{K.moe_prod_configs(fam.bits)})")
         nt, fw, stages = cfg
         amap = K.NO_TENSOR_MAP
     if silu and not (prod and fw == 1 and k_splits == 1 and zeros is None and topk_weights is None and n % 128 == 0):
@@ -706,13 +713,12 @@ def silu_epilogue_ok(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zer
     switches, a built config of two strips per CTA, A 16-byte aligned), I a multiple of 64 (one 64-feature
     strip of gate and the same of up in a CTA), no zero points."""
     if not (a.is_cuda and zeros is None and b.dim() == 4 and b.shape[1] % 2 == 0 and a.dtype in DTYPES
-            and a.data_ptr() % 16 == 0 and block_size in MOE_WGMMA_PROD_BLOCKS and MOE_WGMMA_PROD_FW == 1
-            and wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW) is not None):
+            and a.data_ptr() % 16 == 0 and block_size in MOE_WGMMA_PROD_BLOCKS and MOE_WGMMA_PROD_FW == 1):
         return False
     fam = _expert_family(a, b, scales, zeros)
     n, k = b.shape[1] * 64, b.shape[2] * 16
-    return fam is not None and _use_wgmma_moe(block_size, n, k, fam, K.cuda_index(a.device), size_m / b.shape[0],
-                                              by_position=True)
+    return fam is not None and wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW, fam.bits) is not None \
+        and _use_wgmma_moe(block_size, n, k, fam, K.cuda_index(a.device), size_m / b.shape[0], by_position=True)
 
 
 def _moe_gemm_silu_cuda(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k, block_size):
@@ -840,10 +846,8 @@ def _prod_route(hidden: torch.Tensor, block_size: int, per_expert: float, gemms)
     """Whether both expert GEMMs ((n, k, w, scales, zeros) each) of blocks of block_size rows at
     per_expert rows per expert (average) run the wgmma kernel's producer form (MOE_WGMMA_PROD_BLOCKS),
     which reads its input pre-gathered in slot-list order."""
-    if block_size not in MOE_WGMMA_PROD_BLOCKS or wgmma_prod_moe_config(block_size, MOE_WGMMA_PROD_FW) is None \
-            or not hidden.is_cuda \
-            or not use_moe_kernels():
-        return False
+    if block_size not in MOE_WGMMA_PROD_BLOCKS or not hidden.is_cuda or not use_moe_kernels():
+        return False  # (a built config for the experts' bits: _use_wgmma_moe, per GEMM)
     index = K.cuda_index(hidden.device)
     for n, k, w, scales, zeros in gemms:
         fam = _expert_family(hidden, w, scales, zeros)

@@ -576,7 +576,9 @@ def test_moe_producer_form(monkeypatch, kw, moe_prod_fw):
 
     layer = _poisoned_moe_layer(moe, dtype)
 
-    for t, skew in ((37, False), (64, False), (95, False), (64, True)):  # 9.25 / 16 / 23.75 rows per expert
+    # 10 / 16 / 23.75 rows per expert (since session 33 4-bit experts this small take blocks of 8 below 9.5 rows,
+    # and the rule's 24 falls back to 32 here, where MOE_WGMMA_PROD_BLOCKS leaves 24 out)
+    for t, skew in ((40, False), (64, False), (95, False), (64, True)):
         x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
         monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", ())
         launched.clear()
@@ -767,13 +769,13 @@ def _layer_graph_replays(layer, moe, w13, w2, dtype, tol, what):
 
 @pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64),
                                 dict(group=-1)], ids=["f16", "act_order", "bf16", "u8g64", "gc"])
-@pytest.mark.parametrize("nt", [24, 48, 80, 96])
+@pytest.mark.parametrize("nt", [16, 24, 48, 80, 96])
 def test_moe_producer_blocks(monkeypatch, kw, nt):
-    """Expert blocks of 24 / 48 / 80 / 96 rows (m64nNTk16 on the producer form) against the reference
-    and blocks of 32: random and skewed routing (several blocks per expert), stream-K on and off,
-    output memory poisoned with NaN first, a CUDA graph replayed on new tokens and routing; blocks of
-    24 / 80 / 96 where the producer form cannot take them are a clear error, blocks of 48 there take
-    the mma.sync kernel."""
+    """Expert blocks of 16 / 24 / 48 / 80 / 96 rows (m64nNTk16 on the producer form; 16 for 4-bit weights only,
+    8-bit blocks of 16 take the mma.sync kernel) against the reference and blocks of 32: random and skewed
+    routing (several blocks per expert), stream-K on and off, output memory poisoned with NaN first, a CUDA
+    graph replayed on new tokens and routing; blocks of 24 / 80 / 96 where the producer form cannot take them
+    are a clear error, blocks of 16 / 48 there take the mma.sync kernel."""
     from .test_moe_gpu import make_moe
 
     from jitmarlin.ops import moe as M
@@ -787,7 +789,9 @@ def test_moe_producer_blocks(monkeypatch, kw, nt):
 
     monkeypatch.setattr(K, "get_wgmma_kernel", spy)
     monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)  # (small experts: both GEMMs' inputs gathered anyway)
-    assert nt in M.MOE_WGMMA_PROD_BLOCKS and M.wgmma_prod_moe_config(nt) is not None
+    bits = kw.get("bits", 4)
+    prod = M.wgmma_prod_moe_config(nt, 1, bits) is not None
+    assert nt in M.MOE_WGMMA_PROD_BLOCKS and prod == (nt != 16 or bits == 4)
     moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
@@ -800,7 +804,7 @@ def test_moe_producer_blocks(monkeypatch, kw, nt):
             launched.clear()
             got = layer_nt(x, weights, ids)
             torch.cuda.synchronize()
-            assert launched == [(nt, True), (nt, True)], (t, launched)
+            assert launched == ([(nt, True), (nt, True)] if prod else []), (t, launched)
             check_close(got, want, tol, f"blocks of {nt}, T={t}, skewed={skew}, stream-K {stream}")
             check_close(got, b32, tol, f"blocks of {nt} vs 32, T={t}")
     # a CUDA graph of the layer on these blocks, replayed on new tokens and routing
@@ -821,13 +825,43 @@ def test_moe_producer_blocks(monkeypatch, kw, nt):
             check_close(got, want, tol, f"blocks of {nt} (mma.sync) without gathered rows")
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_moe_blocks_of_16_route(monkeypatch, bits):
+    """Large experts (K*N above MOE_WGMMA_PROD_MIN_KN) at 7.2-12 rows per expert: the rule's blocks of 16 run
+    both GEMMs on the producer form (inputs gathered, the gate/up GEMM with the SiLU epilogue) for 4-bit
+    weights and on the mma.sync kernel for 8-bit; output against the reference, NaN-poisoned memory first."""
+    from .test_moe_gpu import make_moe, reference
+
+    from jitmarlin.ops import moe as M
+
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wgmma kernels run on sm_90 only")
+    launched = []
+    _spy_wgmma_launches(monkeypatch, lambda grid, p: launched.append((p.grid, p.silu_out)))
+    e, h, inter, top_k = 4, 4096, 2304, 2  # the gate/up experts: 4608 x 4096 = 18.9M weights > 2^24
+    assert 2 * inter * h > M.MOE_WGMMA_PROD_MIN_KN
+    moe, w13, w2 = make_moe(e, h, inter, top_k, bits=bits, group=128)
+    layer = _poisoned_moe_layer(moe, torch.float16)
+    for t in (16, 20):  # 8 / 10 rows per expert
+        assert M.choose_block_size(t, top_k, e) == 16
+        assert M.choose_block_size(t, top_k, e, True, 2 * inter * h, bits=bits) == 16
+        x = torch.randn(t, h, device="cuda", dtype=torch.float16)
+        weights, ids = moe.route(x)
+        launched.clear()
+        got = layer(x, weights, ids)
+        torch.cuda.synchronize()
+        m_tiles = -(-(t * top_k + e * 15) // 16)  # the launch's bound of blocks of 16
+        assert launched == ([(m_tiles, 1), (m_tiles, 0)] if bits == 4 else []), (t, launched)
+        check_close(got, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"blocks of 16, {bits}-bit, T={t}")
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16), dict(bits=8, group=64), dict(group=-1)],
                          ids=["f16", "bf16", "u8g64", "gc"])
 def test_moe_silu_epilogue(monkeypatch, kw):
     """SiLU-mul in the gate/up GEMM's epilogue (moe_gemm_silu, the producer form writing SiLU(gate) * up by
     position) against the two-kernel path it replaces (the GEMM's [slots, 2I] output, then jm_silu_gather) on
     every position below num_padded: bit for bit with whole tiles, within rounding with stream-K (its cuts
-    fall elsewhere in the remapped strips); blocks of 24 / 32 / 48 rows, random and skewed routing (experts
+    fall elsewhere in the remapped strips); blocks of (4-bit: 16 /) 24 / 32 / 48 rows, random and skewed routing (experts
     with several blocks, empty experts), the output poisoned with NaN first; the layer with it
     (fused_marlin_moe, moe.MOE_SILU_EPILOGUE) against the layer without (equal with whole tiles) and the
     plain-PyTorch reference, also replayed in a CUDA graph; launched with silu_out = 1; blocks
@@ -844,7 +878,7 @@ def test_moe_silu_epilogue(monkeypatch, kw):
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     wq, ws = moe.w13_qweight, moe.w13_scales
-    for nt in (24, 32, 48):
+    for nt in ((16,) if kw.get("bits", 4) == 4 else ()) + (24, 32, 48):  # (16: 4-bit producer form only)
         layer = _poisoned_moe_layer(moe, dtype, nt)
         for t, skew in ((37, False), (64, False), (64, True), (200, True)):
             x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
