@@ -959,6 +959,15 @@ for st in $STAGES; do
                > "$OUT/s34e_$tl.log" 2>&1
              echo "s34e $tl rc=$?"; grep "us$" "$OUT/s34e_$tl.log" | sed 's/.*block=/block=/'
            done;;
+    s34f)  # session 34: the mbarrier waits' suspend-time hint (jm_ptx.cuh mbar_wait, -DJM_MBAR_SUSPEND_NS): ncu found
+           # the 16-row producer form at 66% issue use for 61% DRAM; if the try-wait loops' re-issues take slots from
+           # the compute warps, a longer suspension gives them back. Layer us, none / 1000 / 20000 ns, two rounds.
+           for sh in mixtral e64; do
+             tk=16,32,64; [ $sh = e64 ] && tk=16,128,256
+             timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes $sh --tokens $tk --rounds 2 \
+               --ab "flags=none;flags=-DJM_MBAR_SUSPEND_NS=1000;flags=-DJM_MBAR_SUSPEND_NS=20000" > "$OUT/s34f_$sh.log" 2>&1
+             echo "s34f $sh rc=$?"; grep "us$" "$OUT/s34f_$sh.log" | sed 's/.*\] \[/[/'
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -175,17 +175,28 @@ JM_DEVICE void mbar_arrive(uint64_t* bar) {
 #endif
 }
 
-// Spin until the phase of parity `parity` of the barrier has completed.
+// Spin until the phase of parity `parity` of the barrier has completed. try_wait may suspend the thread
+// until the phase completes or a time limit passes (PTX ISA, mbarrier.try_wait); probe builds with
+// -DJM_MBAR_SUSPEND_NS=N give that limit as the suspendTimeHint operand (nanoseconds) instead of the
+// system's default, so that waiting warps re-issue the test less often.
 JM_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
 #if JM_HAS_BULK
   const uint32_t addr = smem_addr(bar);
   uint32_t done = 0;
   while (!done) {
+#ifdef JM_MBAR_SUSPEND_NS
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity), "n"(JM_MBAR_SUSPEND_NS)
+        : "memory");
+#else
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(addr), "r"(parity)
         : "memory");
+#endif
   }
 #endif
 }
