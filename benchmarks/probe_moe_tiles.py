@@ -134,7 +134,7 @@ def main() -> None:
         if args.prod_fw == 2 and not args.prod_configs:  # before the first build
             K.WGMMA_MOE_PROD_CONFIGS = ((32, 2, 6), (32, 2, 8)) + K.WGMMA_MOE_PROD_CONFIGS
     if args.prod is not None:
-        M.MOE_WGMMA_PROD_BLOCKS = tuple(c[0] for c in K.WGMMA_MOE_PROD_CONFIGS) if args.prod else ()
+        M.MOE_WGMMA_PROD_BLOCKS = tuple(dict.fromkeys(c[0] for c in K.moe_prod_configs(4))) if args.prod else ()
     if args.small_kn is not None:
         G._SMALL_KN = args.small_kn
     if args.prod_min_kn is not None:
