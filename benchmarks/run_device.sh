@@ -968,6 +968,25 @@ for st in $STAGES; do
                --ab "flags=none;flags=-DJM_MBAR_SUSPEND_NS=1000;flags=-DJM_MBAR_SUSPEND_NS=20000" > "$OUT/s34f_$sh.log" 2>&1
              echo "s34f $sh rc=$?"; grep "us$" "$OUT/s34f_$sh.log" | sed 's/.*\] \[/[/'
            done;;
+    s35a)  # PREPARED in session 34 (probe only, no route change). The producer form's compute loop spends ~60 of its
+           # 174 instructions per stage and warp on bookkeeping (NOTES session 34) and four CTAs per SM beat three
+           # and two. Four strips per CTA (256 features: twice the weights per stage and per bookkeeping, twice
+           # the bytes per bulk copy) at three CTAs per SM compile without spills or wgmma serialization for 16
+           # rows (f16 g128, bf16 zero points g64) and 24 rows (f16 g128; bf16 zero points spill) with two
+           # fragment buffers (-DJM_WG_NB=2; the four-CTA forms already take two), but lose the group scales on
+           # the fp32 sums (four strips: the per-weight HMUL2) and the SiLU epilogue (two strips only). Baselines
+           # with the SiLU epilogue on / off, then the four-strip forms; same token lists = same routing draws.
+           export JITMARLIN_NVCC_FLAGS=-DJM_WG_NB=2
+           for sh in mixtral:16:16,32,40 mixtral:24:48,56,64 e64:24:128,160; do
+             IFS=: read -r shp blk tks <<< "$sh"
+             timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes $shp --tokens $tks --block $blk \
+               --ab "silu=1;silu=0" > "$OUT/s35a_base_${shp}_$blk.log" 2>&1
+             echo "s35a base $sh rc=$?"; grep "us$" "$OUT/s35a_base_${shp}_$blk.log" | sed 's/.*\] \[/[/'
+             timeout 200 python3 benchmarks/probe_moe_tiles.py --shapes $shp --tokens $tks --block $blk \
+               --prod-configs $blk-2-6 --prod-ctas $blk-2-6=3 --prod-fw 2 > "$OUT/s35a_fw2_${shp}_$blk.log" 2>&1
+             echo "s35a fw2 $sh rc=$?"; grep "us$" "$OUT/s35a_fw2_${shp}_$blk.log" | sed 's/.*block=/block=/'
+           done
+           unset JITMARLIN_NVCC_FLAGS;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
