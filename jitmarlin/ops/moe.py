@@ -580,11 +580,10 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     # the producer form: A pre-gathered (a block's rows contiguous), read through a TMA descriptor (its
     # base 16-byte aligned; rows are: K % 64 == 0)
     pfw = fw_asked or MOE_WGMMA_PROD_FW
-    prod = block_size in MOE_WGMMA_PROD_BLOCKS and a_by_position and wgmma_prod_moe_config(block_size, pfw,
-                                                                                           fam.bits) is not None \
-        and a.data_ptr() % 16 == 0
+    cfg = wgmma_prod_moe_config(block_size, pfw, fam.bits) \
+        if block_size in MOE_WGMMA_PROD_BLOCKS and a_by_position and a.data_ptr() % 16 == 0 else None
+    prod = cfg is not None
     if prod:
-        cfg = wgmma_prod_moe_config(block_size, pfw, fam.bits)
         nt, fw, stages = cfg
         amap = wgmma_act_map(a, a.shape[0], k, nt, True)  # boxes of a block's rows
     else:
