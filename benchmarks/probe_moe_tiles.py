@@ -41,7 +41,9 @@
                       smallmin=R (moe.WGMMA_PROD_SMALL32_MIN_ROWS: those blocks on the producer form from R rows),
                       prodblocks=B+B (moe.MOE_WGMMA_PROD_BLOCKS: blocks on the producer form where A is gathered;
                       prodblocks=24+32+48+80+96 takes session 34's blocks of 16 off it),
-                      pfw=1|2 (moe.MOE_WGMMA_PROD_FW; the (NT, 2, S) configs from --prod-configs), e.g.
+                      pfw=1|2 (moe.MOE_WGMMA_PROD_FW; the (NT, 2, S) configs from --prod-configs),
+                      early=0|1 (moe.MOE_PROD_EARLY_WEIGHTS: the down projection's producer form streams its
+                      first weight stages before waiting for the kernel before it), e.g.
                       --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
@@ -102,7 +104,7 @@ def main() -> None:
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
     ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, "
-                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2) "
+                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2, early=0|1) "
                     "timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
@@ -217,6 +219,8 @@ def _apply_variant(variant: str) -> str:
             M.MOE_WGMMA_PROD_MIN_KN = int(val)
         elif key == "pfw":  # strips per warpgroup pair of the producer form (its configs: --prod-configs)
             M.MOE_WGMMA_PROD_FW = int(val)
+        elif key == "early":  # the producer form's first weight stages before its griddep_wait (ready tables)
+            M.MOE_PROD_EARLY_WEIGHTS = bool(int(val))
         elif key == "smallcover":  # rows per expert from which small experts take the cover rule (0: never)
             M.WGMMA_COVER_SMALL_MIN_ROWS = float(val) if float(val) > 0 else float("inf")
         elif key == "small32hi":  # 4-bit small experts: blocks of 32 below this many rows per expert
@@ -231,7 +235,8 @@ def _apply_variant(variant: str) -> str:
             M.MOE_WGMMA_PROD_BLOCKS = tuple(int(v) for v in val.split("+"))
         else:
             raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, "
-                             "smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B or pfw=1|2")
+                             "smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2 "
+                             "or early=0|1")
     K.clear_kernel_caches()
     return variant
 

@@ -70,6 +70,12 @@ constexpr bool kWgTma = false;
 constexpr bool kWgTma = true;
 #endif
 constexpr bool wg_tma(int nt, bool moe) { return kWgTma && !moe && nt >= 64; }
+// -DJM_WG_WAIT_FIRST (A/B switch): every form waits for the previous kernel before any copy
+#if defined(JM_WG_WAIT_FIRST)
+constexpr bool kWaitFirst = true;
+#else
+constexpr bool kWaitFirst = false;
+#endif
 
 // The ring's barriers and phases, kept across a CTA's pieces (stream-K runs several tiles through
 // one ring). act: per slot, the TMA activation box landed (the plain form, one arrival + bytes).
@@ -430,13 +436,17 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // Dense: the weight copies of the first stages go out before waiting for the previous kernel
   // (they never depend on it; the act-order gather before this GEMM, any kernel of a model); the
   // activations follow once it has finished (below). MoE: the routing tables come from the
-  // previous kernels, so it waits here. -DJM_WG_WAIT_FIRST: wait here in both (A/B switch).
+  // previous kernels, so it waits here — but for the producer form launched with p.tables_ready
+  // (the tables were complete before the previous kernel started: moe_gemm_ready_tables), whose
+  // producer then issues its first fills' weights before its own wait and whose compute warps
+  // wait before the main loop (the activations, workspace and outputs); they read only the tables
+  // before it. -DJM_WG_WAIT_FIRST: wait here in every form (A/B switch).
 #if defined(JM_WG_WAIT_FIRST)
   constexpr bool kEarlyWeights = false;
 #else
   constexpr bool kEarlyWeights = !MOE;
 #endif
-  if constexpr (!kEarlyWeights) {
+  if (!kEarlyWeights && !(MOE && PROD && p.tables_ready && !kWaitFirst)) {
     griddep_wait();
     if (tid == 0) JM_TL(1, globaltimer());
     griddep_launch_dependents();
@@ -1138,7 +1148,8 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
   const int ks = p.k / 64, c = static_cast<int>(blockIdx.x);
   int m_tiles = p.grid;
   if constexpr (MOE) {
-    griddep_wait();  // the routing tables are the previous kernels' output
+    // the routing tables are the previous kernels' output (read at once when p.tables_ready: wgmma_tile)
+    if (!p.tables_ready || kWaitFirst) griddep_wait();
     m_tiles = *p.num_padded / NT;
   }
   // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)

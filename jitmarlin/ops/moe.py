@@ -464,7 +464,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
             raise ValueError(f"ids_shift={ids_shift}: the wgmma MoE kernel (blocks of {block_size}) reads int32 "
                              "alignment tables only")
         _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k,
-                          fam, top_k, block_size, a_by_position, index, k_splits=k_splits)
+                          fam, top_k, block_size, a_by_position, index, k_splits=k_splits, tables_ready=tables_ready)
         return out
     launch = prepare_launch(block_size, sorted_ids.numel(), n, k, fam, index, tuned=False,
                             experts=min(b.shape[0], size_m))
@@ -561,7 +561,7 @@ def wgmma_prod_moe_config(block_size: int, fw: int = 1, bits: int = 4) -> tuple[
 
 def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
                       top_k, block_size, a_by_position, index, fw: int | None = None, k_splits: int = 1,
-                      silu: bool = False) -> None:
+                      silu: bool = False, tables_ready: bool = False) -> None:
     from ..jit import driver
     from .gemm import _cc, use_pdl, wgmma_act_map, wgmma_strips
 
@@ -608,6 +608,9 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
     p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, (n // 2 if silu else n)
     p.top_k, p.a_by_position, p.k_splits, p.silu_out = top_k, int(a_by_position), k_splits, int(silu)
+    # tables complete before the previous kernel (moe_gemm_ready_tables): the producer form streams its first
+    # weight stages before waiting for that kernel (jm_wgmma.cuh; MOE_PROD_EARLY_WEIGHTS, a probe switch)
+    p.tables_ready = int(tables_ready and prod and MOE_PROD_EARLY_WEIGHTS)
     p.grid = -(-sorted_ids.numel() // block_size)  # m tiles, an upper bound (the kernel reads num_padded)
     grid, smem = (n // (128 * fw)) * k_splits * p.grid, K.wgmma_smem_bytes(fam, nt, fw, stages)
     if prod and k_splits == 1 and MOE_STREAM_K:
@@ -700,6 +703,10 @@ torch.library.register_fake("jitmarlin::moe_gemm_ready_tables", _moe_gemm_fake, 
 # SiLU-gather kernel and no [slots, 2I] round trip. fused_marlin_moe takes it where silu_epilogue_ok says;
 # MOE_SILU_EPILOGUE = False (probe switch) keeps the two-kernel path.
 MOE_SILU_EPILOGUE = True
+# The producer form launched by moe_gemm_ready_tables (the down projection, its routing tables complete before
+# the kernel just before it started) issues its first stages' weight copies before waiting for that kernel,
+# as the dense kernels and the mma.sync MoE tiles do (p.tables_ready). False (a probe switch): it waits first.
+MOE_PROD_EARLY_WEIGHTS = True
 
 _lib.define("moe_gemm_silu(Tensor a, Tensor b, Tensor scales, Tensor sorted_ids, Tensor expert_ids, "
             "Tensor num_padded, int size_m, int top_k, int block_size) -> Tensor")

@@ -855,6 +855,44 @@ def test_moe_blocks_of_16_route(monkeypatch, bits):
         check_close(got, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"blocks of 16, {bits}-bit, T={t}")
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16), dict(act_order=True), dict(bits=8, group=64)],
+                         ids=["f16", "bf16", "act_order", "u8g64"])
+def test_moe_down_projection_early_weights(monkeypatch, kw):
+    """The down projection on the producer form, launched by moe_gemm_ready_tables with p.tables_ready = 1,
+    streams its first weight stages before waiting for the kernel before it (moe.MOE_PROD_EARLY_WEIGHTS);
+    the gate/up GEMM (tables from the kernel just before) never does. The layer's output is bit-identical
+    with the switch off and matches the reference, eagerly and replayed in a CUDA graph (where the launches
+    overlap), for blocks of 16 (4-bit) / 24 / 32 / 48 and stream-K on and off."""
+    from .test_moe_gpu import make_moe
+
+    from jitmarlin.ops import moe as M
+
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wgmma kernels run on sm_90 only")
+    seen = []
+    _spy_wgmma_launches(monkeypatch, lambda grid, p: seen.append((p.silu_out, p.tables_ready)))
+    monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)  # (small experts: both GEMMs' inputs gathered anyway)
+    moe, w13, w2 = make_moe(8, 1024, 512, 2, **kw)
+    dtype = kw.get("dtype", torch.float16)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    for nt in ((16,) if kw.get("bits", 4) == 4 else ()) + (24, 32, 48):
+        layer = _poisoned_moe_layer(moe, dtype, nt)
+        for t, skew in ((37, False), (64, True), (200, False)):
+            x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
+            for stream in (True, False):
+                monkeypatch.setattr(M, "MOE_STREAM_K", stream)
+                outs = {}
+                for early in (False, True):
+                    monkeypatch.setattr(M, "MOE_PROD_EARLY_WEIGHTS", early)
+                    seen.clear()
+                    outs[early] = layer(x, weights, ids)
+                    torch.cuda.synchronize()
+                    assert [r for _, r in seen] == [0, int(early)], (nt, t, seen)  # gate/up, down
+                check_close(outs[True], want, tol, f"early weights, blocks of {nt}, T={t}, stream-K {stream}")
+                assert torch.equal(outs[True], outs[False]), f"blocks of {nt}, T={t}: early vs waiting first"
+        _layer_graph_replays(layer, moe, w13, w2, dtype, tol, f"early weights, blocks of {nt}, in a CUDA graph")
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16), dict(bits=8, group=64), dict(group=-1)],
                          ids=["f16", "bf16", "u8g64", "gc"])
 def test_moe_silu_epilogue(monkeypatch, kw):
