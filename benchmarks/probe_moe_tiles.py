@@ -43,7 +43,9 @@
                       prodblocks=24+32+48+80+96 takes session 34's blocks of 16 off it),
                       pfw=1|2 (moe.MOE_WGMMA_PROD_FW; the (NT, 2, S) configs from --prod-configs),
                       early=0|1 (moe.MOE_PROD_EARLY_WEIGHTS: the down projection's producer form streams its
-                      first weight stages before waiting for the kernel before it), e.g.
+                      first weight stages before waiting for the kernel before it), early13=0|1
+                      (moe.MOE_W13_READY_TABLES: the first expert GEMM too, after the gather; with 0 pair it
+                      with flags=-DJM_MOE_GATHER_TRIGGER_FIRST for the old launch order), e.g.
                       --ab "flags=none;flags=-DJM_WG_NO_GACC" or --ab "ctas=24-1-6:3;ctas=24-1-6:4"
 
     python benchmarks/probe_moe_tiles.py --tokens 1,16,32 --block 16
@@ -104,7 +106,7 @@ def main() -> None:
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
     ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, "
-                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2, early=0|1) "
+                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2, early=0|1, early13=0|1) "
                     "timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
@@ -221,6 +223,8 @@ def _apply_variant(variant: str) -> str:
             M.MOE_WGMMA_PROD_FW = int(val)
         elif key == "early":  # the producer form's first weight stages before its griddep_wait (ready tables)
             M.MOE_PROD_EARLY_WEIGHTS = bool(int(val))
+        elif key == "early13":  # the first expert GEMM after the gather with ready tables (moe.MOE_W13_READY_TABLES)
+            M.MOE_W13_READY_TABLES = bool(int(val))
         elif key == "smallcover":  # rows per expert from which small experts take the cover rule (0: never)
             M.WGMMA_COVER_SMALL_MIN_ROWS = float(val) if float(val) > 0 else float("inf")
         elif key == "small32hi":  # 4-bit small experts: blocks of 32 below this many rows per expert
@@ -235,8 +239,8 @@ def _apply_variant(variant: str) -> str:
             M.MOE_WGMMA_PROD_BLOCKS = tuple(int(v) for v in val.split("+"))
         else:
             raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, "
-                             "smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2 "
-                             "or early=0|1")
+                             "smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2, "
+                             "early=0|1 or early13=0|1")
     K.clear_kernel_caches()
     return variant
 

@@ -25,10 +25,12 @@
 // jm_silu_gather: jm_moe_gather of SiLU(gate) * up straight from the first expert GEMM's output (the
 // down projection's input by position for the producer form and act-order experts), no [slots, I]
 // intermediate and one kernel boundary less.
-// Programmatic dependent launch (sm_90): both let the kernel after them launch at once, so that
-// the expert GEMM's CTAs are resident and set up when they finish (the GEMMs read nothing of
-// ours before their own griddep_wait); silu_mul, launched as a dependent of the first GEMM,
-// waits for it before reading its output.
+// Programmatic dependent launch (sm_90): jm_silu_gather lets the kernel after it launch at once, so
+// that the expert GEMM's CTAs are resident and set up when it finishes (the GEMM reads nothing of
+// ours before its own griddep_wait); jm_moe_gather once each thread has waited for the kernel
+// before it (the alignment), so that the GEMM after it may read the routing tables, and stream
+// its first weights, at once; silu_mul, launched as a dependent of the first GEMM, waits for it
+// before reading its output.
 #pragma once
 
 #include "jm_common.cuh"
@@ -181,14 +183,17 @@ JM_DEVICE void moe_align_body(const JmMoeParams p) {
 }
 
 // The elementwise MoE kernels: one thread per 8-value chunk (row r, columns j..j+7) of a
-// rows x p.inter output. Lets the next kernel launch at once; false past the end, else waits for
-// the kernel before (its output is our input).
+// rows x p.inter output. Lets the next kernel launch at once (kTriggerFirst; else once this thread
+// has waited, so that the kernel after it starts only when every kernel before this one is
+// complete); false past the end, else waits for the kernel before (its output is our input).
+template <bool kTriggerFirst = true>
 JM_DEVICE bool chunk_of_thread(const JmMoeParams& p, int& r, int& j) {
-  griddep_launch_dependents();
+  if constexpr (kTriggerFirst) griddep_launch_dependents();
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int chunks = p.inter / 8;
   if (idx >= static_cast<int64_t>(p.rows) * chunks) return false;
   griddep_wait();
+  if constexpr (!kTriggerFirst) griddep_launch_dependents();
   r = static_cast<int>(idx / chunks);
   j = static_cast<int>(idx % chunks) * 8;
   return true;
@@ -255,7 +260,16 @@ template <typename T, bool SILU>
 JM_DEVICE void moe_gather_body(const JmMoeParams p) {
   static_assert(sizeof(T) == 2, "2-byte activations");
   int r, j;
-  if (!chunk_of_thread(p, r, j) || r >= *p.num_padded) return;
+  // the plain gather (the first expert GEMM's input) lets that GEMM launch only once the routing tables
+  // (the alignment, the kernel before this one) are complete: it reads them, and streams its first weight
+  // stages, before its own wait (moe.fused_marlin_moe's ready tables); jm_silu_gather triggers at once
+  // -DJM_MOE_GATHER_TRIGGER_FIRST (A/B switch, with moe.MOE_W13_READY_TABLES = False): at once as before
+#if defined(JM_MOE_GATHER_TRIGGER_FIRST)
+  constexpr bool kTriggerFirst = true;
+#else
+  constexpr bool kTriggerFirst = SILU;
+#endif
+  if (!chunk_of_thread<kTriggerFirst>(p, r, j) || r >= *p.num_padded) return;
   const int slot = p.sorted_ids[r];
   const int64_t ld = SILU ? 2 * static_cast<int64_t>(p.inter) : p.inter;  // x's row length
   uint32_t packed[4] = {0u, 0u, 0u, 0u};

@@ -303,9 +303,10 @@ def test_producer_form_route_host_rules(monkeypatch):
 @pytest.mark.parametrize("route,silu", [(False, True), (True, False), (True, True)])
 def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route, silu):
     """Where the producer-form route applies, fused_marlin_moe gathers the first GEMM's input in
-    slot-list order (no column order) and runs that GEMM on positions — with SiLU-mul in its epilogue
-    where MOE_SILU_EPILOGUE is on (moe_gemm_silu); elsewhere it passes the hidden states as they are
-    (the second GEMM's side runs on CUDA only)."""
+    slot-list order (no column order) and runs that GEMM on positions with ready tables (the gather lets it
+    launch only after the alignment is complete) — with SiLU-mul in its epilogue where MOE_SILU_EPILOGUE is
+    on (moe_gemm_silu); elsewhere it passes the hidden states as they are (the second GEMM's side runs on
+    CUDA only)."""
     from jitmarlin.ops import moe as M
 
     calls = []
@@ -321,8 +322,12 @@ def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route, silu):
         calls.append(("gemm", tuple(a.shape), args[10]))  # a_by_position
         raise Stop
 
-    def fake_gemm_silu(a, *args):
-        calls.append(("gemm_silu", tuple(a.shape), args[-1]))  # block_size
+    def fake_gemm_ready(a, *args):  # after the gather: the tables were complete before it
+        calls.append(("gemm_ready", tuple(a.shape), args[10]))
+        raise Stop
+
+    def fake_gemm_silu(a, *args, tables_ready=False):
+        calls.append(("gemm_silu", tuple(a.shape), args[-1], tables_ready))  # block_size
         raise Stop
 
     monkeypatch.setattr(M, "_prod_route", lambda *a: route)
@@ -331,12 +336,18 @@ def test_fused_moe_gathers_for_the_producer_form(monkeypatch, route, silu):
     monkeypatch.setattr(M, "MOE_WGMMA_PROD_MIN_KN", 0)
     monkeypatch.setattr(M, "gather_by_position", fake_gather)
     monkeypatch.setattr(M, "moe_gemm", fake_gemm)
+    monkeypatch.setattr(M, "moe_gemm_ready_tables", fake_gemm_ready)
     e, h, inter, top_k, t = 8, 256, 128, 2, 64
     _fused_moe_first_calls(M, e, h, inter, top_k, t, Stop)
     if route and silu:
-        assert calls[0] == ("gather", None, top_k, 32) and calls[1][0] == "gemm_silu" and calls[1][2] == 32
+        assert calls[0] == ("gather", None, top_k, 32) and calls[1][0] == "gemm_silu" and calls[1][2:] == (32, True)
     elif route:
-        assert calls[0] == ("gather", None, top_k, 32) and calls[1][0] == "gemm" and calls[1][2] is True
+        assert calls[0] == ("gather", None, top_k, 32) and calls[1][0] == "gemm_ready" and calls[1][2] is True
+        monkeypatch.setattr(M, "MOE_W13_READY_TABLES", False)  # (the probe switch: the plain launch)
+        calls.clear()
+        _fused_moe_first_calls(M, e, h, inter, top_k, t, Stop)
+        assert calls[1][0] == "gemm", calls
+        monkeypatch.setattr(M, "MOE_W13_READY_TABLES", True)
     else:
         assert calls == [("gemm", (t, h), False)]
     # small experts (K*N <= MOE_WGMMA_PROD_MIN_KN, no cover rule at these rows): blocks of 32 gather for the

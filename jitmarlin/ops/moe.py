@@ -675,11 +675,12 @@ _lib.impl("moe_gemm", _moe_gemm_cuda, "CUDA")
 _lib.impl("moe_gemm", _moe_gemm_cpu, "CPU")
 torch.library.register_fake("jitmarlin::moe_gemm", _moe_gemm_fake, lib=_lib)
 
-# The same GEMM for fused_marlin_moe's second expert GEMM only: its routing tables were written by
-# the alignment before the first expert GEMM, which waited for it, so on sm_90 the kernel reads
-# them and streams its first weight tiles while SiLU-mul still runs (it waits for SiLU-mul before
-# reading activations). Not for direct use: with the tables from the kernel just before, that
-# early read would see them half-written.
+# The same GEMM for fused_marlin_moe's second expert GEMM, and its first where gather_by_position runs
+# just before it: their routing tables were written by the alignment, which every kernel between had
+# waited for before letting the next one launch (the first GEMM; jm_moe_gather triggers its dependent
+# only after its own wait), so on sm_90 the kernel reads them and streams its first weight tiles while
+# the kernel before it still runs (it waits for that kernel before reading activations). Not for direct
+# use: with the tables from the kernel just before, that early read would see them half-written.
 _lib.define("moe_gemm_ready_tables(Tensor a, Tensor b, Tensor scales, Tensor? zeros, Tensor sorted_ids, "
             "Tensor expert_ids, Tensor num_padded, Tensor? topk_weights, int size_m, int top_k, int block_size, "
             "bool a_by_position=False, int ids_shift=0, int num_experts=0, int k_splits=1) -> Tensor")
@@ -707,9 +708,13 @@ MOE_SILU_EPILOGUE = True
 # the kernel just before it started) issues its first stages' weight copies before waiting for that kernel,
 # as the dense kernels and the mma.sync MoE tiles do (p.tables_ready). False (a probe switch): it waits first.
 MOE_PROD_EARLY_WEIGHTS = True
+# The first expert GEMM right after gather_by_position launched with ready tables too (jm_moe_gather lets it
+# launch only after its own wait for the alignment). False (a probe switch, to pair with the build flag
+# -DJM_MOE_GATHER_TRIGGER_FIRST, which makes the gather trigger at once again): it waits first.
+MOE_W13_READY_TABLES = True
 
 _lib.define("moe_gemm_silu(Tensor a, Tensor b, Tensor scales, Tensor sorted_ids, Tensor expert_ids, "
-            "Tensor num_padded, int size_m, int top_k, int block_size) -> Tensor")
+            "Tensor num_padded, int size_m, int top_k, int block_size, bool tables_ready=False) -> Tensor")
 
 
 def silu_epilogue_ok(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros, size_m: int,
@@ -727,7 +732,8 @@ def silu_epilogue_ok(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zer
         and _use_wgmma_moe(block_size, n, k, fam, K.cuda_index(a.device), size_m / b.shape[0], by_position=True)
 
 
-def _moe_gemm_silu_cuda(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k, block_size):
+def _moe_gemm_silu_cuda(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k, block_size,
+                        tables_ready=False):
     n, k, fam = _check_moe_args(a, b, scales, None, sorted_ids, expert_ids, num_padded, None, size_m, top_k,
                                 block_size)
     _check_expert_table(sorted_ids, expert_ids, block_size, 0, 0, b.shape[0])
@@ -740,11 +746,12 @@ def _moe_gemm_silu_cuda(a, b, scales, sorted_ids, expert_ids, num_padded, size_m
     if size_m == 0:
         return out
     _launch_wgmma_moe(a, b, scales, None, sorted_ids, expert_ids, num_padded, None, out, size_m, n, k, fam, top_k,
-                      block_size, True, K.cuda_index(a.device), silu=True)
+                      block_size, True, K.cuda_index(a.device), silu=True, tables_ready=tables_ready)
     return out
 
 
-def _moe_gemm_silu_fake(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k, block_size):
+def _moe_gemm_silu_fake(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k, block_size,
+                        tables_ready=False):
     n, _, _ = _check_moe_args(a, b, scales, None, sorted_ids, expert_ids, num_padded, None, size_m, top_k,
                               block_size)
     _check_expert_table(sorted_ids, expert_ids, block_size, 0, 0, b.shape[0])
@@ -757,11 +764,21 @@ torch.library.register_fake("jitmarlin::moe_gemm_silu", _moe_gemm_silu_fake, lib
 
 
 def moe_gemm_silu(a, b, scales, sorted_ids, expert_ids, num_padded, size_m: int, top_k: int,
-                  block_size: int) -> torch.Tensor:
+                  block_size: int, tables_ready: bool = False) -> torch.Tensor:
     """The gate/up expert GEMM with SiLU-mul in its epilogue (torch.ops.jitmarlin.moe_gemm_silu); see
-    _moe_gemm_silu_cuda."""
+    _moe_gemm_silu_cuda. tables_ready: the routing tables were complete before the kernel just before this
+    one started (fused_marlin_moe, after gather_by_position), so the kernel may read them, and stream its
+    first weight stages, before waiting for that kernel; never for tables the kernel before writes."""
     return torch.ops.jitmarlin.moe_gemm_silu(a, b, scales, sorted_ids, expert_ids, num_padded, size_m, top_k,
-                                             block_size)
+                                             block_size, tables_ready)
+
+
+def moe_gemm_ready_tables(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m: int,
+                          top_k: int, block_size: int, a_by_position: bool = False) -> torch.Tensor:
+    """moe_gemm for tables complete before the kernel just before it started (torch.ops.jitmarlin.
+    moe_gemm_ready_tables: fused_marlin_moe's GEMMs only)."""
+    return torch.ops.jitmarlin.moe_gemm_ready_tables(a, b, scales, zeros, sorted_ids, expert_ids, num_padded,
+                                                     topk_weights, size_m, top_k, block_size, a_by_position)
 
 
 def moe_gemm(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, size_m: int, top_k: int,
@@ -1000,10 +1017,12 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     else:
         a1 = gather_by_position(hidden, sorted_ids, expert_ids, num_padded, w13_perm, top_k, bs)
         if silu_epi:  # SiLU-mul in the GEMM's epilogue: the down projection's input by position, [L, I]
-            a2 = moe_gemm_silu(a1, w13, w13_scales, sorted_ids, expert_ids, num_padded, t * top_k, top_k, bs)
+            a2 = moe_gemm_silu(a1, w13, w13_scales, sorted_ids, expert_ids, num_padded, t * top_k, top_k, bs,
+                               tables_ready=MOE_W13_READY_TABLES)
         else:
-            c1 = moe_gemm(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k,
-                          top_k, bs, True)
+            gemm1 = moe_gemm_ready_tables if MOE_W13_READY_TABLES else moe_gemm
+            c1 = gemm1(a1, w13, w13_scales, w13_zeros, sorted_ids, expert_ids, num_padded, None, t * top_k, top_k, bs,
+                       True)
     tw = topk_weights.reshape(-1).to(torch.float32)
     by_position = w2_perm is not None or gathered
     splits = 1 if shift else _down_splits(hidden, bs, t * top_k, e, inter, w2, w2_scales, w2_zeros)

@@ -857,12 +857,13 @@ def test_moe_blocks_of_16_route(monkeypatch, bits):
 
 @pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16), dict(act_order=True), dict(bits=8, group=64)],
                          ids=["f16", "bf16", "act_order", "u8g64"])
-def test_moe_down_projection_early_weights(monkeypatch, kw):
-    """The down projection on the producer form, launched by moe_gemm_ready_tables with p.tables_ready = 1,
-    streams its first weight stages before waiting for the kernel before it (moe.MOE_PROD_EARLY_WEIGHTS);
-    the gate/up GEMM (tables from the kernel just before) never does. The layer's output is bit-identical
-    with the switch off and matches the reference, eagerly and replayed in a CUDA graph (where the launches
-    overlap), for blocks of 16 (4-bit) / 24 / 32 / 48 and stream-K on and off."""
+def test_moe_ready_tables_early_weights(monkeypatch, kw):
+    """Both expert GEMMs on the producer form launch with p.tables_ready = 1 (the gate/up GEMM after
+    jm_moe_gather, which lets it launch only after its own wait for the alignment; the down projection by
+    moe_gemm_ready_tables) and stream their first weight stages before waiting for the kernel before them
+    (moe.MOE_PROD_EARLY_WEIGHTS, MOE_W13_READY_TABLES). The layer's output is bit-identical with the switch
+    off and matches the reference, eagerly and replayed in a CUDA graph (where the launches overlap), for
+    blocks of 16 (4-bit) / 24 / 32 / 48 and stream-K on and off."""
     from .test_moe_gpu import make_moe
 
     from jitmarlin.ops import moe as M
@@ -887,9 +888,15 @@ def test_moe_down_projection_early_weights(monkeypatch, kw):
                     seen.clear()
                     outs[early] = layer(x, weights, ids)
                     torch.cuda.synchronize()
-                    assert [r for _, r in seen] == [0, int(early)], (nt, t, seen)  # gate/up, down
+                    assert [r for _, r in seen] == [int(early)] * 2, (nt, t, seen)  # gate/up, down
                 check_close(outs[True], want, tol, f"early weights, blocks of {nt}, T={t}, stream-K {stream}")
                 assert torch.equal(outs[True], outs[False]), f"blocks of {nt}, T={t}: early vs waiting first"
+            monkeypatch.setattr(M, "MOE_W13_READY_TABLES", False)  # the gate/up GEMM waits first
+            seen.clear()
+            assert torch.equal(layer(x, weights, ids), outs[True])
+            torch.cuda.synchronize()
+            assert [r for _, r in seen] == [0, 1], (nt, t, seen)
+            monkeypatch.setattr(M, "MOE_W13_READY_TABLES", True)
         _layer_graph_replays(layer, moe, w13, w2, dtype, tol, f"early weights, blocks of {nt}, in a CUDA graph")
 
 
