@@ -968,7 +968,7 @@ for st in $STAGES; do
                --ab "flags=none;flags=-DJM_MBAR_SUSPEND_NS=1000;flags=-DJM_MBAR_SUSPEND_NS=20000" > "$OUT/s34f_$sh.log" 2>&1
              echo "s34f $sh rc=$?"; grep "us$" "$OUT/s34f_$sh.log" | sed 's/.*\] \[/[/'
            done;;
-    s35a)  # PREPARED in session 34 (probe only, no route change). The producer form's compute loop spends ~60 of its
+    s35a)  # Session 35 (run; NOTES session 35: four strips level, not kept). Prepared in session 34 (probe only). The producer form's compute loop spends ~60 of its
            # 174 instructions per stage and warp on bookkeeping (NOTES session 34) and four CTAs per SM beat three
            # and two. Four strips per CTA (256 features: twice the weights per stage and per bookkeeping, twice
            # the bytes per bulk copy) at three CTAs per SM compile without spills or wgmma serialization for 16
@@ -987,6 +987,26 @@ for st in $STAGES; do
              echo "s35a fw2 $sh rc=$?"; grep "us$" "$OUT/s35a_fw2_${shp}_$blk.log" | sed 's/.*block=/block=/'
            done
            unset JITMARLIN_NVCC_FLAGS;;
+    s36a)  # PREPARED in session 35 (probe + tests, no route change): small 4-bit experts' blocks of 16 on the
+           # producer form (moe.WGMMA_16_ROWS_SMALL_U4, off by default). Session 35, one draw each, E=64 layer us,
+           # rule / 16: 88 tokens 131.5 / 125.7, 96 137.7 / 127.6, 104 139.9 / 128.1, 112 140.5 / 132.7, 120 140.9 /
+           # 125.3, 128 141.6 / 132.1, 144 142.3 / 142.6; 72 / 80 the rule wins or ties. (1) the tests of that route
+           # and of the forms it uses; (2) interleaved A/B in both orders, f16 and bf16. If it holds at 8-13 rows:
+           # set WGMMA_16_ROWS_SMALL_U4 = (7.8, 13.0) (and the CPU test's default assert), MoE GPU set, bench_moe.
+           # The route, its probe key and tests are the patch benchmarks/prepared/s36a_small16.patch: run
+           # `git apply benchmarks/prepared/s36a_small16.patch` here first (and commit it) — the stage checks.
+           grep -q WGMMA_16_ROWS_SMALL_U4 jitmarlin/ops/moe.py || { echo "s36a: apply benchmarks/prepared/s36a_small16.patch first"; continue; }
+           timeout 240 python3 -m pytest -q -rs tests/gpu -k "small_blocks_of_16 or blocks_of_16 or producer_blocks or ready_tables" \
+             > "$OUT/s36a_tests.log" 2>&1
+           echo "s36a tests rc=$?"; tail -3 "$OUT/s36a_tests.log"
+           for ab in "small16=0;small16=7.8-13" "small16=7.8-13;small16=0"; do
+             timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes e64 --tokens 72,80,88,96,104,112,120,128,136,144 \
+               --ab "$ab" --rounds 2 > "$OUT/s36a_ab.log" 2>&1
+             echo "s36a ab $ab rc=$?"; grep "us$" "$OUT/s36a_ab.log" | sed 's/.*\] \[/[/'
+           done
+           timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --dtype bf16 --tokens 88,104,128 \
+             --ab "small16=0;small16=7.8-13" --rounds 2 > "$OUT/s36a_bf16.log" 2>&1
+           echo "s36a bf16 rc=$?"; grep "us$" "$OUT/s36a_bf16.log" | sed 's/.*\] \[/[/';;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
