@@ -33,9 +33,11 @@ struct JmGemmParams {
   int32_t a_by_position;     // MoE: 1 = A row r of the padded list is A[r] (pre-gathered A)
   int32_t k_splits;          // wgmma kernel: CTAs sharing one output tile along K (0 or 1: none; MoE:
                              // fp32 partial sums, one [m, ldc] slice of c per split)
-  int32_t tables_ready;      // MoE, sm_90 bulk tiles and the wgmma producer form: 1 = the routing tables were complete before the
-                             // previous kernel started (the down projection after SiLU-mul): read
-                             // them, and stream the first weight tiles, before waiting for it
+  int32_t tables_ready;      // MoE, sm_90 bulk tiles and the wgmma producer form: 1 = the routing
+                             // tables were complete before the previous kernel started (both expert
+                             // GEMMs of moe.fused_marlin_moe where a gather runs between the alignment
+                             // and the first): read them, and stream the first weight tiles, before
+                             // waiting for it
   int32_t ids_shift;         // MoE, mma.sync kernel: expert of m tile i = expert_ids[i << ids_shift] (1: the
                              // low words of int64 router ids read as the table, one block per slot)
   int32_t num_experts;       // MoE, mma.sync kernel: expert ids are clamped to num_experts - 1 (0: not)
