@@ -928,7 +928,8 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     }
   };
   auto group_start = [&](int kt) { return kt == 0 || (kt0 + kt) % (GROUP_BLOCKS / 4 > 0 ? GROUP_BLOCKS / 4 : 1) == 0; };
-  for (int kt = 0; kt < k_tiles; kt++) {
+  // one stage of the piece: stage kt in ring slot `slot` (kt % STAGES: each piece starts at slot 0)
+  auto stage = [&](const int kt, const int slot) {
     const uint8_t* st = smem + slot * S::kBytes;
     const uint32_t st_addr = smem_base + slot * S::kBytes;
     const uint64_t desc_st = desc_base + static_cast<uint64_t>(slot * (S::kBytes >> 4));
@@ -956,26 +957,42 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     // its slot (outside the step loop: an mbarrier arrival between wgmma issue and wait made
     // ptxas serialize the wgmma, C7513)
     if (kt > 0) release(slot == 0 ? STAGES - 1 : slot - 1);
-    slot = slot + 1 == STAGES ? 0 : slot + 1;
+    const int nslot = slot + 1 == STAGES ? 0 : slot + 1;  // the next stage's
     if (kt + 1 < k_tiles) {
       if constexpr (PROD) {
-        wait_acts(slot);  // stage kt + 1 is in (the producer refills the slots itself)
+        wait_acts(nslot);  // stage kt + 1 is in (the producer refills the slots itself)
       } else {
         cp_async_wait<STAGES - 3>();  // stage kt + 1 is in (this thread's copies)
-        wait_acts(slot);
+        wait_acts(nslot);
         __syncthreads();  // ... every thread's; and no warpgroup still reads stage kt - 1's slot
         const int nk = kt + STAGES - 1;
-        if (nk < k_tiles) fetch(nk, (slot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
+        if (nk < k_tiles) fetch(nk, (nslot + STAGES - 2) % STAGES);  // stage kt - 1's slot: (kt + STAGES - 1) % STAGES
         cp_async_commit();
       }
-      preload(smem + slot * S::kBytes);
-      load_groups(smem + slot * S::kBytes);
-      dequant(smem + slot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
+      preload(smem + nslot * S::kBytes);
+      load_groups(smem + nslot * S::kBytes);
+      dequant(smem + nslot * S::kBytes, 0, abuf[0]);  // its last reader, step 4 - NB of stage kt, is done
     }
     if constexpr (kGacc && kLateFold) {  // the group's last stage: its sums, scaled, after the above
       if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
     }
+  };
+#if defined(JM_WG_UNROLL_RING)
+  // (probe flag) the stage loop unrolled over the ring: each copy's slot, its shared addresses, descriptor and
+  // barrier phase bit are compile-time constants (session 35: ~60 of the 16-row form's 174 instructions per
+  // stage and warp were that bookkeeping, rematerialized every stage under the register cap)
+  for (int kb = 0; kb < k_tiles; kb += STAGES) {
+#pragma unroll
+    for (int sl = 0; sl < STAGES; sl++)
+      if (kb + sl < k_tiles) stage(kb + sl, sl);
   }
+  slot = k_tiles % STAGES;
+#else
+  for (int kt = 0; kt < k_tiles; kt++) {
+    stage(kt, slot);
+    slot = slot + 1 == STAGES ? 0 : slot + 1;
+  }
+#endif
   wgmma_wait<0>();
   cp_async_wait<0>();
   release(slot == 0 ? STAGES - 1 : slot - 1);  // the piece's last stage
