@@ -1007,7 +1007,7 @@ for st in $STAGES; do
            timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --dtype bf16 --tokens 88,104,128 \
              --ab "small16=0;small16=7.8-13" --rounds 2 > "$OUT/s36a_bf16.log" 2>&1
            echo "s36a bf16 rc=$?"; grep "us$" "$OUT/s36a_bf16.log" | sed 's/.*\] \[/[/';;
-    s36b)  # PREPARED in session 35 (probe flag, default build unchanged: all 28 wgmma cubins' .text identical):
+    s36b)  # PREPARED in session 35 (probe flag, default build unchanged: all 592 wgmma cubins' .text identical):
            # -DJM_WG_UNROLL_RING unrolls the wgmma stage loop over the ring, so each stage's slot, addresses,
            # descriptor and phase bit are constants. SASS here (instructions per stage and warp, default ->
            # unrolled): MoE n16 c4 195 -> 161 (its stream-K loop 186 -> 173), n24 c4 205 -> 171 (194 -> 179), n32 c4
