@@ -1029,6 +1029,13 @@ for st in $STAGES; do
              JITMARLIN_NVCC_FLAGS="$f" timeout 120 python3 benchmarks/probe_configs.py --shapes 8192x28672,4096x28672,8192x8192 \
                --m 17,32,48,64 --configs route > "$OUT/s36b_dense.log" 2>&1
              echo "s36b dense flags=${f:-none} rc=$?"; grep -E "us" "$OUT/s36b_dense.log" | tail -12
+           done
+           # M = 16 (#3: 4096x28672 2.19x, 8192^2 2.04x fp16 on the mma.sync 16-row tiles): the wgmma 16-token
+           # producer form lost there in session 29 (issue-bound); with the ring unrolled?
+           for f in "" -DJM_WG_UNROLL_RING; do
+             JITMARLIN_NVCC_FLAGS="$f" timeout 120 python3 benchmarks/probe_configs.py --shapes 4096x28672,8192x8192,8192x28672 \
+               --m 16 --configs route,wgmma-n16-f1-s8-p,wgmma-n16-f1-s8-sk-p > "$OUT/s36b_m16.log" 2>&1
+             echo "s36b M=16 flags=${f:-none} rc=$?"; grep -E "us" "$OUT/s36b_m16.log" | tail -9
            done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
