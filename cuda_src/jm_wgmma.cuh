@@ -441,11 +441,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // producer then issues its first fills' weights before its own wait and whose compute warps
   // wait before the main loop (the activations, workspace and outputs); they read only the tables
   // before it. -DJM_WG_WAIT_FIRST: wait here in every form (A/B switch).
-#if defined(JM_WG_WAIT_FIRST)
-  constexpr bool kEarlyWeights = false;
-#else
-  constexpr bool kEarlyWeights = !MOE;
-#endif
+  constexpr bool kEarlyWeights = !MOE && !kWaitFirst;
   if (!kEarlyWeights && !(MOE && PROD && p.tables_ready && !kWaitFirst)) {
     griddep_wait();
     if (tid == 0) JM_TL(1, globaltimer());
