@@ -38,6 +38,8 @@
                       small32hi=R (moe.WGMMA_32_SMALL_U4_HI: 4-bit small experts' blocks of 32 below R rows),
                       smallblocks=B+B (moe.WGMMA_PROD_SMALL_BLOCKS: small experts' producer-form blocks),
                       small24=LO-HI|0 (moe.WGMMA_24_ROWS_SMALL_U4: small experts' blocks of 24; 0: never),
+                      small16=LO-HI|0 (moe.WGMMA_16_ROWS_SMALL_U4: small experts' blocks of 16 on the producer
+                      form; 0: never, the default until session 36),
                       smallmin=R (moe.WGMMA_PROD_SMALL32_MIN_ROWS: those blocks on the producer form from R rows),
                       prodblocks=B+B (moe.MOE_WGMMA_PROD_BLOCKS: blocks on the producer form where A is gathered;
                       prodblocks=24+32+48+80+96 takes session 34's blocks of 16 off it),
@@ -106,7 +108,7 @@ def main() -> None:
     ap.add_argument("--stream-k", default="", help="0,1: the producer form's stream-K launch off / on, each timed "
                                                    "(moe.MOE_STREAM_K; default: as set)")
     ap.add_argument("--ab", default="", help="V1;V2;..: variants (flags=F+F, ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, "
-                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2, early=0|1, early13=0|1) "
+                    "minkn=N, smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2, early=0|1, early13=0|1, small16=LO-HI|0) "
                     "timed in turn")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the --ab variants")
     ap.add_argument("--silu-gather", default="", help="0,1: moe.MOE_SILU_GATHER off / on, each timed")
@@ -233,6 +235,8 @@ def _apply_variant(variant: str) -> str:
             M.WGMMA_PROD_SMALL_BLOCKS = tuple(int(v) for v in val.split("+"))
         elif key == "smallmin":  # rows per expert from which small experts' blocks of 24 / 32 take the producer form
             M.WGMMA_PROD_SMALL32_MIN_ROWS = float(val)
+        elif key == "small16":  # 4-bit small experts' blocks of 16 (producer form) at LO-HI rows per expert (0: never)
+            M.WGMMA_16_ROWS_SMALL_U4 = (0.0, 0.0) if val == "0" else tuple(float(v) for v in val.split("-"))
         elif key == "small24":  # 4-bit small experts' blocks of 24 at LO-HI rows per expert (0: never)
             M.WGMMA_24_ROWS_SMALL_U4 = (0.0, 0.0) if val == "0" else tuple(float(v) for v in val.split("-"))
         elif key == "prodblocks":  # blocks that take the producer form where A is gathered (e.g. 24+32+48+80+96)
@@ -240,7 +244,7 @@ def _apply_variant(variant: str) -> str:
         else:
             raise SystemExit(f"--ab item {item!r}: expected flags=..., ctas=NT-FW-S:C, fw=0|1|2, silu=0|1, minkn=N, "
                              "smallcover=R, small32hi=R, smallblocks=B+B, small24=LO-HI|0, smallmin=R, prodblocks=B+B, pfw=1|2, "
-                             "early=0|1 or early13=0|1")
+                             "early=0|1, early13=0|1 or small16=LO-HI|0")
     K.clear_kernel_caches()
     return variant
 

@@ -461,6 +461,54 @@ def test_blocks_of_24_host_rules():
     assert M.choose_block_size(64, 2, 8) == 32  # the mma.sync choice never takes 24
 
 
+def test_small_blocks_of_16_host_rules(monkeypatch):
+    """Small 4-bit experts' blocks of 16 on the producer form (moe.WGMMA_16_ROWS_SMALL_U4, prepared in session 35):
+    off by default (the 8 / 24 rules unchanged); with the range set, blocks of 16 at its rows per expert when the
+    producer form may take them (prod_blocks), 8-bit and large experts untouched, and fused_marlin_moe gathers
+    both inputs for them."""
+    from jitmarlin.ops import moe as M
+
+    e64 = 2048 * 2816  # E=64 top-6 gate/up experts (K*N <= 2^24)
+    assert M.WGMMA_16_ROWS_SMALL_U4 == (0.0, 0.0)
+    rule = [M.choose_block_size(t, 6, 64, True, e64) for t in (72, 88, 96, 104, 120, 128, 144)]
+    assert rule == [8, 8, 8, 24, 24, 24, 24]
+    monkeypatch.setattr(M, "WGMMA_16_ROWS_SMALL_U4", (7.8, 13.0))
+    assert [M.choose_block_size(t, 6, 64, True, e64) for t in (72, 88, 96, 104, 120, 128, 144)] == \
+        [8, 16, 16, 16, 16, 16, 24]
+    assert M.choose_block_size(96, 6, 64, True, e64, prod_blocks=False) == 8  # (no producer form: the 8 rule)
+    assert M.choose_block_size(96, 6, 64, True, e64, bits=8) != 16
+    assert M.choose_block_size(36, 2, 8, True, 4096 * 28672) == 16  # large experts: the cover rule's, as before
+    assert M.small_block16(9.0, e64) and not M.small_block16(9.0, e64, bits=8) and not M.small_block16(9.0, 1 << 26)
+    # fused_marlin_moe: blocks of 16 in that range gather both inputs (the producer route stood in for)
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_gather(x, sorted_ids, expert_ids, num_padded, perm, top_k, block):
+        calls.append(("gather", block))
+        raise Stop
+
+    def fake_gemm(a, *args):
+        calls.append(("gemm", args[9]))  # block_size
+        raise Stop
+
+    monkeypatch.setattr(M, "_prod_route", lambda *a: True)
+    monkeypatch.setattr(M, "gather_by_position", fake_gather)
+    monkeypatch.setattr(M, "moe_gemm", fake_gemm)
+    e, h, inter, top_k, t = 8, 256, 128, 2, 36  # 9 rows per expert: the plain rule's 16 too
+    w13 = torch.zeros(e, 2 * inter // 64, h // 16, 128, dtype=torch.int32)
+    w2 = torch.zeros(e, h // 64, inter // 16, 128, dtype=torch.int32)
+    s13, s2 = torch.zeros(e, 2, 2 * inter, dtype=torch.float16), torch.zeros(e, 1, h, dtype=torch.float16)
+    ids = torch.stack([torch.randperm(e)[:top_k] for _ in range(t)])
+    for rng, want in (((7.8, 13.0), ("gather", 16)), ((0.0, 0.0), ("gemm", 16))):
+        monkeypatch.setattr(M, "WGMMA_16_ROWS_SMALL_U4", rng)
+        calls.clear()
+        with pytest.raises(Stop):
+            M.fused_marlin_moe(torch.zeros(t, h, dtype=torch.float16), w13, s13, w2, s2, torch.ones(t, top_k), ids)
+        assert calls == [want], (rng, calls)
+
+
 def test_moe_gemm_silu_op_shapes_and_host_rules(monkeypatch):
     """moe_gemm_silu (the gate/up GEMM with SiLU-mul in its epilogue): torch.compile's view of it is the
     down projection's input by position, [L, I] in the activation dtype (L = the slot list's length, I half

@@ -59,6 +59,15 @@ WGMMA_32_SMALL_U4_HI = 29.5
 # there: 145.8) 139.3, 139.3 / 122.0, 123.1; 96 141.5, 141.4 / 136.7, 136.8; 112 (10.5) 142.2, 142.6 / 153.1,
 # 153.4; 128 142.8, 143.8 / 167.4, 167.9.
 WGMMA_24_ROWS_SMALL_U4 = (9.5, 19)
+# ... and blocks of 16 (the producer form's m64n16k16 at four CTAs per SM, both inputs gathered) in this range of
+# rows per expert, ahead of the 8 / 24 rules above: PREPARED in session 35, off ((0, 0)) until the GPU tests have run
+# with it (planned range (7.8, 13.0); run_device.sh s36a). H200 session 35 (probe_moe_tiles, E=64 top-6 layer us,
+# the rule / blocks of 16 on the producer form, one draw per token count, after both expert GEMMs started streaming
+# their first weights early): 56 tokens (5.25 rows) 101.6 / 148.6; 64 107.5 / 124.4; 72 (6.75) 111.0 / 125.0; 80
+# (7.5) 123.0, 123.8 / 122.4, 122.5; 88 (8.25) 131.5 / 125.7; 96 (9) 137.9, 137.4 / 127.6, 127.6; 104 (9.75) 139.9 /
+# 128.1; 112 (10.5) 140.8, 140.2 / 132.6, 132.8; 120 (11.25) 140.9 / 125.3; 128 (12) 141.6 / 132.1; 144 (13.5) 142.3
+# / 142.6. (The mma.sync kernel's 16-row tile there: 147-155.)
+WGMMA_16_ROWS_SMALL_U4 = (0.0, 0.0)
 
 
 def wgmma_block32(per_expert: float, kn: int, bits: int = 4) -> bool:
@@ -132,6 +141,13 @@ def _small_u4(expert_kn: int, bits: int) -> bool:
     return bits == 4 and expert_kn <= WGMMA_32_SMALL_KN
 
 
+def small_block16(per_expert: float, expert_kn: int, bits: int = 4) -> bool:
+    """Whether small 4-bit experts (_small_u4) at per_expert rows per expert take the producer form's blocks of 16
+    (WGMMA_16_ROWS_SMALL_U4; both inputs gathered)."""
+    lo, hi = WGMMA_16_ROWS_SMALL_U4
+    return _small_u4(expert_kn, bits) and lo <= per_expert < hi
+
+
 def small_block24(per_expert: float, expert_kn: int, bits: int = 4) -> bool:
     """Whether small 4-bit experts (_small_u4) at per_expert rows per expert take the producer form's blocks of 24
     (WGMMA_24_ROWS_SMALL_U4; both inputs gathered)."""
@@ -162,7 +178,8 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
     WGMMA_COVER_BLOCKS that holds covered_rows, else 128 (unless not prod_blocks: the producer form
     cannot take them); on smaller experts where small_cover says so, the smallest of
     WGMMA_COVER_SMALL_BLOCKS that holds them; elsewhere 128 where 64 does not cover, on 4-bit small experts 8
-    below WGMMA_24_ROWS_SMALL_U4 and 24 where small_block24 says so (producer form only), 32 where wgmma_block32
+    below WGMMA_24_ROWS_SMALL_U4 (16 where small_block16 says so, producer form only) and 24 where small_block24
+    says so (producer form only), 32 where wgmma_block32
     says so, 64 from WGMMA_64_MIN_ROWS. `bits`: of the expert weights (small_cover, small_block24,
     wgmma_block32)."""
     per_expert = num_tokens * top_k / max(1, num_experts)
@@ -176,6 +193,8 @@ def choose_block_size(num_tokens: int, top_k: int, num_experts: int, large_block
             return next(b for b in WGMMA_COVER_SMALL_BLOCKS if b >= cover)
         if cover > 64:
             return WGMMA_BLOCK
+    if large_blocks and prod_blocks and small_block16(per_expert, expert_kn, bits):
+        return 16
     if large_blocks and _small_u4(expert_kn, bits) and per_expert < WGMMA_24_ROWS_SMALL_U4[0]:
         return 8
     if large_blocks and prod_blocks and small_block24(per_expert, expert_kn, bits):
@@ -983,7 +1002,8 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         if (wide != bs or wide == 48) and _large_blocks_ok(
                 hidden, ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
                          (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))):
-            if wide in PROD_ONLY_BLOCKS + (32, 48) and not _prod_route(hidden, wide, t * top_k / e,
+            small16 = wide == 16 and small_block16(t * top_k / e, i2 * h, bits)  # (else the mma.sync kernel's 16)
+            if (wide in PROD_ONLY_BLOCKS + (32, 48) or small16) and not _prod_route(hidden, wide, t * top_k / e,
                                                                      ((i2, h, w13, w13_scales, w13_zeros),
                                                                       (h, inter, w2, w2_scales, w2_zeros))):
                 # the producer form cannot
@@ -1004,7 +1024,8 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
     # (no column order), as act-order experts do (theirs in each expert's column order)
     gathered = w13_perm is None and w2_perm is None and one is None \
         and (i2 * h > MOE_WGMMA_PROD_MIN_KN or small_cover(t * top_k / e, top_k, e, i2 * h, bits)
-             or (bs in WGMMA_PROD_SMALL_BLOCKS and bits == 4 and t * top_k / e >= WGMMA_PROD_SMALL32_MIN_ROWS)) \
+             or (bs in WGMMA_PROD_SMALL_BLOCKS and bits == 4 and t * top_k / e >= WGMMA_PROD_SMALL32_MIN_ROWS)
+             or (bs == 16 and small_block16(t * top_k / e, i2 * h, bits))) \
         and _prod_route(hidden, bs, t * top_k / e, ((i2, h, w13, w13_scales, w13_zeros),
                                                     (h, inter, w2, w2_scales, w2_zeros)))
     # SiLU-mul in the gate/up GEMM's epilogue (moe_gemm_silu): _prod_route has already put w13 on the producer

@@ -855,6 +855,39 @@ def test_moe_blocks_of_16_route(monkeypatch, bits):
         check_close(got, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"blocks of 16, {bits}-bit, T={t}")
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_moe_small_blocks_of_16_route(monkeypatch, bits):
+    """Small experts (K*N <= 2^24) with the prepared range of moe.WGMMA_16_ROWS_SMALL_U4 set: at 8-12 rows per
+    expert the rule's blocks of 16 run both GEMMs on the producer form (inputs gathered, the gate/up GEMM with
+    the SiLU epilogue) for 4-bit weights; 8-bit weights keep their rule (no blocks of 16 on the wgmma kernel);
+    output against the reference, NaN-poisoned memory first."""
+    from .test_moe_gpu import make_moe, reference
+
+    from jitmarlin.ops import moe as M
+
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wgmma kernels run on sm_90 only")
+    monkeypatch.setattr(M, "WGMMA_16_ROWS_SMALL_U4", (7.8, 13.0))
+    launched = []
+    _spy_wgmma_launches(monkeypatch, lambda grid, p: launched.append((p.grid, p.silu_out)))
+    e, h, inter, top_k = 8, 1024, 512, 2  # gate/up experts of 1024 x 1024 weights: small
+    moe, w13, w2 = make_moe(e, h, inter, top_k, bits=bits, group=128)
+    layer = _poisoned_moe_layer(moe, torch.float16)
+    for t in (32, 40, 48):  # 8 / 10 / 12 rows per expert
+        assert M.small_block16(t * top_k / e, 2 * inter * h, bits) == (bits == 4)
+        if bits == 4:
+            assert M.choose_block_size(t, top_k, e, True, 2 * inter * h, bits=bits) == 16
+        x = torch.randn(t, h, device="cuda", dtype=torch.float16)
+        weights, ids = moe.route(x)
+        launched.clear()
+        got = layer(x, weights, ids)
+        torch.cuda.synchronize()
+        if bits == 4:
+            m_tiles = -(-(t * top_k + e * 15) // 16)  # the launch's bound of blocks of 16
+            assert launched == [(m_tiles, 1), (m_tiles, 0)], (t, launched)
+        check_close(got, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"small blocks of 16, {bits}-bit, T={t}")
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16), dict(act_order=True), dict(bits=8, group=64)],
                          ids=["f16", "bf16", "act_order", "u8g64"])
 def test_moe_ready_tables_early_weights(monkeypatch, kw):
