@@ -1037,6 +1037,20 @@ for st in $STAGES; do
                --m 16 --configs route,wgmma-n16-f1-s8-p,wgmma-n16-f1-s8-sk-p > "$OUT/s36b_m16.log" 2>&1
              echo "s36b M=16 flags=${f:-none} rc=$?"; grep -E "us" "$OUT/s36b_m16.log" | tail -9
            done;;
+    s37a)  # session 37, after the wgmma stage loop was unrolled over its ring by default: (1) small experts' blocks
+           # of 16 (WGMMA_16_ROWS_SMALL_U4) again, ABAB, f16 and bf16; (2) the 16-token producer form (16, 1, 8) vs
+           # the route at M = 9 / 16 for 4-bit weights on the Llama / Mixtral shapes, f16 and bf16, two passes.
+           for dt in f16 bf16; do
+             timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes e64 --dtype $dt --tokens 80,88,96,104,112,120,128,136,144 \
+               --ab "small16=0;small16=7.8-13" --rounds 2 > "$OUT/s37a_moe_$dt.log" 2>&1
+             echo "s37a moe $dt rc=$?"; grep "us$" "$OUT/s37a_moe_$dt.log" | sed 's/.*\] \[/[/'
+           done
+           for dt in f16 bf16 f16; do
+             timeout 150 python3 benchmarks/probe_configs.py --dtype $dt --m 9,16 --configs route,wgmma-n16-f1-s8-p \
+               --shapes ${S37_SHAPES:-4096x4096,4096x11008,11008x4096,4096x12288,5120x13824,13824x5120,14336x4096,4096x22016,4096x28672,8192x8192,28672x8192,8192x28672} \
+               > "$OUT/s37a_n16_$dt.log" 2>&1
+             echo "s37a n16 $dt rc=$?"; grep -E " us" "$OUT/s37a_n16_$dt.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -973,10 +973,12 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       if (kt + 1 == k_tiles || group_start(kt + 1)) fold_group();
     }
   };
-#if defined(JM_WG_UNROLL_RING)
-  // (probe flag) the stage loop unrolled over the ring: each copy's slot, its shared addresses, descriptor and
-  // barrier phase bit are compile-time constants (session 35: ~60 of the 16-row form's 174 instructions per
-  // stage and warp were that bookkeeping, rematerialized every stage under the register cap)
+#if !defined(JM_WG_ROLLED_RING)
+  // The stage loop unrolled over the ring: each copy's slot, its shared addresses, descriptor and barrier phase
+  // bit are compile-time constants (session 35: ~60 of the 16-row form's 174 instructions per stage and warp were
+  // that bookkeeping, rematerialized every stage under the register cap). H200 session 37, interleaved A/B
+  // against the rolled loop (probe flag -DJM_WG_ROLLED_RING): dense M = 17-64 on 8192x28672 -4 to -5%, MoE
+  // Mixtral 32-64 tokens -2 to -4%, E=64 128-256 tokens -2 to -4%.
   for (int kb = 0; kb < k_tiles; kb += STAGES) {
 #pragma unroll
     for (int sl = 0; sl < STAGES; sl++)
