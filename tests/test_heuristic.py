@@ -186,10 +186,11 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert small == {None: [True] * 7, "0": [False] * 7, "1": [True] * 6 + [False]}[setting]
         fam8 = K.Family("f16", 8, False, 128)
         mid = [G.use_wgmma_path(m, n, k, f, 0) for m, k, n, f in
-               ((32, 8192, 28672, fam8), (17, 28672, 8192, fam8), (16, 8192, 8192, fam), (9, 4096, 4096, fam),
-                (16, 4096, 4096, fam8), (8, 4096, 4096, fam), (32, 8192, 28672, fam))]
-        assert mid == {None: [True, True, False, True, True, False, True], "0": [False] * 7,
-                       "1": [True, True, False, False, False, False, True]}[setting]
+               ((32, 8192, 28672, fam8), (17, 28672, 8192, fam8), (16, 8192, 28672, fam), (9, 4096, 4096, fam),
+                (16, 4096, 4096, fam8), (8, 4096, 4096, fam), (32, 8192, 28672, fam), (16, 8192, 8192, fam))]
+        # (the last: 4-bit 8192^2 at M = 9-16 takes the 16-token producer form, automatic route only: session 37)
+        assert mid == {None: [True, True, False, True, True, False, True, True], "0": [False] * 8,
+                       "1": [True, True, False, False, False, False, True, False]}[setting]
         # M = 9-16, fp16 8-bit weights from K*N = 2^26 with N >= 8192: the 16-token producer form (session 21)
         n16 = [G.use_wgmma_path(m, n, k, f, 0) for m, k, n, f in
                ((9, 28672, 8192, fam8), (16, 4096, 28672, fam8), (12, 8192, 8192, fam8), (16, 5120, 13824, fam8),
@@ -242,17 +243,21 @@ def test_wgmma_route_rules(monkeypatch, setting):
                 for k, n in shapes for m in (16, 17, 32, 33, 64, 65, 128)}
         big = ((8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192), (8192, 8320))
         assert {key for key, v in prod.items() if v} == {(k, n, m) for k, n in big for m in (17, 32)} | {
-            (k, n, m) for k, n in big[1:] for m in (33, 64)}
+            (k, n, m) for k, n in big[1:] for m in (33, 64)} | {(8192, 8192, 16)}
         # 32-token tiles: (32, 1, 6) at three CTAs per SM since session 20
-        assert all(v == (32, 1, 6) for (k, n, m), v in prod.items() if v and m <= 32)
+        assert all(v == (32, 1, 6) for (k, n, m), v in prod.items() if v and 16 < m <= 32)
         assert all(v == (64, 1, 6) for (k, n, m), v in prod.items() if v and m > 32)
         assert set(K.WGMMA_PROD_CONFIGS) == {(64, 1, 6), (32, 1, 6), (16, 1, 8)}  # built by default
-        # 16-token tiles: fp16 8-bit weights only, K*N >= 2^26 and N >= 8192 (session 21)
+        # 16-token tiles: fp16 8-bit weights where K*N >= 2^26 and N >= 8192 (session 21); 4-bit weights on the
+        # shapes measured faster there (session 37: fp16 4096x11008, 11008x4096, 8192^2; bf16 4096x11008)
+        llama = ((4096, 11008), (11008, 4096), (4096, 12288), (4096, 22016))
         n16 = {(k, n, f.dtype, f.bits): G.wgmma_route_prod(n, k, G.wgmma_route_config(16, n, k, 132), f)
-               for k, n in shapes + ((5120, 13824), (13824, 5120)) for f in (f4, f8, K.Family("bf16", 8, False, 128))}
+               for k, n in shapes + ((5120, 13824), (13824, 5120)) + llama
+               for f in (f4, f8, K.Family("bf16", 8, False, 128), K.Family("bf16", 4, False, 128))}
         assert {key for key, v in n16.items() if v} == {(k, n, "f16", 8) for k, n in
                                                         ((8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192),
-                                                         (8192, 8320), (5120, 13824))}
+                                                         (8192, 8320), (5120, 13824), (4096, 22016))} | {
+            (8192, 8192, "f16", 4), (4096, 11008, "f16", 4), (11008, 4096, "f16", 4), (4096, 11008, "bf16", 4)}
         assert all(v == (16, 1, 8) for v in n16.values() if v) and K.prod_ctas((16, 1, 8)) == 2
         assert K.prod_ctas((32, 1, 6)) == 3 and K.prod_ctas((64, 1, 6)) == 2
         assert G.wgmma_ctas_per_sm(1, (32, 1, 6)) == 3

@@ -91,14 +91,15 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert abs(M.covered_rows(64, 2, 8) - (64 + 1.75 * 48 ** 0.5)) < 1e-9
     assert [choose_block_size(t, 2, 8, True, prod_blocks=False) for t in (72, 88, 210, 213)] == [32, 64, 64, 128]
     assert choose_block_size(40, 2, 8, True) == 16  # 10 rows (large experts): the mma.sync kernel's
-    # E=64 experts, 4-bit: blocks of 8 up to 9.49 rows per expert (the mma.sync rule alone: 16 from 7.2), of 24 to
-    # 18.99 (WGMMA_24_ROWS_SMALL_U4), of 32 to 29.49
+    # E=64 experts, 4-bit: blocks of 8 below 7.8 rows per expert (the mma.sync rule alone: 16 from 7.2), of 16 to
+    # 12.99 (WGMMA_16_ROWS_SMALL_U4, session 37), of 24 to 18.99 (WGMMA_24_ROWS_SMALL_U4), of 32 to 29.49
     # (WGMMA_32_SMALL_U4_HI), then (small_cover) the smallest producer-form block of 48 / 80 / 96 that holds the
     # covered rows, then 128
     small = 2048 * 2816
-    assert [choose_block_size(t, 6, 64, True, small) for t in (77, 101, 102, 202, 203, 256, 266, 267, 314, 315, 320,
-                                                               402, 403, 512, 560, 708, 709, 864, 865, 1024)] == \
-        [8, 8, 24, 24, 32, 32, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
+    assert [choose_block_size(t, 6, 64, True, small) for t in (77, 83, 84, 101, 102, 138, 139, 202, 203, 256, 266,
+                                                               267, 314, 315, 320, 402, 403, 512, 560, 708, 709,
+                                                               864, 865, 1024)] == \
+        [8, 8, 16, 16, 16, 16, 24, 24, 32, 32, 32, 32, 32, 48, 48, 48, 80, 80, 80, 80, 96, 96, 128, 128]
     assert choose_block_size(80, 6, 64) == 16 and choose_block_size(80, 6, 64, True, small, bits=8) == 16
     assert choose_block_size(150, 6, 64, True, small, prod_blocks=False) == 32  # 24 is a producer-form block
     for t in range(315, 865, 11):
@@ -109,8 +110,8 @@ def test_large_blocks_only_when_asked_and_experts_are_full():
     assert [choose_block_size(t, 6, 64, True, small, bits=8) for t in (96, 150, 266, 267, 298, 320)] == \
         [32, 32, 32, 48, 48, 48]
     assert not M.small_cover(26.0, 6, 64, small) and M.small_cover(26.0, 6, 64, small, bits=8)
-    for t in range(1, 330):  # no gap between the rules: every count takes 8, 24, 32 or a covering block
-        want = 8 if t < 102 else 24 if t < 203 else 32 if t < 315 else 48
+    for t in range(1, 330):  # no gap between the rules: every count takes 8, 16, 24, 32 or a covering block
+        want = 8 if t < 84 else 16 if t < 139 else 24 if t < 203 else 32 if t < 315 else 48
         assert choose_block_size(t, 6, 64, True, small) == want, t
     assert choose_block_size(320, 6, 64, True, small, prod_blocks=False) == 64  # no producer form: as before
     assert not M.small_cover(30.0, 6, 64, 4096 * 28672)  # large experts: the cover rule above
@@ -462,14 +463,15 @@ def test_blocks_of_24_host_rules():
 
 
 def test_small_blocks_of_16_host_rules(monkeypatch):
-    """Small 4-bit experts' blocks of 16 on the producer form (moe.WGMMA_16_ROWS_SMALL_U4, prepared in session 35):
-    off by default (the 8 / 24 rules unchanged); with the range set, blocks of 16 at its rows per expert when the
+    """Small 4-bit experts' blocks of 16 on the producer form (moe.WGMMA_16_ROWS_SMALL_U4, on since session 37):
+    off ((0, 0)) the 8 / 24 rules hold; with the default range, blocks of 16 at its rows per expert when the
     producer form may take them (prod_blocks), 8-bit and large experts untouched, and fused_marlin_moe gathers
     both inputs for them."""
     from jitmarlin.ops import moe as M
 
     e64 = 2048 * 2816  # E=64 top-6 gate/up experts (K*N <= 2^24)
-    assert M.WGMMA_16_ROWS_SMALL_U4 == (0.0, 0.0)
+    assert M.WGMMA_16_ROWS_SMALL_U4 == (7.8, 13.0)
+    monkeypatch.setattr(M, "WGMMA_16_ROWS_SMALL_U4", (0.0, 0.0))
     rule = [M.choose_block_size(t, 6, 64, True, e64) for t in (72, 88, 96, 104, 120, 128, 144)]
     assert rule == [8, 8, 8, 24, 24, 24, 24]
     monkeypatch.setattr(M, "WGMMA_16_ROWS_SMALL_U4", (7.8, 13.0))

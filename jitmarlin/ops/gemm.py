@@ -684,6 +684,14 @@ WGMMA_PROD_N32 = (32, 1, 6)
 WGMMA_PROD_N16 = (16, 1, 8)  # fp16 8-bit weights, M = 9-16:
 WGMMA_PROD_N16_MIN_KN = 1 << 26  # K*N at least this
 WGMMA_PROD_N16_MIN_N = 8192  # and N at least this
+# - session 37 (after the wgmma stage loop was unrolled over its ring): 4-bit weights at M = 9-16, the route (the
+#   mma.sync 16-row tiles) -> (16, 1, 8) in the producer form, probe_configs, two passes each, us, M = 9 / 16: f16
+#   4096x11008 15.2 / 15.5 -> 13.5 / 13.6, 11008x4096 18.1 / 18.3 -> 17.1 / 17.1, 8192^2 18.6 / 18.8 -> 16.9 / 17.1;
+#   bf16 4096x11008 15.4 / 15.8 -> 14.7 / 14.9 (8192^2 -2%, 11008x4096 level: not taken). Slower on every other
+#   shape measured, with no size rule that separates them (f16 M=16: 4096x12288 15.9 -> 16.7, 14336x4096 20.1 ->
+#   21.8, 5120x13824 19.8 -> 20.2, 13824x5120 21.4 -> 25.4, 4096x22016 22.9 -> 24.1, 4096x28672 25.6 -> 28.0,
+#   8192x28672 42.5 -> 51.3, 28672x8192 42.6 -> 50.0), so the measured shapes (K, N) are listed per dtype.
+WGMMA_PROD_N16_U4_SHAPES = {"f16": ((4096, 11008), (11008, 4096), (8192, 8192)), "bf16": ((4096, 11008),)}
 
 
 def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family) -> tuple | None:
@@ -698,6 +706,9 @@ def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Famil
         return WGMMA_PROD_N32
     if (cfg[0] == 16 and fam.bits == 8 and fam.dtype == "f16" and k * n >= WGMMA_PROD_N16_MIN_KN
             and n >= WGMMA_PROD_N16_MIN_N and n % 128 == 0 and WGMMA_PROD_N16 in K.WGMMA_PROD_CONFIGS):
+        return WGMMA_PROD_N16
+    if (cfg[0] == 16 and fam.bits == 4 and (k, n) in WGMMA_PROD_N16_U4_SHAPES.get(fam.dtype, ())
+            and WGMMA_PROD_N16 in K.WGMMA_PROD_CONFIGS):
         return WGMMA_PROD_N16
     return None
 

@@ -60,14 +60,15 @@ WGMMA_32_SMALL_U4_HI = 29.5
 # 153.4; 128 142.8, 143.8 / 167.4, 167.9.
 WGMMA_24_ROWS_SMALL_U4 = (9.5, 19)
 # ... and blocks of 16 (the producer form's m64n16k16 at four CTAs per SM, both inputs gathered) in this range of
-# rows per expert, ahead of the 8 / 24 rules above: PREPARED in session 35, off ((0, 0)) until the GPU tests have run
-# with it (planned range (7.8, 13.0); run_device.sh s36a). H200 session 35 (probe_moe_tiles, E=64 top-6 layer us,
-# the rule / blocks of 16 on the producer form, one draw per token count, after both expert GEMMs started streaming
-# their first weights early): 56 tokens (5.25 rows) 101.6 / 148.6; 64 107.5 / 124.4; 72 (6.75) 111.0 / 125.0; 80
-# (7.5) 123.0, 123.8 / 122.4, 122.5; 88 (8.25) 131.5 / 125.7; 96 (9) 137.9, 137.4 / 127.6, 127.6; 104 (9.75) 139.9 /
-# 128.1; 112 (10.5) 140.8, 140.2 / 132.6, 132.8; 120 (11.25) 140.9 / 125.3; 128 (12) 141.6 / 132.1; 144 (13.5) 142.3
-# / 142.6. (The mma.sync kernel's 16-row tile there: 147-155.)
-WGMMA_16_ROWS_SMALL_U4 = (0.0, 0.0)
+# rows per expert, ahead of the 8 / 24 rules above. H200 session 37 (probe_moe_tiles, E=64 top-6 layer us, two
+# interleaved draws each, after the wgmma stage loop was unrolled over its ring), the 8 / 24 rule / blocks of 16,
+# f16: 80 tokens (7.5 rows) 121.6, 122.1 / 122.4, 122.1; 88 (8.25) 129.5, 129.9 / 120.9, 120.8; 96 135.8, 135.4 /
+# 122.7, 122.5; 104 136.9, 135.8 / 120.3, 119.9; 112 137.1, 135.7 / 123.7, 124.2; 120 136.5, 136.3 / 120.7, 121.0;
+# 128 (12) 136.6, 136.5 / 126.9, 127.3; 136 (12.75) 136.8, 136.8 / 132.4, 132.9; 144 (13.5) 138.9, 137.6 / 138.1,
+# 138.0. bf16: 80 131.7 / 131.5; 88 138.2 / 131.9; 96 146.1 / 133.7; 104 142.5 / 131.8; 112 142.3 / 135.4; 120
+# 142.1 / 139.8; 128 142.3 / 140.9; 136 142.6 / 144.6 (+1.4%, where f16 gains 3%); 144 level. (Session 35, before
+# the unrolled ring: 88-128 tokens 4-11% faster too.)
+WGMMA_16_ROWS_SMALL_U4 = (7.8, 13.0)
 
 
 def wgmma_block32(per_expert: float, kn: int, bits: int = 4) -> bool:

@@ -308,7 +308,8 @@ def test_producer_form(fmt, prod_configs):
 def test_producer_form_route():
     """The automatic config takes the producer form of (64, 1, 6) at M = 33-64, of (32, 1, 6) at
     three CTAs per SM at M = 17-32 (4-bit) and of (16, 1, 8) at M = 9-16 (fp16 8-bit) on large problems
-    only, and that launch is what the public op runs there (checked against the reference)."""
+    only (4-bit: on the shapes of G.WGMMA_PROD_N16_U4_SHAPES), and that launch is what the public op runs there
+    (checked against the reference)."""
     fam = K.Family("f16", 4, False, 128)
     for m, n, k, want in ((64, 28672, 8192, 64), (33, 8192, 28672, 64), (64, 8192, 8192, 0), (64, 4096, 4096, 0),
                           (32, 28672, 8192, 32), (17, 8192, 8192, 32), (17, 4096, 4096, 0), (16, 28672, 8192, 0),
@@ -338,6 +339,23 @@ def test_producer_form_route():
             assert wl.prod and (wl.nt, wl.fw, wl.stages, wl.threads) == (16, 1, 8, 256), (m, n, k)
     assert not G.use_wgmma_path(16, 28672, 4096, K.Family("bf16", 8, False, 128), 0)
     _routed_op_matches(4096, 28672, 8, (9, 13, 16), 6, "routed 8-bit 16-token producer")
+    # 4-bit weights at M = 9-16 on the shapes listed in G.WGMMA_PROD_N16_U4_SHAPES (session 37): fp16 and bf16
+    for dtype, k, n, want in (("f16", 8192, 8192, True), ("f16", 4096, 11008, True), ("f16", 11008, 4096, True),
+                              ("f16", 4096, 12288, False), ("bf16", 4096, 11008, True), ("bf16", 8192, 8192, False)):
+        f4 = K.Family(dtype, 4, False, 128)
+        for m in (9, 16):
+            assert G.use_wgmma_path(m, n, k, f4, 0) is want, (dtype, m, n, k)
+            if want:
+                wl = G.wgmma_launch(m, n, k, f4, 0)
+                assert wl.prod and (wl.nt, wl.fw, wl.stages, wl.threads) == (16, 1, 8, 256), (dtype, m, n, k)
+    _routed_op_matches(11008, 4096, 4, (9, 12, 16), 7, "routed 4-bit 16-token producer")
+    _routed_op_matches(4096, 11008, 4, (9, 16), 8, "routed 4-bit 16-token producer")
+    ta = torch.bfloat16
+    packed, w = random_weights(4096, 11008, 4, 128, False, ta, seed=9)
+    for m in (9, 16):
+        a = torch.randn(m, 4096, device="cuda", dtype=ta)
+        out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
+        check_close(out, a.float() @ w, 1e-2, f"M={m} bf16 routed 4-bit 16-token producer")
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
 
@@ -857,7 +875,7 @@ def test_moe_blocks_of_16_route(monkeypatch, bits):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_moe_small_blocks_of_16_route(monkeypatch, bits):
-    """Small experts (K*N <= 2^24) with the prepared range of moe.WGMMA_16_ROWS_SMALL_U4 set: at 8-12 rows per
+    """Small experts (K*N <= 2^24) with moe.WGMMA_16_ROWS_SMALL_U4's range (the default since session 37): at 8-12 rows per
     expert the rule's blocks of 16 run both GEMMs on the producer form (inputs gathered, the gate/up GEMM with
     the SiLU epilogue) for 4-bit weights; 8-bit weights keep their rule (no blocks of 16 on the wgmma kernel);
     output against the reference, NaN-poisoned memory first."""
