@@ -509,6 +509,19 @@ def test_small_blocks_of_16_host_rules(monkeypatch):
         with pytest.raises(Stop):
             M.fused_marlin_moe(torch.zeros(t, h, dtype=torch.float16), w13, s13, w2, s2, torch.ones(t, top_k), ids)
         assert calls == [want], (rng, calls)
+    # where the producer form cannot take them (wgmma kernels usable, producer route not): the rule without it,
+    # here (9 rows per expert, below WGMMA_24_ROWS_SMALL_U4) blocks of 8, not the mma.sync kernel's 16 (the GPU
+    # run of session 37 caught that fallback)
+    monkeypatch.setattr(M, "WGMMA_16_ROWS_SMALL_U4", (7.8, 13.0))
+    monkeypatch.setattr(M, "_prod_route", lambda *a: False)
+    monkeypatch.setattr(M, "_large_blocks_ok", lambda *a: True)
+    monkeypatch.setattr(M, "_expert_family", lambda *a: None)
+    want = M.choose_block_size(t, top_k, e, True, 2 * inter * h, prod_blocks=False)
+    assert want == 8 and M.choose_block_size(t, top_k, e) == 16
+    calls.clear()
+    with pytest.raises(Stop):
+        M.fused_marlin_moe(torch.zeros(t, h, dtype=torch.float16), w13, s13, w2, s2, torch.ones(t, top_k), ids)
+    assert calls == [("gemm", want)], calls
 
 
 def test_moe_gemm_silu_op_shapes_and_host_rules(monkeypatch):

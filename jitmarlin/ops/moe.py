@@ -1000,10 +1000,12 @@ def fused_marlin_moe(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.
         bs, wide = choose_block_size(t, top_k, e), choose_block_size(t, top_k, e, True, i2 * h, bits=bits)
         # (48 rows: the mma.sync kernel's tile too, the producer form's where the wide rule chose it; 32 rows
         # on large experts: the producer form's from the cover rule, else the plain form's rule)
-        if (wide != bs or wide == 48) and _large_blocks_ok(
+        # (blocks of 16: the producer form's where small_block16 says so, else the mma.sync kernel's; where the
+        # producer form cannot take them, the rule without it, as for the producer-only blocks)
+        small16 = wide == 16 and small_block16(t * top_k / e, i2 * h, bits)
+        if (wide != bs or wide == 48 or small16) and _large_blocks_ok(
                 hidden, ((i2, h, _expert_family(hidden, w13, w13_scales, w13_zeros)),
                          (h, inter, _expert_family(hidden, w2, w2_scales, w2_zeros)))):
-            small16 = wide == 16 and small_block16(t * top_k / e, i2 * h, bits)  # (else the mma.sync kernel's 16)
             if (wide in PROD_ONLY_BLOCKS + (32, 48) or small16) and not _prod_route(hidden, wide, t * top_k / e,
                                                                      ((i2, h, w13, w13_scales, w13_zeros),
                                                                       (h, inter, w2, w2_scales, w2_zeros))):

@@ -481,8 +481,8 @@ def test_moe_blocks_of_64(monkeypatch, fw, kw):
 @pytest.mark.parametrize("kw", [dict(), dict(act_order=True), dict(dtype=torch.bfloat16), dict(bits=8, group=64)],
                          ids=["f16", "act_order", "bf16", "u8g64"])
 def test_moe_blocks_of_32(monkeypatch, kw):
-    """Blocks of 24 / 32 rows on the wgmma kernel (small experts: 4-bit 24 at 9.5-19 rows per expert and 32 up to
-    29.5, 8-bit 32 at 9-25): the layer's output against the mma.sync MoE kernel (JITMARLIN_WGMMA=0), and the
+    """Blocks of 16 / 24 / 32 rows on the wgmma kernel (small experts: 4-bit 16 at 7.8-13 rows per expert, 24 to 19
+    and 32 up to 29.5, 8-bit 32 at 9-25): the layer's output against the mma.sync MoE kernel (JITMARLIN_WGMMA=0), and the
     route taken."""
     from .test_moe_gpu import make_moe
 
@@ -494,7 +494,7 @@ def test_moe_blocks_of_32(monkeypatch, kw):
     moe, _, _ = make_moe(8, 1024, 512, 2, **kw)
     dtype = kw.get("dtype", torch.float16)
     tol = 1e-3 if dtype == torch.float16 else 1e-2
-    for t in (40, 64, 95):  # 10, 16, 23.75 rows per expert
+    for t in (40, 56, 64, 95):  # 10, 14, 16, 23.75 rows per expert
         x = torch.randn(t, 1024, device="cuda", dtype=dtype)
         monkeypatch.setenv("JITMARLIN_WGMMA", "0")
         K.env_flag.cache_clear()
@@ -504,7 +504,8 @@ def test_moe_blocks_of_32(monkeypatch, kw):
         blocks.clear()
         got = moe(x)
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol, t
-        b = 24 if kw.get("bits", 4) == 4 and t < 95 else 32
+        # (4-bit at 10 rows: blocks of 16 on the producer form since session 37, WGMMA_16_ROWS_SMALL_U4)
+        b = 32 if kw.get("bits", 4) == 8 or t == 95 else 16 if t == 40 else 24
         assert blocks == [b, b], (t, blocks)
 
 
@@ -595,7 +596,8 @@ def test_moe_producer_form(monkeypatch, kw, moe_prod_fw):
     layer = _poisoned_moe_layer(moe, dtype)
 
     # 10 / 16 / 23.75 rows per expert (since session 33 4-bit experts this small take blocks of 8 below 9.5 rows,
-    # and the rule's 24 falls back to 32 here, where MOE_WGMMA_PROD_BLOCKS leaves 24 out)
+    # and the rule's 16 (4-bit at 10 rows, session 37) / 24 fall back to 32 here, where MOE_WGMMA_PROD_BLOCKS
+    # leaves them out)
     for t, skew in ((40, False), (64, False), (95, False), (64, True)):
         x, weights, ids, want = _routed_case(moe, w13, w2, t, skew, dtype)
         monkeypatch.setattr(M, "MOE_WGMMA_PROD_BLOCKS", ())
