@@ -1051,6 +1051,19 @@ for st in $STAGES; do
                > "$OUT/s37a_n16_$dt.log" 2>&1
              echo "s37a n16 $dt rc=$?"; grep -E " us" "$OUT/s37a_n16_$dt.log"
            done;;
+    s38a)  # PREPARED in session 37 (probe only, no library change): the dense 16-token producer form at three / four
+           # CTAs per SM for 4-bit M = 9-16. (16, 1, 8) at two CTAs won only on three shapes in s37a (8192^2,
+           # 4096x11008, 11008x4096) and lost 8-20% on the N = 28672 / K = 28672 shapes; the MoE form's (16, 1, 6)
+           # went 327 -> 256 us from two to four CTAs per SM on Mixtral (session 34). Built here (sm_90a, ptxas):
+           # 64 registers, no spills, f16 / bf16, 4 / 8 bits. If four CTAs win broadly: route it (gemm.WGMMA_PROD_N16 /
+           # WGMMA_PROD_N16_U4_SHAPES) and add it to K.WGMMA_PROD_CONFIGS with K.WGMMA_PROD_CTAS_U4.
+           for dt in f16 bf16; do
+             timeout 200 python3 benchmarks/probe_configs.py --dtype $dt --m 9,16 --extra-wgmma 16-1-6-p4,16-1-7-p3 \
+               --configs route,wgmma-n16-f1-s8-p,wgmma-n16-f1-s6-p,wgmma-n16-f1-s7-p \
+               --shapes ${S38_SHAPES:-4096x4096,4096x11008,11008x4096,4096x12288,14336x4096,4096x28672,8192x8192,28672x8192,8192x28672} \
+               > "$OUT/s38a_$dt.log" 2>&1
+             echo "s38a $dt rc=$?"; grep -E " us" "$OUT/s38a_$dt.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
