@@ -850,7 +850,7 @@ def test_moe_blocks_of_16_route(monkeypatch, bits):
     """Large experts (K*N above MOE_WGMMA_PROD_MIN_KN) at 7.2-12 rows per expert: the rule's blocks of 16 run
     both GEMMs on the producer form (inputs gathered, the gate/up GEMM with the SiLU epilogue) for 4-bit
     weights and on the mma.sync kernel for 8-bit; output against the reference, NaN-poisoned memory first."""
-    from .test_moe_gpu import make_moe, reference
+    from .test_moe_gpu import make_moe
 
     from jitmarlin.ops import moe as M
 
@@ -865,14 +865,25 @@ def test_moe_blocks_of_16_route(monkeypatch, bits):
     for t in (16, 20):  # 8 / 10 rows per expert
         assert M.choose_block_size(t, top_k, e) == 16
         assert M.choose_block_size(t, top_k, e, True, 2 * inter * h, bits=bits) == 16
-        x = torch.randn(t, h, device="cuda", dtype=torch.float16)
-        weights, ids = moe.route(x)
-        launched.clear()
-        got = layer(x, weights, ids)
-        torch.cuda.synchronize()
-        m_tiles = -(-(t * top_k + e * 15) // 16)  # the launch's bound of blocks of 16
-        assert launched == ([(m_tiles, 1), (m_tiles, 0)] if bits == 4 else []), (t, launched)
-        check_close(got, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"blocks of 16, {bits}-bit, T={t}")
+        _blocks_of_16_case(moe, w13, w2, layer, launched, t, bits == 4, f"blocks of 16, {bits}-bit, T={t}")
+
+
+def _blocks_of_16_case(moe, w13, w2, layer, launched, t, prod, label):
+    """One routed call of `layer` on t random tokens (w13: the fp32 experts [E, 2I, H]): both GEMMs launched as
+    blocks of 16 on the producer form (the gate/up GEMM with the SiLU epilogue) when `prod` is True, no wgmma
+    launch when False, either when None; output against the reference."""
+    from .test_moe_gpu import reference
+
+    e, h = w13.shape[0], w13.shape[2]
+    x = torch.randn(t, h, device="cuda", dtype=torch.float16)
+    weights, ids = moe.route(x)
+    launched.clear()
+    got = layer(x, weights, ids)
+    torch.cuda.synchronize()
+    m_tiles = -(-(t * ids.shape[1] + e * 15) // 16)  # the launch's bound of blocks of 16
+    if prod is not None:
+        assert launched == ([(m_tiles, 1), (m_tiles, 0)] if prod else []), (t, launched)
+    check_close(got, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, label)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -881,7 +892,7 @@ def test_moe_small_blocks_of_16_route(monkeypatch, bits):
     expert the rule's blocks of 16 run both GEMMs on the producer form (inputs gathered, the gate/up GEMM with
     the SiLU epilogue) for 4-bit weights; 8-bit weights keep their rule (no blocks of 16 on the wgmma kernel);
     output against the reference, NaN-poisoned memory first."""
-    from .test_moe_gpu import make_moe, reference
+    from .test_moe_gpu import make_moe
 
     from jitmarlin.ops import moe as M
 
@@ -897,15 +908,8 @@ def test_moe_small_blocks_of_16_route(monkeypatch, bits):
         assert M.small_block16(t * top_k / e, 2 * inter * h, bits) == (bits == 4)
         if bits == 4:
             assert M.choose_block_size(t, top_k, e, True, 2 * inter * h, bits=bits) == 16
-        x = torch.randn(t, h, device="cuda", dtype=torch.float16)
-        weights, ids = moe.route(x)
-        launched.clear()
-        got = layer(x, weights, ids)
-        torch.cuda.synchronize()
-        if bits == 4:
-            m_tiles = -(-(t * top_k + e * 15) // 16)  # the launch's bound of blocks of 16
-            assert launched == [(m_tiles, 1), (m_tiles, 0)], (t, launched)
-        check_close(got, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"small blocks of 16, {bits}-bit, T={t}")
+        _blocks_of_16_case(moe, w13, w2, layer, launched, t, True if bits == 4 else None,
+                           f"small blocks of 16, {bits}-bit, T={t}")
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.bfloat16), dict(act_order=True), dict(bits=8, group=64)],
