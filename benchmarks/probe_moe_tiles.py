@@ -39,7 +39,7 @@
                       smallblocks=B+B (moe.WGMMA_PROD_SMALL_BLOCKS: small experts' producer-form blocks),
                       small24=LO-HI|0 (moe.WGMMA_24_ROWS_SMALL_U4: small experts' blocks of 24; 0: never),
                       small16=LO-HI|0 (moe.WGMMA_16_ROWS_SMALL_U4: small experts' blocks of 16 on the producer
-                      form; 0: never, the default until session 36),
+                      form; 0: never, the default until session 37),
                       smallmin=R (moe.WGMMA_PROD_SMALL32_MIN_ROWS: those blocks on the producer form from R rows),
                       prodblocks=B+B (moe.MOE_WGMMA_PROD_BLOCKS: blocks on the producer form where A is gathered;
                       prodblocks=24+32+48+80+96 takes session 34's blocks of 16 off it),

@@ -1007,32 +1007,33 @@ for st in $STAGES; do
            timeout 100 python3 benchmarks/probe_moe_tiles.py --shapes e64 --dtype bf16 --tokens 88,104,128 \
              --ab "small16=0;small16=7.8-13" --rounds 2 > "$OUT/s36a_bf16.log" 2>&1
            echo "s36a bf16 rc=$?"; grep "us$" "$OUT/s36a_bf16.log" | sed 's/.*\] \[/[/';;
-    s36b)  # PREPARED in session 35 (probe flag, default build unchanged: all 592 wgmma cubins' .text identical):
-           # -DJM_WG_UNROLL_RING unrolls the wgmma stage loop over the ring, so each stage's slot, addresses,
+    s36b)  # (Session 37 made the unrolled loop the default: this stage now builds the other side, the rolled
+           # loop, with -DJM_WG_ROLLED_RING; what follows is session 35's text.) PREPARED in session 35 (probe flag, default build unchanged: all 592 wgmma cubins' .text identical):
+           # the probe flag unrolled the wgmma stage loop over the ring, so each stage's slot, addresses,
            # descriptor and phase bit are constants. SASS here (instructions per stage and warp, default ->
            # unrolled): MoE n16 c4 195 -> 161 (its stream-K loop 186 -> 173), n24 c4 205 -> 171 (194 -> 179), n32 c4
            # 199 -> 173 (191 -> 187), dense n32 c3 213 -> 181, n64 prod 247 -> 213, bf16 u8 MoE n32 312 -> 289; no
            # spills or C75xx; code 1.4x larger. Prediction: 0-4% where these forms are issue-bound (MoE blocks of
            # 16 / 24, dense M = 17-64), nothing elsewhere. (1) the wgmma GPU tests built with the flag; (2) ABAB.
-           export JITMARLIN_NVCC_FLAGS=-DJM_WG_UNROLL_RING
+           export JITMARLIN_NVCC_FLAGS=-DJM_WG_ROLLED_RING
            timeout 300 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "producer or silu or moe or form" \
              > "$OUT/s36b_tests.log" 2>&1
-           echo "s36b tests (unrolled) rc=$?"; tail -3 "$OUT/s36b_tests.log"
+           echo "s36b tests (rolled) rc=$?"; tail -3 "$OUT/s36b_tests.log"
            unset JITMARLIN_NVCC_FLAGS
            for sh in mixtral:32,48,64 e64:128,160,256; do
              IFS=: read -r shp tks <<< "$sh"
              timeout 150 python3 benchmarks/probe_moe_tiles.py --shapes $shp --tokens $tks \
-               --ab "flags=none;flags=-DJM_WG_UNROLL_RING;flags=-DJM_WG_UNROLL_RING;flags=none" > "$OUT/s36b_$shp.log" 2>&1
+               --ab "flags=none;flags=-DJM_WG_ROLLED_RING;flags=-DJM_WG_ROLLED_RING;flags=none" > "$OUT/s36b_$shp.log" 2>&1
              echo "s36b $shp rc=$?"; grep "us$" "$OUT/s36b_$shp.log" | sed 's/.*\] \[/[/'
            done
-           for f in "" -DJM_WG_UNROLL_RING -DJM_WG_UNROLL_RING ""; do
+           for f in "" -DJM_WG_ROLLED_RING -DJM_WG_ROLLED_RING ""; do
              JITMARLIN_NVCC_FLAGS="$f" timeout 120 python3 benchmarks/probe_configs.py --shapes 8192x28672,4096x28672,8192x8192 \
                --m 17,32,48,64 --configs route > "$OUT/s36b_dense.log" 2>&1
              echo "s36b dense flags=${f:-none} rc=$?"; grep -E "us" "$OUT/s36b_dense.log" | tail -12
            done
            # M = 16 (#3: 4096x28672 2.19x, 8192^2 2.04x fp16 on the mma.sync 16-row tiles): the wgmma 16-token
            # producer form lost there in session 29 (issue-bound); with the ring unrolled?
-           for f in "" -DJM_WG_UNROLL_RING; do
+           for f in "" -DJM_WG_ROLLED_RING; do
              JITMARLIN_NVCC_FLAGS="$f" timeout 120 python3 benchmarks/probe_configs.py --shapes 4096x28672,8192x8192,8192x28672 \
                --m 16 --configs route,wgmma-n16-f1-s8-p,wgmma-n16-f1-s8-sk-p > "$OUT/s36b_m16.log" 2>&1
              echo "s36b M=16 flags=${f:-none} rc=$?"; grep -E "us" "$OUT/s36b_m16.log" | tail -9
