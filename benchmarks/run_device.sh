@@ -1052,7 +1052,7 @@ for st in $STAGES; do
                > "$OUT/s37a_n16_$dt.log" 2>&1
              echo "s37a n16 $dt rc=$?"; grep -E " us" "$OUT/s37a_n16_$dt.log"
            done;;
-    s38a)  # PREPARED in session 37 (probe only, no library change): the dense 16-token producer form at three / four
+    s38a)  # Prepared in session 37, measured in session 38 (NOTES.md; probe only): the dense 16-token producer form at three / four
            # CTAs per SM for 4-bit M = 9-16. (16, 1, 8) at two CTAs won only on three shapes in s37a (8192^2,
            # 4096x11008, 11008x4096) and lost 8-20% on the N = 28672 / K = 28672 shapes; the MoE form's (16, 1, 6)
            # went 327 -> 256 us from two to four CTAs per SM on Mixtral (session 34). Built here (sm_90a, ptxas):
@@ -1064,6 +1064,22 @@ for st in $STAGES; do
                --shapes ${S38_SHAPES:-4096x4096,4096x11008,11008x4096,4096x12288,14336x4096,4096x28672,8192x8192,28672x8192,8192x28672} \
                > "$OUT/s38a_$dt.log" 2>&1
              echo "s38a $dt rc=$?"; grep -E " us" "$OUT/s38a_$dt.log"
+           done;;
+    s38b)  # session 38 (probe only): prefill alternatives at M = 192 / 256 / 384 (the 64-token producer form with
+           # its own splits or stream-K, the wide form with 2 K splits) against the route; M = 48 / 64 on 14336x4096
+           # and 8192^2; the 16-token producer form at three CTAs per SM ((16, 1, 7)) on Llama-class shapes
+           P=benchmarks/probe_configs.py
+           timeout 150 python3 $P --dtype f16 --m 192,256,384 --shapes 8192x28672,28672x8192,4096x28672,8192x8192,14336x4096 \
+             --configs route,wgmma-n64-f1-s6-p,wgmma-n64-f1-s6-sk-p,wgmma-n128-f2-s4-k2-w > "$OUT/s38b_prefill.log" 2>&1
+           echo "s38b prefill rc=$?"; grep " us" "$OUT/s38b_prefill.log"
+           timeout 100 python3 $P --dtype f16 --m 48,64 --shapes 14336x4096,8192x8192 --extra-wgmma 64-1-8-p \
+             --configs route,wgmma-n64-f1-s6-p,wgmma-n64-f1-s6-sk-p,wgmma-n64-f1-s8-p,wgmma-n32-f1-s6-p > "$OUT/s38b_m64.log" 2>&1
+           echo "s38b m64 rc=$?"; grep " us" "$OUT/s38b_m64.log"
+           for dt in f16 bf16; do
+             timeout 120 python3 $P --dtype $dt --m 9,16 --extra-wgmma 16-1-7-p3 \
+               --shapes 4096x12288,4096x22016,11008x4096,4096x11008,5120x13824,13824x5120,14336x4096 \
+               --configs route,wgmma-n16-f1-s7-p,wgmma-n16-f1-s8-p > "$OUT/s38b_n16_$dt.log" 2>&1
+             echo "s38b n16 $dt rc=$?"; grep " us" "$OUT/s38b_n16_$dt.log"
            done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;

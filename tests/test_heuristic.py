@@ -248,8 +248,11 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert all(v == (32, 1, 6) for (k, n, m), v in prod.items() if v and 16 < m <= 32)
         assert all(v == (64, 1, 6) for (k, n, m), v in prod.items() if v and m > 32)
         assert set(K.WGMMA_PROD_CONFIGS) == {(64, 1, 6), (32, 1, 6), (16, 1, 8)}  # built by default
+        assert K.dense_prod_configs(4) == K.WGMMA_PROD_CONFIGS + ((16, 1, 7),)  # 4-bit: + three CTAs per SM
+        assert K.dense_prod_configs(8) == K.WGMMA_PROD_CONFIGS
         # 16-token tiles: fp16 8-bit weights where K*N >= 2^26 and N >= 8192 (session 21); 4-bit weights on the
-        # shapes measured faster there (session 37: fp16 4096x11008, 11008x4096, 8192^2; bf16 4096x11008)
+        # shapes measured faster there (session 37: fp16 4096x11008, 11008x4096, 8192^2; bf16 4096x11008), and
+        # (16, 1, 7) at three CTAs per SM on 4096x12288 (session 38, fp16 and bf16)
         llama = ((4096, 11008), (11008, 4096), (4096, 12288), (4096, 22016))
         n16 = {(k, n, f.dtype, f.bits): G.wgmma_route_prod(n, k, G.wgmma_route_config(16, n, k, 132), f)
                for k, n in shapes + ((5120, 13824), (13824, 5120)) + llama
@@ -257,8 +260,12 @@ def test_wgmma_route_rules(monkeypatch, setting):
         assert {key for key, v in n16.items() if v} == {(k, n, "f16", 8) for k, n in
                                                         ((8192, 8192), (4096, 28672), (8192, 28672), (28672, 8192),
                                                          (8192, 8320), (5120, 13824), (4096, 22016))} | {
-            (8192, 8192, "f16", 4), (4096, 11008, "f16", 4), (11008, 4096, "f16", 4), (4096, 11008, "bf16", 4)}
-        assert all(v == (16, 1, 8) for v in n16.values() if v) and K.prod_ctas((16, 1, 8)) == 2
+            (8192, 8192, "f16", 4), (4096, 11008, "f16", 4), (11008, 4096, "f16", 4), (4096, 11008, "bf16", 4),
+            (4096, 12288, "f16", 4), (4096, 12288, "bf16", 4)}
+        assert all(v == ((16, 1, 7) if (k, n) == (4096, 12288) else (16, 1, 8))
+                   for (k, n, _, _), v in n16.items() if v) and K.prod_ctas((16, 1, 8)) == 2
+        assert K.prod_ctas((16, 1, 7), 4) == 3 and G.wgmma_ctas_per_sm(1, (16, 1, 7), 4) == 3
+        assert K.prod_ctas((16, 1, 7), 8) == 2  # (not built for 8-bit weights)
         assert K.prod_ctas((32, 1, 6)) == 3 and K.prod_ctas((64, 1, 6)) == 2
         assert G.wgmma_ctas_per_sm(1, (32, 1, 6)) == 3
         assert G.wgmma_route_prod(28672, 8192, (32, 2, 8, False), f8) is None  # 8-bit 32-token tiles: plain
@@ -319,12 +326,12 @@ def test_wgmma_k_splits(monkeypatch):
                     assert g == 0 or tiles * (k // 64) >= g * G.WGMMA_SPLIT_MIN_STAGES, (sms, nt, fw, k, tiles, g)
     assert [G.wgmma_config(m, 128, 132, 4096)[:2] for m in (17, 32, 64)] == [(32, 1), (32, 1), (64, 1)]
     for sms in (78, 114, 132):  # its workspace fits the reserved bound too (the producer form: two CTAs per SM)
-        configs = [(c, None) for c in K.WGMMA_CONFIGS] + [(c, c) for c in K.WGMMA_PROD_CONFIGS] + [
+        configs = [(c, None) for c in K.WGMMA_CONFIGS] + [(c, c) for c in K.dense_prod_configs(4)] + [
             ((32, 1, 7), (32, 1, 7))]  # (another three-CTA producer config: K.WGMMA_PROD_CTAS, set here)
         monkeypatch.setitem(K.WGMMA_PROD_CTAS, (32, 1, 7), 3)
         for (nt, fw, _), prod in configs:
             if nt <= 64:
-                per_sm = G.wgmma_ctas_per_sm(fw, prod)
+                per_sm = G.wgmma_ctas_per_sm(fw, prod, 4)
                 assert 2 * sms * per_sm * 256 * fw * (nt // 2) <= G.wgmma_split_bound(sms), (nt, fw, prod)
                 for tiles in (1, 16, 112, 448):  # split launches of the producer form too
                     sp = G.wgmma_splits(tiles, 8192, nt, fw, sms, per_sm)

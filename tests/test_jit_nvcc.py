@@ -80,9 +80,9 @@ def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
 
 
 def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch):
-    """The producer form (K.WGMMA_PROD_CONFIGS: a producer warpgroup + one compute warpgroup of two
-    or four strips, setmaxnreg; two CTAs per SM, or three: K.WGMMA_PROD_CTAS) of the 16- to 64-token
-    configs compiles for sm_90a without spills,
+    """The producer form (K.WGMMA_PROD_CONFIGS, and K.WGMMA_PROD_CONFIGS_U4 for 4-bit weights: a producer
+    warpgroup + one compute warpgroup of two or four strips, setmaxnreg; two CTAs per SM, or three:
+    K.WGMMA_PROD_CTAS / K.WGMMA_PROD_CTAS_U4) of the 16- to 64-token configs compiles for sm_90a without spills,
     with its register reallocation kept and its wgmma not serialized (ptxas C7507 / C751x; 8-bit
     with zero points: the largest dequantization)."""
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8), (32, 1, 6), (64, 1, 6), (32, 2, 6)))
@@ -92,8 +92,10 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
         for fam in (K.Family("bf16", 8, True, 64), K.Family("f16", 4, False, 128)):
             spec = K.wgmma_build_spec(fam, (9, 0))
             prod = [(name, src) for name, src in spec.sources if "_prod" in name]
+            # 4-bit families add K.WGMMA_PROD_CONFIGS_U4: (16, 1, 7) at three CTAs per SM (session 38)
             assert [name.split("_", 5)[-1] for name, _ in prod] == ["n16_f1_s8_prod", "n32_f1_s6_prod_c3",
-                                                                   "n64_f1_s6_prod", "n32_f2_s6_prod"]
+                                                                   "n64_f1_s6_prod", "n32_f2_s6_prod"] + (
+                ["n16_f1_s7_prod_c3"] if fam.bits == 4 else [])
             # (..., NT, strips on the compute warpgroup, STAGES, compute warpgroups, CTAs per SM)
             assert "JM_WGMMA_KERNEL_PROD(" in prod[2][1] and prod[2][1].rstrip().endswith(", 64, 2, 6, 1, 2)")
             assert prod[3][1].rstrip().endswith(", 32, 4, 6, 1, 2)")
@@ -175,6 +177,7 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
     monkeypatch.setattr(K, "WGMMA_CONFIGS", ((32, 1, 8), (64, 1, 6)))
     monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ())
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((32, 1, 6), (64, 1, 6), (32, 2, 6)))
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS_U4", ())
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3, (24, 1, 6): 3, (48, 1, 6): 3})
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS_U4", {(24, 1, 6): 4})
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS_MOE_U4", {})

@@ -691,7 +691,16 @@ WGMMA_PROD_N16_MIN_N = 8192  # and N at least this
 #   shape measured, with no size rule that separates them (f16 M=16: 4096x12288 15.9 -> 16.7, 14336x4096 20.1 ->
 #   21.8, 5120x13824 19.8 -> 20.2, 13824x5120 21.4 -> 25.4, 4096x22016 22.9 -> 24.1, 4096x28672 25.6 -> 28.0,
 #   8192x28672 42.5 -> 51.3, 28672x8192 42.6 -> 50.0), so the measured shapes (K, N) are listed per dtype.
-WGMMA_PROD_N16_U4_SHAPES = {"f16": ((4096, 11008), (11008, 4096), (8192, 8192)), "bf16": ((4096, 11008),)}
+# - session 38: (16, 1, 7) at three CTAs per SM (K.WGMMA_PROD_CONFIGS_U4), probe_configs, us, M = 9 / 16, route /
+#   (16, 1, 7) / (16, 1, 8), two runs: f16 4096x12288 15.5 / 15.8 -> 14.1 / 14.2 and 15.8 / 15.9 -> 14.3 / 14.4
+#   (16.5 / 16.6, 16.7 / 16.8 on (16, 1, 8)); bf16 15.7 / 16.0 -> 15.1 / 15.1 and 15.9 / 16.2 -> 15.3 / 15.5. Level
+#   or slower elsewhere (f16 M=16: 4096x22016 22.9 -> 22.8, 5120x13824 20.1 -> 19.9, 4096x28672 25.6 -> 26.7, 8192^2
+#   17.1 -> 21.1, 14336x4096 20.3 -> 21.6, 28672x8192 43.0 -> 61.4); four CTAs per SM ((16, 1, 6)): behind (16, 1, 7)
+#   on 4096x12288 (15.0 / 15.1) and level or slower elsewhere. Not taken where (16, 1, 8) runs: 4096x11008 13.6 /
+#   13.8 vs 13.5 / 13.6, 11008x4096 17.4 vs 17.4 (within noise).
+WGMMA_PROD_N16_U4 = {"f16": {(4096, 11008): (16, 1, 8), (11008, 4096): (16, 1, 8), (8192, 8192): (16, 1, 8),
+                             (4096, 12288): (16, 1, 7)},
+                     "bf16": {(4096, 11008): (16, 1, 8), (4096, 12288): (16, 1, 7)}}
 
 
 def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family) -> tuple | None:
@@ -707,21 +716,22 @@ def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Famil
     if (cfg[0] == 16 and fam.bits == 8 and fam.dtype == "f16" and k * n >= WGMMA_PROD_N16_MIN_KN
             and n >= WGMMA_PROD_N16_MIN_N and n % 128 == 0 and WGMMA_PROD_N16 in K.WGMMA_PROD_CONFIGS):
         return WGMMA_PROD_N16
-    if (cfg[0] == 16 and fam.bits == 4 and (k, n) in WGMMA_PROD_N16_U4_SHAPES.get(fam.dtype, ())
-            and WGMMA_PROD_N16 in K.WGMMA_PROD_CONFIGS):
-        return WGMMA_PROD_N16
+    if cfg[0] == 16 and fam.bits == 4:
+        want = WGMMA_PROD_N16_U4.get(fam.dtype, {}).get((k, n))
+        if want is not None and want in K.dense_prod_configs(4):
+            return want
     return None
 
 
 WGMMA_SPLIT_MIN_STAGES = 16  # a K split keeps at least this many 64-k stages (pipeline fill)
 
 
-def wgmma_ctas_per_sm(fw: int, prod: tuple[int, int, int] | None = None) -> int:
+def wgmma_ctas_per_sm(fw: int, prod: tuple[int, int, int] | None = None, bits: int = 0) -> int:
     """Resident CTAs per SM: two with one strip per warpgroup, one with two; the producer form `prod`
     (its (NT, FW, STAGES): one compute warpgroup of 2 fw strips + the producer warpgroup, 256
-    threads) K.prod_ctas(prod), two or three."""
+    threads) K.prod_ctas(prod, bits) of a dense family of `bits`-bit weights, two to four."""
     if prod is not None:
-        return K.prod_ctas(prod)
+        return K.prod_ctas(prod, bits)
     return 2 if fw == 1 else 1
 
 
@@ -822,10 +832,10 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
-    if prod and ((nt, fw, stages) not in K.WGMMA_PROD_CONFIGS or wide or fam.moe):
+    if prod and ((nt, fw, stages) not in K.dense_prod_configs(fam.bits) or wide or fam.moe):
         raise ValueError(f"no producer-form wgmma kernel for NT={nt}, FW={fw}, stages={stages}, wide={wide} "
-                         f"(built: {K.WGMMA_PROD_CONFIGS}, dense, never wide)")
-    per_sm = wgmma_ctas_per_sm(fw, (nt, fw, stages) if prod else None)
+                         f"(built for {fam.bits}-bit weights: {K.dense_prod_configs(fam.bits)}, dense, never wide)")
+    per_sm = wgmma_ctas_per_sm(fw, (nt, fw, stages) if prod else None, fam.bits)
     if splits is None:
         splits = wgmma_splits(m_tiles * f_tiles, k, nt, fw, sms, per_sm)
         if splits == 1 and wgmma_stream_grid(m_tiles * f_tiles, k, nt, fw, sms, per_sm):
@@ -892,7 +902,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
     """pdl=False: a plain launch even where programmatic dependent launch is on (after the act-order
     gather on small problems: launch_gemm, wgmma_pdl_after_gather). wide: the four-warpgroup form of
     a two-strip config (K.WGMMA_WIDE_CONFIGS; the automatic config takes it where
-    wgmma_route_config says). prod: its producer form (K.WGMMA_PROD_CONFIGS; the automatic config
+    wgmma_route_config says). prod: its producer form (K.dense_prod_configs; the automatic config
     takes it where wgmma_route_prod says)."""
     wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits, wide, prod)
     p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)

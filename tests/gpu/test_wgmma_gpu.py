@@ -251,7 +251,7 @@ def test_wide_form(fmt, wide_configs):
 
 # NT-FW-STAGES[-CTAS]: CTAs per SM 2 unless given (3: K.WGMMA_PROD_CTAS)
 PROD_TEST_CONFIGS = tuple(tuple(int(v) for v in c.split("-")) for c in os.environ.get(
-    "JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6,16-2-8,32-2-6,32-1-6-3").split(","))
+    "JM_PROD_TEST_CONFIGS", "16-1-8,32-1-8,64-1-6,16-2-8,32-2-6,32-1-6-3,16-1-7-3").split(","))
 
 
 @pytest.fixture
@@ -308,7 +308,8 @@ def test_producer_form(fmt, prod_configs):
 def test_producer_form_route():
     """The automatic config takes the producer form of (64, 1, 6) at M = 33-64, of (32, 1, 6) at
     three CTAs per SM at M = 17-32 (4-bit) and of (16, 1, 8) at M = 9-16 (fp16 8-bit) on large problems
-    only (4-bit: on the shapes of G.WGMMA_PROD_N16_U4_SHAPES), and that launch is what the public op runs there
+    only (4-bit: on the shapes of G.WGMMA_PROD_N16_U4, some with (16, 1, 7) at three CTAs per SM), and that
+    launch is what the public op runs there
     (checked against the reference)."""
     fam = K.Family("f16", 4, False, 128)
     for m, n, k, want in ((64, 28672, 8192, 64), (33, 8192, 28672, 64), (64, 8192, 8192, 0), (64, 4096, 4096, 0),
@@ -339,23 +340,29 @@ def test_producer_form_route():
             assert wl.prod and (wl.nt, wl.fw, wl.stages, wl.threads) == (16, 1, 8, 256), (m, n, k)
     assert not G.use_wgmma_path(16, 28672, 4096, K.Family("bf16", 8, False, 128), 0)
     _routed_op_matches(4096, 28672, 8, (9, 13, 16), 6, "routed 8-bit 16-token producer")
-    # 4-bit weights at M = 9-16 on the shapes listed in G.WGMMA_PROD_N16_U4_SHAPES (session 37): fp16 and bf16
-    for dtype, k, n, want in (("f16", 8192, 8192, True), ("f16", 4096, 11008, True), ("f16", 11008, 4096, True),
-                              ("f16", 4096, 12288, False), ("bf16", 4096, 11008, True), ("bf16", 8192, 8192, False)):
+    # 4-bit weights at M = 9-16 on the shapes listed in G.WGMMA_PROD_N16_U4 (sessions 37 / 38): fp16 and bf16;
+    # stages 7: the three-CTA build (16, 1, 7), 96 tiles x as many K splits as 3 CTAs per SM hold (4 on 132 SMs)
+    sp = min(4, 3 * sms // 96)
+    for dtype, k, n, stages in (("f16", 8192, 8192, 8), ("f16", 4096, 11008, 8), ("f16", 11008, 4096, 8),
+                                ("f16", 4096, 12288, 7), ("f16", 4096, 28672, 0), ("bf16", 4096, 11008, 8),
+                                ("bf16", 4096, 12288, 7), ("bf16", 8192, 8192, 0)):
         f4 = K.Family(dtype, 4, False, 128)
         for m in (9, 16):
-            assert G.use_wgmma_path(m, n, k, f4, 0) is want, (dtype, m, n, k)
-            if want:
+            assert G.use_wgmma_path(m, n, k, f4, 0) is bool(stages), (dtype, m, n, k)
+            if stages:
                 wl = G.wgmma_launch(m, n, k, f4, 0)
-                assert wl.prod and (wl.nt, wl.fw, wl.stages, wl.threads) == (16, 1, 8, 256), (dtype, m, n, k)
+                assert wl.prod and (wl.nt, wl.fw, wl.stages, wl.threads) == (16, 1, stages, 256), (dtype, m, n, k)
+                assert stages == 8 or (wl.splits, wl.grid) == (sp, 96 * sp), (dtype, m, n, k, wl.splits, wl.grid)
     _routed_op_matches(11008, 4096, 4, (9, 12, 16), 7, "routed 4-bit 16-token producer")
     _routed_op_matches(4096, 11008, 4, (9, 16), 8, "routed 4-bit 16-token producer")
+    _routed_op_matches(4096, 12288, 4, (9, 13, 16), 10, "routed 4-bit 16-token producer, three CTAs per SM")
     ta = torch.bfloat16
-    packed, w = random_weights(4096, 11008, 4, 128, False, ta, seed=9)
-    for m in (9, 16):
-        a = torch.randn(m, 4096, device="cuda", dtype=ta)
-        out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
-        check_close(out, a.float() @ w, 1e-2, f"M={m} bf16 routed 4-bit 16-token producer")
+    for k, n in ((4096, 11008), (4096, 12288)):
+        packed, w = random_weights(k, n, 4, 128, False, ta, seed=9)
+        for m in (9, 16):
+            a = torch.randn(m, k, device="cuda", dtype=ta)
+            out = jitmarlin.marlin_gemm(a, packed.b, packed.scales)
+            check_close(out, a.float() @ w, 1e-2, f"M={m} {k}x{n} bf16 routed 4-bit 16-token producer")
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
 
