@@ -1039,3 +1039,45 @@ def test_moe_silu_epilogue(monkeypatch, kw):
     with pytest.raises(ValueError, match="moe_gemm_silu needs the sm_90a wgmma MoE kernel's producer form"):
         torch.ops.jitmarlin.moe_gemm_silu(a1, wq, ws, sorted_ids, expert_ids, num_padded, 48 * top_k, top_k, 64)
     assert silu_flags == []
+
+
+def test_cluster_sum_probe(monkeypatch):
+    """The probe switch of session 38 (G.WGMMA_CLUSTER_SUM with kernels built with -DJM_WG_CLUSTER_SUM): the
+    routed split launches of one m tile run in clusters of their K splits and sum through distributed shared
+    memory — the producer form at 16 tokens (8192^2: 4 splits; 4096x11008: 3; 4096x12288: 4 at three CTAs per
+    SM) and the plain 16-token tile (4096^2), where the receive space keeps their CTAs per SM; 32 / 64-token
+    tiles keep the workspace sum. Outputs (NaN-poisoned) match the reference and equal the workspace path's (the same order of
+    additions); counters stay zero; launches that the switch cannot take keep cluster 0."""
+    from .helpers import FLAGS_CHANGED
+
+    cases = (("f16", 4, False, 128, 8192, 8192, (9, 16)), ("f16", 4, False, 128, 4096, 11008, (16,)),
+             ("f16", 4, False, 128, 4096, 12288, (13,)), ("bf16", 4, False, 128, 4096, 12288, (16,)),
+             ("f16", 4, False, 128, 4096, 4096, (16, 24, 64)), ("f16", 4, True, 64, 8192, 8192, (16, 32)),
+             ("f16", 8, False, 128, 8192, 8192, (16,)))
+    data = []
+    for dt, bits, zp, group, k, n, ms in cases:
+        dtype = torch.float16 if dt == "f16" else torch.bfloat16
+        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=k + n + bits)
+        for m in ms:
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            data.append((dt, bits, zp, group, k, n, m, dtype, packed, w, a, run(a, packed, m, n, k, dtype)))
+    monkeypatch.setenv("JITMARLIN_NVCC_FLAGS", "-DJM_WG_CLUSTER_SUM")
+    K.clear_kernel_caches()
+    FLAGS_CHANGED.append(True)
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", True)
+    clustered = 0
+    for dt, bits, zp, group, k, n, m, dtype, packed, w, a, plain in data:
+        fam = K.Family(dt, bits, zp, -1 if packed.scales.shape[0] == 1 else packed.group_size)
+        wl = G.wgmma_launch(m, n, k, fam, 0)
+        assert wl.cluster in (0, wl.splits) and (wl.cluster == 0 or (wl.m_tiles == 1 and wl.splits > 1)), (k, n, m)
+        clustered += wl.cluster > 1
+        if (dt, bits, zp, k, n) == ("f16", 4, False, 8192, 8192) or (k, n, m) == (4096, 4096, 16):
+            assert wl.cluster == 4, (k, n, m, wl.cluster)  # 4 splits, 24 KB of receive space: residency kept
+        got = run(a, packed, m, n, k, dtype)
+        check_close(got, a.float() @ w, 1e-3 if dtype == torch.float16 else 1e-2, f"{dt} u{bits} {k}x{n} M={m} cluster")
+        assert torch.equal(got, plain), (dt, bits, k, n, m, wl.cluster)
+        out = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros)  # the public op (fast path)
+        assert torch.equal(out, plain), (dt, bits, k, n, m)
+    assert clustered >= 5
+    assert G.wgmma_launch(16, 28672, 4096, K.Family("f16", 4, False, 128), 0, 16, 1, 8, 1).cluster == 0
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
