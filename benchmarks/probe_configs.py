@@ -23,7 +23,6 @@ import common  # noqa: E402
 from bench_gemm import bench_ours, floor_us, make_weights  # noqa: E402
 
 from jitmarlin.ops import _kernels as K  # noqa: E402
-from jitmarlin.ops import gemm as G  # noqa: E402
 
 
 def main() -> None:
@@ -49,16 +48,10 @@ def main() -> None:
                     "spreads 256 CTAs of a cluster tile over 128 SMs instead of packing them onto fewer")
     ap.add_argument("--any-fit", action="store_true", help="build --extra-tiles into every family, also where "
                     "tile_fits excludes them (probe only: e.g. direct-load tiles of 8-bit weights)")
-    ap.add_argument("--wgmma-cluster-sum", action="store_true", help="wgmma split launches of one m tile in "
-                    "clusters of their K splits, summed through distributed shared memory (builds with "
-                    "-DJM_WG_CLUSTER_SUM; gemm.WGMMA_CLUSTER_SUM, session 38)")
     ap.add_argument("--settle", type=float, default=0.0, help="idle seconds before each timed (config, shape) "
                     "block, so that clocks recover from the block before (common.settle)")
     args = ap.parse_args()
     common.SETTLE_S = args.settle
-    if args.wgmma_cluster_sum:  # before the first build (the flag is part of the cache key)
-        os.environ["JITMARLIN_NVCC_FLAGS"] = (os.environ.get("JITMARLIN_NVCC_FLAGS", "") + " -DJM_WG_CLUSTER_SUM").strip()
-        G.WGMMA_CLUSTER_SUM = True
     for cfg in (c for c in args.extra_wgmma.split(",") if c):  # before the first build (part of the cache key)
         if cfg.endswith(("-p", "-p3", "-p4")):  # the producer form (jm_wgmma.cuh WgRing; never wide):
             # NT-FW-S-p, or NT-FW-S-p3 / -p4 for three / four CTAs per SM (K.WGMMA_PROD_CTAS)

@@ -1081,25 +1081,6 @@ for st in $STAGES; do
                --configs route,wgmma-n16-f1-s7-p,wgmma-n16-f1-s8-p > "$OUT/s38b_n16_$dt.log" 2>&1
              echo "s38b n16 $dt rc=$?"; grep " us" "$OUT/s38b_n16_$dt.log"
            done;;
-    s38c)  # session 38: the wgmma split launches of 16-token tiles summed in clusters through distributed shared
-           # memory (probe switch: probe_configs --wgmma-cluster-sum = -DJM_WG_CLUSTER_SUM + gemm.WGMMA_CLUSTER_SUM)
-           # against the workspace sum: its GPU test first (a wrong barrier protocol would hang: own timeout), then
-           # the routes at M = 9 / 16, two interleaved rounds in fp16, one in bf16 and fp16 8-bit
-           timeout 120 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k cluster_sum > "$OUT/s38c_test.log" 2>&1
-           echo "s38c test rc=$?"; tail -15 "$OUT/s38c_test.log"
-           P=benchmarks/probe_configs.py
-           for r in 1 2; do
-             for cs in "" --wgmma-cluster-sum; do
-               timeout 100 python3 $P --dtype f16 --m 9,16 --configs route $cs \
-                 --shapes 4096x4096,8192x8192,4096x11008,11008x4096,4096x12288 2>&1 | grep " us" | tee -a "$OUT/s38c.log"
-             done
-           done
-           for cs in "" --wgmma-cluster-sum; do
-             timeout 100 python3 $P --dtype bf16 --m 9,16 --configs route $cs --shapes 4096x4096,4096x11008,4096x12288 \
-               2>&1 | grep " us" | tee -a "$OUT/s38c.log"
-             timeout 100 python3 $P --bits 8 --m 9,16 --configs route $cs --shapes 8192x8192,28672x8192,4096x28672 \
-               2>&1 | grep " us" | tee -a "$OUT/s38c.log"
-           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -257,14 +257,6 @@ JM_DEVICE uint32_t cluster_ctarank() {
 #endif
   return r;
 }
-// CTAs in this CTA's cluster (1 for a launch without clusters).
-JM_DEVICE uint32_t cluster_nctarank() {
-  uint32_t r = 1;
-#if JM_HAS_BULK
-  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
-#endif
-  return r;
-}
 // Arrive on the cluster barrier without ordering memory (every non-exited thread of the cluster
 // arrives once per phase; a thread may exit after arriving).
 JM_DEVICE void cluster_arrive_relaxed() {
@@ -282,16 +274,6 @@ JM_DEVICE void cluster_arrive_release() {
 JM_DEVICE void cluster_wait() {
 #if JM_HAS_BULK
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-// Store four floats at this CTA's shared address `addr` (16-byte aligned) as seen in cluster CTA `rank`.
-JM_DEVICE void st_cluster_v4(uint32_t addr, uint32_t rank, float4 v) {
-#if JM_HAS_BULK
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(remote), "f"(v.x), "f"(v.y), "f"(v.z),
-               "f"(v.w)
-               : "memory");
 #endif
 }
 // Store v at this CTA's shared address `addr` as seen in cluster CTA `rank` (its shared memory).

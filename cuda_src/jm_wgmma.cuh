@@ -1022,90 +1022,46 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     // warp writes and reads 512 contiguous bytes); the last of the tile's pieces to arrive adds all
     // regions up in a fixed order: bit-identical results run to run, whoever arrives last.
     constexpr int kRegion = kThreads * FW * (NT / 2);  // floats per piece
-#if defined(JM_WG_CLUSTER_SUM)
-    // Probe (session 38): a split launch in clusters of its K splits (the host launches one m tile, cluster =
-    // the tile's `arrivals` CTAs, ranks = splits in order) sums through distributed shared memory instead of
-    // the workspace: ranks 1.. store their partial sums into rank 0's space after the ring, rank 0 adds them
-    // in rank order after its own (the global path's order: bit-identical but for the sign of a zero sum).
-    // (16-token tiles only: larger ones need more receive space than keeps their CTAs per SM, and the
-    // three-CTA 32-token producer form spills 12 bytes with this code)
-    if (NT == 16 && cluster_nctarank() > 1) {
-      const uint32_t rank = cluster_ctarank();
-      float* recv = reinterpret_cast<float*>(smem + STAGES * S::kBytes);
-      cluster_wait();  // phase 0 (every thread arrived at entry): every CTA of the cluster runs
-      if (rank != 0) {
-        const uint32_t dst = smem_addr(recv + (rank - 1) * kRegion + tid * 4);
+    __shared__ int s_last;
+    float* mine = p.ws + static_cast<int64_t>(piece.region) * kRegion + tid * 4;
 #pragma unroll
-        for (int j = 0; j < FW; j++) {
+    for (int j = 0; j < FW; j++) {
 #pragma unroll
-          for (int q = 0; q < NT / 8; q++)
-            st_cluster_v4(dst + (j * (NT / 8) + q) * 16 * kThreads, 0,
-                          make_float4(d[j][4 * q], d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3]));
-        }
-        cluster_arrive_release();  // phase 1: this CTA's sums are in rank 0's shared memory
-        tl_end();
-        return;
-      }
-      cluster_arrive_relaxed();
-      cluster_wait();  // phase 1: every other rank's sums have landed
-      for (int r = 1; r < piece.arrivals; r++) {
-        const float* src = recv + (r - 1) * kRegion + tid * 4;
+      for (int q = 0; q < NT / 8; q++)
+        __stcg(reinterpret_cast<float4*>(mine + (j * (NT / 8) + q) * 4 * kThreads),
+               make_float4(d[j][4 * q], d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3]));
+    }
+    __threadfence();
+    if constexpr (PROD) compute_sync<kThreads>(); else __syncthreads();
+    const int unit = f_tile * m_tiles + m_tile;
+    if (tid == 0) s_last = atomicAdd(p.counters + unit, 1) == piece.arrivals - 1;
+    if constexpr (PROD) compute_sync<kThreads>(); else __syncthreads();
+    if (!s_last) {
+      tl_end();
+      return;
+    }
+    __threadfence();
+    if (tid == 0) p.counters[unit] = 0;  // all the tile's pieces have arrived: zero for the next launch
 #pragma unroll
-        for (int j = 0; j < FW; j++) {
+    for (int j = 0; j < FW; j++) {
+      constexpr int kChunk = wg_sum_chunk(NT / 8);  // float4 loads in flight per region
 #pragma unroll
-          for (int q = 0; q < NT / 8; q++) {
-            const float4 v = *reinterpret_cast<const float4*>(src + (j * (NT / 8) + q) * 4 * kThreads);
-            d[j][4 * q] += v.x;
-            d[j][4 * q + 1] += v.y;
-            d[j][4 * q + 2] += v.z;
-            d[j][4 * q + 3] += v.w;
-          }
-        }
-      }
-    } else
-#endif
-    {
-      __shared__ int s_last;
-      float* mine = p.ws + static_cast<int64_t>(piece.region) * kRegion + tid * 4;
+      for (int q0 = 0; q0 < NT / 8; q0 += kChunk) {
 #pragma unroll
-      for (int j = 0; j < FW; j++) {
+        for (int q = q0; q < q0 + kChunk; q++) d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
+        for (int sp = 0; sp < piece.arrivals; sp++) {
+          const int region = piece.first + sp * piece.stride + (sp == 0 ? piece.first_extra : 0);
+          const float* src =
+              p.ws + static_cast<int64_t>(region) * kRegion + tid * 4 + (j * (NT / 8) + q0) * 4 * kThreads;
+          float4 v[kChunk];
 #pragma unroll
-        for (int q = 0; q < NT / 8; q++)
-          __stcg(reinterpret_cast<float4*>(mine + (j * (NT / 8) + q) * 4 * kThreads),
-                 make_float4(d[j][4 * q], d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3]));
-      }
-      __threadfence();
-      if constexpr (PROD) compute_sync<kThreads>(); else __syncthreads();
-      const int unit = f_tile * m_tiles + m_tile;
-      if (tid == 0) s_last = atomicAdd(p.counters + unit, 1) == piece.arrivals - 1;
-      if constexpr (PROD) compute_sync<kThreads>(); else __syncthreads();
-      if (!s_last) {
-        tl_end();
-        return;
-      }
-      __threadfence();
-      if (tid == 0) p.counters[unit] = 0;  // all the tile's pieces have arrived: zero for the next launch
+          for (int q = 0; q < kChunk; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + q * 4 * kThreads));
 #pragma unroll
-      for (int j = 0; j < FW; j++) {
-        constexpr int kChunk = wg_sum_chunk(NT / 8);  // float4 loads in flight per region
-#pragma unroll
-        for (int q0 = 0; q0 < NT / 8; q0 += kChunk) {
-#pragma unroll
-          for (int q = q0; q < q0 + kChunk; q++) d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
-          for (int sp = 0; sp < piece.arrivals; sp++) {
-            const int region = piece.first + sp * piece.stride + (sp == 0 ? piece.first_extra : 0);
-            const float* src =
-                p.ws + static_cast<int64_t>(region) * kRegion + tid * 4 + (j * (NT / 8) + q0) * 4 * kThreads;
-            float4 v[kChunk];
-#pragma unroll
-            for (int q = 0; q < kChunk; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + q * 4 * kThreads));
-#pragma unroll
-            for (int q = 0; q < kChunk; q++) {
-              d[j][4 * (q0 + q)] += v[q].x;
-              d[j][4 * (q0 + q) + 1] += v[q].y;
-              d[j][4 * (q0 + q) + 2] += v[q].z;
-              d[j][4 * (q0 + q) + 3] += v[q].w;
-            }
+          for (int q = 0; q < kChunk; q++) {
+            d[j][4 * (q0 + q)] += v[q].x;
+            d[j][4 * (q0 + q) + 1] += v[q].y;
+            d[j][4 * (q0 + q) + 2] += v[q].z;
+            d[j][4 * (q0 + q) + 3] += v[q].w;
           }
         }
       }
@@ -1321,9 +1277,6 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
     }
     __syncthreads();
   }
-#if defined(JM_WG_CLUSTER_SUM)
-  if (cluster_nctarank() > 1) cluster_arrive_relaxed();  // phase 0 of the cluster sum (wgmma_tile's epilogue)
-#endif
   if constexpr (PROD) {  // the producer warpgroup gives its registers to the compute warpgroups; the
     // two roles never share code after it (ptxas then keeps one register budget per branch)
     constexpr auto whole = []() { return WgPiece{1, 0, 0, 0, 0}; };  // MoE: CTA = ((feature tile, split), m tile)

@@ -314,12 +314,6 @@ def test_wgmma_k_splits(monkeypatch):
     assert G.wgmma_stream_grid(132, 8192, 64, 2, 132) == 0 and G.wgmma_stream_grid(260, 8192, 64, 1, 132) == 0
     assert G.wgmma_stream_grid(112, 512, 64, 2, 132) == 0  # under 16 stages per CTA
     assert G.wgmma_stream_grid(0, 4096, 32, 2, 132) == 0  # N < 256: no two-strip tile at all
-    # the cluster-sum probe switch (session 38): off by default; on, 16-token split launches of one m tile only
-    assert not G.WGMMA_CLUSTER_SUM and G.wgmma_cluster(4, 1, 16) == 0
-    monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", True)
-    assert [G.wgmma_cluster(*a) for a in ((4, 1, 16), (3, 1, 16), (8, 1, 16), (4, 2, 16), (1, 1, 16), (9, 1, 16),
-                                         (4, 1, 32), (-1, 1, 16))] == [4, 3, 8, 0, 0, 0, 0, 0]
-    monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)
     assert G.wgmma_stream_grid(100_000, 64 * 30_000, 64, 2, 132_000) == 0  # 2^31 stages or more
     # every CTA's run holds at least 16 stages (session 19: 4 tiles x 22 stages on 264 CTAs left CTAs
     # without a stage inside a tile's span: the tile was never summed, NaN outputs, counters left set)

@@ -812,19 +812,6 @@ class WgmmaLaunch:
     fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
     stages: int = 4
     prod: bool = False  # the producer form (its activations by TMA at every token tile)
-    cluster: int = 0  # > 1: launched in clusters of its K splits (WGMMA_CLUSTER_SUM)
-
-
-# Probe switch (session 38, benchmarks/probe_configs.py --wgmma-cluster-sum; off by default): split launches of
-# one m tile run in clusters of their K splits, which sum through distributed shared memory when the kernels
-# are built with -DJM_WG_CLUSTER_SUM (JITMARLIN_NVCC_FLAGS; without it they sum through the workspace as usual).
-WGMMA_CLUSTER_SUM = False
-
-
-def wgmma_cluster(splits: int, m_tiles: int, nt: int) -> int:
-    """Cluster size of a wgmma split launch under WGMMA_CLUSTER_SUM (0: none): 16-token tiles (the kernel's
-    cluster sum is built for those only), one m tile, 2-8 splits."""
-    return splits if WGMMA_CLUSTER_SUM and nt == 16 and m_tiles == 1 and 2 <= splits <= 8 else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -869,17 +856,10 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     if wide and not prod and ((nt, fw, stages) not in K.WGMMA_WIDE_CONFIGS or fam.moe):
         raise ValueError(f"no wide (four-warpgroup) wgmma kernel for NT={nt}, FW={fw}, stages={stages} "
                          f"(built: {K.WGMMA_WIDE_CONFIGS}, dense only)")
-    fn, smem = K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod), K.wgmma_smem_bytes(fam, nt, fw, stages)
-    threads = K.WGMMA_PROD_THREADS if prod else 512 if wide else 256
-    cluster = wgmma_cluster(splits, m_tiles, nt)
-    if cluster:  # rank 0 receives the other ranks' partial sums after its ring; only where that costs no residency
-        recv = (cluster - 1) * 256 * fw * (nt // 2) * 4
-        if fn.max_active_clusters(threads, smem + recv, cluster) * cluster >= min(grid, sms * per_sm):
-            smem += recv
-        else:
-            cluster = 0
-    return WgmmaLaunch(fn, smem, m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
-                       use_pdl(_cc(index)), nt, threads, fw, stages, prod, cluster)
+    return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod),
+                       K.wgmma_smem_bytes(fam, nt, fw, stages), m_tiles, grid, splits,
+                       (max(floats, wgmma_split_bound(sms)), counters), use_pdl(_cc(index)), nt,
+                       K.WGMMA_PROD_THREADS if prod else 512 if wide else 256, fw, stages, prod)
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
@@ -932,7 +912,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
         ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
     wl.fn.launch(wl.grid, wl.threads, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl,
-                 cluster=wl.cluster, extra=wgmma_act_map(a, m, k, wl.nt, True if wl.prod else None))
+                 extra=wgmma_act_map(a, m, k, wl.nt, True if wl.prod else None))
 
 
 # After the act-order gather the wgmma kernel launches as a programmatic dependent only on problems
@@ -1074,7 +1054,7 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
         p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)
         if wl.splits != 1:
             ws.ensure(*wl.ws)
-        return _FastEntry(wl.fn, wl.grid, wl.threads, wl.smem, p, wl.pdl, wl.cluster, wl.nt, wl.splits != 1,
+        return _FastEntry(wl.fn, wl.grid, wl.threads, wl.smem, p, wl.pdl, 0, wl.nt, wl.splits != 1,
                           True if wl.prod else None)
     if use_dequant_path(m, n, k):
         return None
@@ -1119,7 +1099,7 @@ def gemm_fast(cache: FastGemm, a: torch.Tensor, b, scales, zeros, bias) -> torch
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
     stream = K.current_stream_handle(a.device)
     if entry.nt:
-        entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl, cluster=entry.cluster,
+        entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl,
                         extra=wgmma_act_map(a, m, k, entry.nt, entry.tma))
     else:
         entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl, cluster=entry.cluster)
