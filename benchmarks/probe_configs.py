@@ -42,7 +42,9 @@ def main() -> None:
                     "dense wgmma module for this run only, e.g. 64-2-8 (then usable as wgmma-n64-f2-s8); NT-2-STAGES-w: the "
                     "wide form (four warpgroups of one strip), e.g. 128-2-6-w (then wgmma-n128-f2-s6-w); NT-FW-STAGES-p: "
                     "the producer form, e.g. 64-1-8-p or 32-2-8-p (then wgmma-n64-f1-s8-p, wgmma-n32-f2-s8-p); NT-1-STAGES-p3 / -p4: "
-                    "its three- / four-CTA-per-SM build (NT <= 32), e.g. 32-1-6-p3 (then wgmma-n32-f1-s6-p)")
+                    "its three- / four-CTA-per-SM build (NT <= 32), e.g. 32-1-6-p3 (then wgmma-n32-f1-s6-p); NT-FW-STAGES-p2: its "
+                    "form with two compute warpgroups of FW strips, one CTA per SM, e.g. 128-2-6-p2 (then "
+                    "wgmma-n128-f2-s6-p2, or wgmma-n128-f2-s6-sk-p2 for stream-K)")
     ap.add_argument("--max-per-sm", type=int, default=0, help="pad every config's dynamic shared memory so that "
                     "at most this many CTAs fit on one SM (their grid and cluster placement follow): e.g. 2 "
                     "spreads 256 CTAs of a cluster tile over 128 SMs instead of packing them onto fewer")
@@ -53,7 +55,9 @@ def main() -> None:
     args = ap.parse_args()
     common.SETTLE_S = args.settle
     for cfg in (c for c in args.extra_wgmma.split(",") if c):  # before the first build (part of the cache key)
-        if cfg.endswith(("-p", "-p3", "-p4")):  # the producer form (jm_wgmma.cuh WgRing; never wide):
+        if cfg.endswith("-p2"):  # the producer form with two compute warpgroups (K.WGMMA_PROD2_CONFIGS)
+            K.WGMMA_PROD2_CONFIGS = tuple(dict.fromkeys(K.WGMMA_PROD2_CONFIGS + (tuple(int(x) for x in cfg[:-3].split("-")),)))
+        elif cfg.endswith(("-p", "-p3", "-p4")):  # the producer form (jm_wgmma.cuh WgRing; never wide):
             # NT-FW-S-p, or NT-FW-S-p3 / -p4 for three / four CTAs per SM (K.WGMMA_PROD_CTAS)
             nums = tuple(int(x) for x in cfg[:cfg.rindex("-")].split("-"))
             K.WGMMA_PROD_CONFIGS = tuple(dict.fromkeys(K.WGMMA_PROD_CONFIGS + (nums,)))
@@ -85,7 +89,7 @@ def main() -> None:
                 override = None
             elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w][-p]
                 parts = cfg.split("-")[1:]
-                prod = parts[-1] == "p"
+                prod = 2 if parts[-1] == "p2" else 1 if parts[-1] == "p" else 0
                 parts = parts[:-1] if prod else parts
                 wide = parts[-1] == "w"
                 nums = [-1 if x == "sk" else int(x[1:]) for x in (parts[:-1] if wide else parts)]

@@ -1081,6 +1081,21 @@ for st in $STAGES; do
                --configs route,wgmma-n16-f1-s7-p,wgmma-n16-f1-s8-p > "$OUT/s38b_n16_$dt.log" 2>&1
              echo "s38b n16 $dt rc=$?"; grep " us" "$OUT/s38b_n16_$dt.log"
            done;;
+    s39a)  # PREPARED in session 38 (probe only; the default kernels' machine code is unchanged by it): the producer
+           # form with two compute warpgroups of two strips (K.WGMMA_PROD2_CONFIGS: 256 features x NT tokens per CTA,
+           # 384 threads, one CTA per SM, 232 registers per compute thread), which can run stream-K at 128 tokens —
+           # the lever for M = 128-512, where the route's wide 128-token tiles fill 85% of their last wave (224 tiles
+           # of 8192x28672 at M = 256 on 132 SMs) and cannot run stream-K (they spill with it). Built here without
+           # C75xx; 28 bytes of spills in the 128-token kernel's stream-K epilogue. Its GPU test first (own timeout),
+           # then the probe: route vs the form with whole tiles / stream-K, 4 and 6 stages.
+           timeout 240 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k two_warpgroups > "$OUT/s39a_test.log" 2>&1
+           echo "s39a test rc=$?"; tail -5 "$OUT/s39a_test.log"
+           timeout 300 python3 benchmarks/probe_configs.py --dtype f16 --m 128,256,384,512,1024 \
+             --extra-wgmma 128-2-4-p2,128-2-6-p2 \
+             --configs route,wgmma-n128-f2-s4-p2,wgmma-n128-f2-s4-sk-p2,wgmma-n128-f2-s6-sk-p2 \
+             --shapes ${S39_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x22016} \
+             > "$OUT/s39a.log" 2>&1
+           echo "s39a rc=$?"; grep " us" "$OUT/s39a.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

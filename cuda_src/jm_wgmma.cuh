@@ -1167,8 +1167,9 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
     if (!p.tables_ready || kWaitFirst) griddep_wait();
     m_tiles = *p.num_padded / NT;
   }
-  // stream-K for tiles of up to 64 tokens (at 128 the kernel's registers spill with it)
-  const bool stream = MOE || (NT <= 64 && p.k_splits < 0);
+  // stream-K for tiles of up to 64 tokens (at 128 the plain and wide kernels' registers spill with it), and
+  // in the producer form with two compute warpgroups (232 registers each; probes, K.WGMMA_PROD2_CONFIGS)
+  const bool stream = MOE || ((NT <= 64 || (PROD && WGS == 2)) && p.k_splits < 0);
   const int splits = MOE || p.k_splits < 1 ? 1 : p.k_splits;
   // the CTAs that share the W stages (MoE: none past W)
   auto stream_ctas = [](int64_t w) -> int64_t {

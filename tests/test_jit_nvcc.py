@@ -122,6 +122,36 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
         K.wgmma_build_spec.cache_clear()
 
 
+def test_wgmma_two_warpgroup_producer_form_compiles(cuda_toolchain, monkeypatch):
+    """The producer form with two compute warpgroups (K.WGMMA_PROD2_CONFIGS, probes only; session 38): dense
+    families only, named _prod2, JM_WGMMA_KERNEL_PROD with WGS = 2 and one CTA per SM; it compiles for sm_90a
+    with its register reallocation kept and its wgmma not serialized. The 128-token config spills 28 bytes
+    (stream-K's epilogue addresses, after the main loop; none without stream-K at 128 tokens): bounded here so
+    that growth shows."""
+    monkeypatch.setattr(K, "WGMMA_CONFIGS", ((16, 1, 8),))
+    monkeypatch.setattr(K, "WGMMA_WIDE_CONFIGS", ())
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ())
+    monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS_U4", ())
+    monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", ((128, 2, 4), (64, 2, 6)))
+    K.wgmma_build_spec.cache_clear()
+    try:
+        assert not [n for n, _ in K.wgmma_build_spec(K.Family("f16", 4, False, 128, moe=True), (9, 0)).sources
+                    if "prod2" in n]
+        spec = K.wgmma_build_spec(K.Family("f16", 4, False, 128), (9, 0))
+        prod2 = [(name, src) for name, src in spec.sources if name.endswith("_prod2")]
+        assert [name.split("_", 5)[-1] for name, _ in prod2] == ["n128_f2_s4_prod2", "n64_f2_s6_prod2"]
+        assert prod2[0][1].rstrip().endswith(", 128, 2, 4, 2, 1)")  # NT, FW per warpgroup, STAGES, WGS, MINB
+        mod = get_module(spec)
+        for name, _ in prod2:
+            info = mod.meta["ptxas"][name]
+            assert info["spill_stores"] <= (32 if "_n128_" in name else 0), (name, info)
+        log = (mod.path / "build.log").read_text()
+        for code in ("C7507", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515"):
+            assert code not in log, [line for line in log.splitlines() if code in line]
+    finally:
+        K.wgmma_build_spec.cache_clear()
+
+
 def test_moe_blocks_of_16_producer_form_compiles(cuda_toolchain, monkeypatch):
     """The 4-bit MoE families' producer form for blocks of 16 rows (K.WGMMA_MOE_PROD_CONFIGS_U4, session 34)
     compiles at four CTAs per SM (kernel names end in _c4) without spills, with its register reallocation

@@ -811,15 +811,16 @@ class WgmmaLaunch:
     threads: int = 256  # 512: the wide form (four warpgroups of one strip); the producer form K.WGMMA_PROD_THREADS
     fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
     stages: int = 4
-    prod: bool = False  # the producer form (its activations by TMA at every token tile)
+    prod: int = 0  # 1 the producer form (its activations by TMA at every token tile), 2 its two-compute-warpgroup form
 
 
 @functools.lru_cache(maxsize=4096)
 def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None = None, fw: int | None = None,
                  stages: int | None = None, splits: int | None = None, wide: bool = False,
-                 prod: bool = False) -> WgmmaLaunch:
+                 prod: int = 0) -> WgmmaLaunch:
     """Config, kernel and grid of the wgmma kernel for (M, N, K) (memoized: the eager launch path
-    runs this once per shape, not per call)."""
+    runs this once per shape, not per call). prod: 1 (True) the producer form, 2 its two-compute-warpgroup
+    form (K.WGMMA_PROD2_CONFIGS, probes only; one CTA per SM, stream-K at any token tile)."""
     if n % 128 or k % 64:
         raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
     sms = driver.device(index).sm_count
@@ -832,17 +833,21 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)
-    if prod and ((nt, fw, stages) not in K.dense_prod_configs(fam.bits) or wide or fam.moe):
+    if prod == 2 and ((nt, fw, stages) not in K.WGMMA_PROD2_CONFIGS or wide or fam.moe):
+        raise ValueError(f"no two-compute-warpgroup producer-form wgmma kernel for NT={nt}, FW={fw}, stages={stages} "
+                         f"(built: {K.WGMMA_PROD2_CONFIGS}, dense, never wide)")
+    if prod == 1 and ((nt, fw, stages) not in K.dense_prod_configs(fam.bits) or wide or fam.moe):
         raise ValueError(f"no producer-form wgmma kernel for NT={nt}, FW={fw}, stages={stages}, wide={wide} "
                          f"(built for {fam.bits}-bit weights: {K.dense_prod_configs(fam.bits)}, dense, never wide)")
-    per_sm = wgmma_ctas_per_sm(fw, (nt, fw, stages) if prod else None, fam.bits)
+    per_sm = 1 if prod == 2 else wgmma_ctas_per_sm(fw, (nt, fw, stages) if prod else None, fam.bits)
     if splits is None:
         splits = wgmma_splits(m_tiles * f_tiles, k, nt, fw, sms, per_sm)
         if splits == 1 and wgmma_stream_grid(m_tiles * f_tiles, k, nt, fw, sms, per_sm):
             splits = -1
     if splits == -1:  # stream-K over the resident CTA slots: two regions per CTA
-        if nt > 64:
-            raise ValueError(f"stream-K (splits=-1) needs a token tile of at most 64, got {nt}")
+        if nt > 64 and prod != 2:
+            raise ValueError(f"stream-K (splits=-1) needs a token tile of at most 64 (or the two-compute-warpgroup "
+                             f"producer form), got {nt}")
         grid = sms * per_sm
         if m_tiles * f_tiles * (k // 64) < grid:  # (wgmma_stream_grid: an empty run breaks the sums)
             raise ValueError(f"stream-K (splits=-1) needs at least one 64-k stage per CTA: {m_tiles * f_tiles} "
@@ -859,7 +864,8 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod),
                        K.wgmma_smem_bytes(fam, nt, fw, stages), m_tiles, grid, splits,
                        (max(floats, wgmma_split_bound(sms)), counters), use_pdl(_cc(index)), nt,
-                       K.WGMMA_PROD_THREADS if prod else 512 if wide else 256, fw, stages, prod)
+                       K.WGMMA_PROD2_THREADS if prod == 2 else K.WGMMA_PROD_THREADS if prod else 512 if wide else 256,
+                       fw, stages, prod)
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor

@@ -1039,3 +1039,44 @@ def test_moe_silu_epilogue(monkeypatch, kw):
     with pytest.raises(ValueError, match="moe_gemm_silu needs the sm_90a wgmma MoE kernel's producer form"):
         torch.ops.jitmarlin.moe_gemm_silu(a1, wq, ws, sorted_ids, expert_ids, num_padded, 48 * top_k, top_k, 64)
     assert silu_flags == []
+
+
+@pytest.fixture
+def prod2_configs(monkeypatch):
+    """Build the producer form with two compute warpgroups (K.WGMMA_PROD2_CONFIGS, probes only: one CTA
+    per SM, 384 threads) of a 128- and a 64-token config for this test."""
+    monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", ((128, 2, 4), (64, 2, 6)))
+    yield from _rebuilt(K.WGMMA_PROD2_CONFIGS)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_producer_form_two_warpgroups(fmt, prod2_configs):
+    """The producer form with two compute warpgroups of two strips (256 features per CTA, 384 threads, one
+    CTA per SM; prepared in session 38 for stream-K at 128 tokens, which the other 128-token kernels cannot
+    run without spilling their accumulators): whole tiles, uneven K splits, stream-K with pieces crossing
+    tiles (where every CTA gets a stage), M with partial token tiles (TMA zero rows), bias; NaN-poisoned
+    outputs match the reference and repeat bit for bit; counters back to zero; an unbuilt config is a clear
+    error."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = ((5120, 512, (33, 64, 100, 257)), (1024, 28672, (65, 200, 256)))
+    for k, n, m, a, packed, bias, ref in _form_cases(fmt, shapes, seed=11):
+        for nt, fw, st in prod2_configs:
+            if nt < m // 4:
+                continue
+            wl = G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, None, False, 2)
+            assert wl.threads == 384 and wl.prod == 2, (nt, wl)
+            stages = -(-m // nt) * (n // (128 * fw)) * (k // 64)
+            for splits in (1, 3) + ((-1,) if stages >= sms else ()):
+                cfg = (nt, fw, st, splits, False, 2)
+                got = run(a, packed, m, n, k, dtype, cfg, bias=bias)
+                check_close(got, ref, tol, f"K={k} N={n} M={m} config={cfg} two-warpgroup producer form")
+                assert torch.equal(got, run(a, packed, m, n, k, dtype, cfg, bias=bias)), (k, n, m, cfg)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    with pytest.raises(ValueError, match="no two-compute-warpgroup producer-form"):
+        G.wgmma_launch(128, 1024, 1024, fam, 0, 128, 2, 6, None, False, 2)
+    # stream-K at 128 tokens: one region pair per CTA of 256 x 64 floats (grid = the SMs)
+    wl = G.wgmma_launch(256, 28672, 8192, fam, 0, 128, 2, 4, -1, False, 2)
+    assert (wl.grid, wl.splits) == (sms, -1) and wl.ws[0] >= 2 * sms * 256 * 2 * 64
