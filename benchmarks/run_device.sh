@@ -1095,7 +1095,12 @@ for st in $STAGES; do
              --configs route,wgmma-n128-f2-s4-p2,wgmma-n128-f2-s4-sk-p2,wgmma-n128-f2-s6-sk-p2 \
              --shapes ${S39_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x22016} \
              > "$OUT/s39a.log" 2>&1
-           echo "s39a rc=$?"; grep " us" "$OUT/s39a.log";;
+           echo "s39a rc=$?"; grep " us" "$OUT/s39a.log"
+           for v in "--dtype bf16" "--bits 8"; do  # the other formats' view, fewer cells
+             timeout 150 python3 benchmarks/probe_configs.py $v --m 256,1024 --extra-wgmma 128-2-4-p2 \
+               --configs route,wgmma-n128-f2-s4-sk-p2 --shapes 8192x28672,28672x8192,4096x28672 2>&1 | grep " us" \
+               | tee -a "$OUT/s39a_formats.log"
+           done;;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
