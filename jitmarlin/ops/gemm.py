@@ -718,7 +718,8 @@ def wgmma_route_prod(n: int, k: int, cfg: tuple[int, int, int, bool], fam: Famil
         return WGMMA_PROD_N16
     if cfg[0] == 16 and fam.bits == 4:
         want = WGMMA_PROD_N16_U4.get(fam.dtype, {}).get((k, n))
-        if want is not None and want in K.dense_prod_configs(4):
+        # (membership in K.dense_prod_configs(4) without building that tuple: the general path asks per call)
+        if want is not None and (want in K.WGMMA_PROD_CONFIGS or want in K.WGMMA_PROD_CONFIGS_U4):
             return want
     return None
 
