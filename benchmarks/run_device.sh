@@ -1101,6 +1101,34 @@ for st in $STAGES; do
                --configs route,wgmma-n128-f2-s4-sk-p2 --shapes 8192x28672,28672x8192,4096x28672 2>&1 | grep " us" \
                | tee -a "$OUT/s39a_formats.log"
            done;;
+    s39b)  # session 39: the route's 128-token stream-K rule (gemm.wgmma_route_stream2: the two-compute-warpgroup
+           # producer form (128, 2, 4) where whole 128-token tiles fill the SMs' rounds under 0.8). Its GPU tests and
+           # their neighbours first, then route (with the rule) vs route0 (without) where it fires and around it.
+           timeout 300 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py \
+             -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
+             > "$OUT/s39b_test.log" 2>&1
+           echo "s39b test rc=$?"; tail -5 "$OUT/s39b_test.log"
+           timeout 240 python3 benchmarks/probe_configs.py --dtype f16 --m ${S39_M:-96,192,256,320,384,512,640,768} \
+             --configs route,route0 \
+             --shapes ${S39_SHAPES:-4096x12288,4096x22016,8192x8192,14336x4096,28672x8192,4096x11008,11008x4096,5120x13824,13824x5120,8192x22016} \
+             > "$OUT/s39b.log" 2>&1
+           echo "s39b rc=$?"; grep " us" "$OUT/s39b.log"
+           for v in "--dtype bf16" "--bits 8"; do  # the other formats where it fires
+             timeout 100 python3 benchmarks/probe_configs.py $v --m 128,256,384 --configs route,route0 \
+               --shapes 4096x12288,4096x22016,8192x8192,28672x8192 2>&1 | grep " us" | tee -a "$OUT/s39b_formats.log"
+           done;;
+    s39c)  # session 39, after the 48-stage floor (s39b: the rule lost under ~48 stages per stream-K CTA): route vs
+           # route0 (without the rule) on the cells it newly fires on and a repeat of the measured ones, interleaved
+           # (route, route0, route) for the noise; then the route's GPU tests.
+           timeout 200 python3 benchmarks/probe_configs.py --dtype f16 --m ${S39_M:-128,256,320,384,640,768,896,1024} \
+             --configs route,route0,route \
+             --shapes ${S39_SHAPES:-13824x5120,8192x4096,4096x12288,4096x22016,8192x8192,28672x8192,8192x22016} \
+             > "$OUT/s39c.log" 2>&1
+           echo "s39c rc=$?"; grep " us" "$OUT/s39c.log"
+           timeout 300 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py \
+             -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
+             > "$OUT/s39c_test.log" 2>&1
+           echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

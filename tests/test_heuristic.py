@@ -346,6 +346,50 @@ def test_wgmma_k_splits(monkeypatch):
     assert counters == 64 and floats == 2 * 32 * 4 * 256 * 64
 
 
+def test_wgmma_two_warpgroup_stream_k_rule(monkeypatch):
+    """Session 39: the route runs the two-compute-warpgroup producer form (128, 2, 4) with stream-K where its
+    whole 128-token tiles fill the SMs' CTA rounds under 0.8 (dense, N % 256 == 0, K*N >= 2^25, every CTA at
+    least 48 stages); the cells measured on the H200 (132 SMs) fall on the measured side; the reserved
+    workspace covers its two regions of 256 x 128 floats per CTA."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+
+    f4 = K.Family("f16", 4, False, 128)
+
+    def fires(m, n, k, fam=f4, sms=132):
+        return G.wgmma_route_stream2(m, n, k, G.wgmma_route_config(m, n, k, sms, fam.moe), fam, sms)
+
+    # (K, N): M where it fires among 128-1024 (s39a: faster there; level or slower at the others measured)
+    want = {(8192, 8192): {384}, (14336, 4096): {384}, (4096, 12288): {384}, (4096, 22016): {256},
+            (28672, 8192): {384}, (8192, 28672): set(), (4096, 28672): set(), (4096, 11008): set()}
+    for (k, n), ms in want.items():
+        assert {m for m in (128, 256, 384, 512, 1024) if fires(m, n, k)} == ms, (k, n)
+    assert fires(65, 22016, 8192) and fires(257, 12288, 4096)  # partial 128-token tiles: the same launches
+    # under 48 stages per stream-K CTA (s39b: slower): 4096x12288 at M=256 (47), 4096x22016 at M=128 (42)
+    assert not fires(256, 12288, 4096) and not fires(128, 22016, 4096)
+    assert not fires(64, 12288, 4096)  # 64-token tiles
+    assert not fires(384, 4096, 4096)  # K*N under 2^25 (4096^2: 0.73 of its rounds, not measured)
+    assert not fires(384, 8320, 8192)  # N % 256 != 0
+    assert not fires(384, 12288, 4096, K.Family("f16", 4, False, 128, moe=True))
+    assert fires(384, 12288, 4096, K.Family("bf16", 8, True, 64))  # any dense format
+    for sms in (78, 114, 132, 264):  # wherever it fires, every stream-K CTA gets at least 48 stages
+        for k in (256, 1024, 4096, 8192, 28672):
+            for n in (4096, 8192, 12288, 22016, 28672, 131072):
+                for m in (65, 128, 256, 384, 640, 1024):
+                    if fires(m, n, k, sms=sms):
+                        assert (n // 256) * -(-m // 128) * (k // 64) >= sms * 48, (sms, m, n, k)
+    # the fill: 4096x12288 at M=384 (288 one-strip CTAs: rounds of 3 per SM, 0.73) fires, at M=512 (384: 0.97) not
+    assert G.wgmma_route_config(384, 12288, 4096, 132)[:2] == (128, 1) and fires(384, 12288, 4096)
+    monkeypatch.setattr(G, "WGMMA_STREAM2_MAX_FILL", 0.7)
+    assert not fires(384, 12288, 4096) and fires(256, 22016, 4096)  # 0.65: 172 wide CTAs in rounds of 2
+    monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", ())  # not built: never routed, the bound back to 256 x 64
+    assert not fires(256, 22016, 4096) and G.wgmma_split_bound(132) == 2 * 132 * 256 * 64
+    monkeypatch.undo()
+    for sms in (78, 114, 132):
+        floats, counters = G.wgmma_stream_workspace(sms, 3, 48, 128, 2)
+        assert floats == G.wgmma_split_bound(sms) == 2 * sms * 256 * 128 and counters == 144
+
+
 def test_wgmma_route_falls_back_when_its_module_cannot_be_built(monkeypatch):
     """Chosen automatically, a wgmma module that cannot be built (nvcc without sm_90a, a prebuilt
     cache without it under JITMARLIN_DISABLE_JIT) means the mma.sync path and one warning; forced

@@ -66,15 +66,20 @@ def test_compile_error_is_a_build_error_with_command_and_log(cuda_toolchain, jm_
 
 
 def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
-    """The sm_90a wgmma kernels compile for the arch-specific target without spills."""
+    """The sm_90a wgmma kernels compile for the arch-specific target without spills, but for the routed
+    two-compute-warpgroup 128-token kernel (session 39): a few bytes in its stream-K epilogue, after the main
+    loop, bounded here so that growth shows."""
     for fam in (K.Family("bf16", 4, True, 64), K.Family("f16", 8, True, 32, moe=True)):
         spec = K.wgmma_build_spec(fam, (9, 0))
         assert spec.arch_specific
         mod = get_module(spec)
+        assert fam.moe or [n for n, _ in spec.sources if n.endswith("_n128_f2_s4_prod2")]
         for name, _ in spec.sources:
             assert mod.cubin(name).read_bytes()[:4] == b"\x7fELF"
             info = mod.meta["ptxas"][name]
-            assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+            spills = 32 if name.endswith("_n128_f2_s4_prod2") else 0
+            assert info["spill_stores"] <= spills and info["spill_loads"] <= spills, (name, info)
+            assert info["stack"] <= spills, (name, info)
     with pytest.raises(ValueError, match="sm_90a only"):
         K.wgmma_build_spec(FAMILY, (8, 0))
 
@@ -87,6 +92,7 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
     with zero points: the largest dequantization)."""
     monkeypatch.setattr(K, "WGMMA_PROD_CONFIGS", ((16, 1, 8), (32, 1, 6), (64, 1, 6), (32, 2, 6)))
     monkeypatch.setattr(K, "WGMMA_PROD_CTAS", {(32, 1, 6): 3})
+    monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", ())  # (its two-compute-warpgroup form: the test below)
     K.wgmma_build_spec.cache_clear()
     try:
         for fam in (K.Family("bf16", 8, True, 64), K.Family("f16", 4, False, 128)):
@@ -123,7 +129,7 @@ def test_wgmma_producer_form_compiles_without_spills(cuda_toolchain, monkeypatch
 
 
 def test_wgmma_two_warpgroup_producer_form_compiles(cuda_toolchain, monkeypatch):
-    """The producer form with two compute warpgroups (K.WGMMA_PROD2_CONFIGS, probes only; session 38): dense
+    """The producer form with two compute warpgroups (K.WGMMA_PROD2_CONFIGS; session 38, routed since 39): dense
     families only, named _prod2, JM_WGMMA_KERNEL_PROD with WGS = 2 and one CTA per SM; it compiles for sm_90a
     with its register reallocation kept and its wgmma not serialized. The 128-token config spills 28 bytes
     (stream-K's epilogue addresses, after the main loop; none without stream-K at 128 tokens): bounded here so
@@ -214,6 +220,7 @@ def test_wgmma_group_scales_on_sums_compile_and_match_the_mirror(cuda_toolchain,
     monkeypatch.setattr(K, "WGMMA_MOE_CONFIGS", ((32, 1, 8),))
     monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS", ((24, 1, 6), (48, 1, 6)))
     monkeypatch.setattr(K, "WGMMA_MOE_PROD_CONFIGS_U4", ())
+    monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", ())  # (its spill bound: the two tests above)
     cubins, expect = {}, {}
     fams = (K.Family("f16", 4, False, 128), K.Family("f16", 4, False, 64, moe=True), K.Family("f16", 4, True, 128),
             K.Family("bf16", 4, False, 128), K.Family("f16", 8, False, 128), K.Family("bf16", 8, True, 64))

@@ -433,10 +433,12 @@ WGMMA_PROD_THREADS = 256  # a producer-form CTA: one compute warpgroup (of 2 FW 
 
 # (NT, FW, STAGES) dense configs also built in the producer form with two compute warpgroups of FW strips each
 # (jm_wgmma.cuh JM_WGMMA_KERNEL_PROD with WGS = 2, MINB = 1: 384 threads, one CTA per SM, the compute warpgroups
-# at 232 registers), which may run stream-K at 128 tokens (the plain and wide 128-token kernels spill with it).
-# Probes only (session 38, prepared): benchmarks/probe_configs.py --extra-wgmma NT-FW-STAGES-p2, configs
-# wgmma-n{NT}-f{FW}-s{STAGES}[-sk]-p2. Kernel names end in _prod2.
-WGMMA_PROD2_CONFIGS: tuple[tuple[int, int, int], ...] = ()
+# at 232 registers), which may run stream-K at 128 tokens (the plain and wide 128-token kernels spill with it;
+# this one 28 bytes in the stream-K epilogue, after the main loop). Session 39: (128, 2, 4) with stream-K is routed
+# where whole 128-token tiles fill SMs poorly (gemm.wgmma_route_stream2). Probes build others:
+# benchmarks/probe_configs.py --extra-wgmma NT-FW-STAGES-p2, configs wgmma-n{NT}-f{FW}-s{STAGES}[-sk]-p2.
+# Kernel names end in _prod2.
+WGMMA_PROD2_CONFIGS: tuple[tuple[int, int, int], ...] = ((128, 2, 4),)
 WGMMA_PROD2_THREADS = 384
 
 

@@ -655,6 +655,49 @@ def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> t
     return wgmma_config(m, n, sms, k) + (False,)
 
 
+# The producer form with two compute warpgroups of two strips (K.WGMMA_PROD2_CONFIGS: 256 features x 128 tokens
+# per CTA, one CTA per SM) running stream-K, where the route's whole 128-token tiles fill the SMs poorly: its
+# CTAs (tiles x K splits; the plain form two per SM, the wide form one) over the SMs' CTA rounds,
+# ctas / (sms * ceil(ctas / sms)), under WGMMA_STREAM2_MAX_FILL. (Counting rounds per SM, not CTA slots: a lone
+# one-strip CTA on an SM runs faster than two sharing it; 4096x12288 M=512, 384 CTAs, loses 11% with stream-K.)
+# H200 session 39 (s39a, probe_configs, f16 4-bit, route -> (128, 2, 4) stream-K, us): fill 0.73: 8192^2 M=384
+# 103.4 -> 94.4, 14336x4096 M=384 98.2 -> 86.2, 4096x12288 M=384 91.8 -> 75.6, 28672x8192 M=384 354.1 -> 316.3,
+# 4096x12288 M=128 43.3 -> 42.4 and M=256 57.5 -> 60.5 (the one loss); fill 0.65: 4096x22016 M=128 61.0 -> 56.3,
+# M=256 111.2 -> 95.5. Fill 0.85-0.87 (8192x28672 / 4096x28672 M=256-512, 4096x22016 M=512 / 1024) level within
+# +-4% (not taken); fill 0.97 slower by 5-33% (14336x4096 M=128 40.0 -> 53.3, 8192^2 M=512 106.0 -> 121.7).
+# Session 39 (s39b, route with / without this rule, same run, f16 4-bit unless named): it lost where the stream-K
+# CTAs get under about 48 stages each (the pieces' sums weigh more): 4096x12288 M=96 / 256 (23 / 47 stages) 37.0 ->
+# 37.2, 52.2 -> 55.7 (bf16 M=128 / 256 34.6 -> 38.7, 50.9 -> 55.8; 8-bit 35.1 -> 40.7, 52.3 -> 59.0), 4096x11008 M=256
+# (42) 51.9 -> 52.8; hence WGMMA_STREAM2_MIN_STAGES (it also drops two gains: 4096x22016 M=96, 42 stages, 58.1 ->
+# 53.9, 13824x5120 M=96, 33, 55.3 -> 52.5). With it, faster or level everywhere it fires: 4096x12288 M=384 84.9 ->
+# 74.4 (bf16 83.8 -> 74.4, 8-bit 88.2 -> 76.8), 4096x22016 M=256 107.3 -> 90.1, 8192^2 M=384 103.9 -> 97.5,
+# 14336x4096 M=640 174.2 -> 141.7, 28672x8192 M=320 / 384 / 640 / 768 344.0 / 354.9 / 678.9 / 707.1 -> 311.9 /
+# 335.0 / 544.4 / 642.5, 5120x13824 M=320 / 640 130.7 / 201.0 -> 99.3 / 158.4, 13824x5120 M=512 168.9 -> 127.8,
+# 8192x22016 M=96 / 192 103.5 / 200.3 -> 87.2 / 156.7, 11008x4096 M=640 139.4 -> 114.5; 13824x5120 M=640 level.
+WGMMA_STREAM2_ROUTE = (128, 2, 4)
+WGMMA_STREAM2_MAX_FILL = 0.8
+WGMMA_STREAM2_MIN_KN = 1 << 25  # K*N at least this (smallest measured: 4096x11008)
+WGMMA_STREAM2_MIN_STAGES = 48  # 64-k stages per stream-K CTA at least this
+
+
+def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family, sms: int) -> bool:
+    """Whether the automatic route runs the two-compute-warpgroup producer form WGMMA_STREAM2_ROUTE with stream-K
+    instead of `cfg` (wgmma_route_config's (NT, FW, stages, wide)): dense 128-token tiles, N % 256 == 0, K*N from
+    WGMMA_STREAM2_MIN_KN, the route's CTAs filling under WGMMA_STREAM2_MAX_FILL of their rounds per SM, and every
+    stream-K CTA getting at least WGMMA_STREAM2_MIN_STAGES stages (one CTA per SM)."""
+    nt, fw, _, _ = cfg
+    if (fam.moe or nt != 128 or n % 256 or k * n < WGMMA_STREAM2_MIN_KN
+            or WGMMA_STREAM2_ROUTE not in K.WGMMA_PROD2_CONFIGS):
+        return False
+    m_tiles = -(-m // nt)
+    tiles = (n // (128 * fw)) * m_tiles
+    ctas = tiles * wgmma_splits(tiles, k, nt, fw, sms)
+    if ctas / (sms * -(-ctas // sms)) >= WGMMA_STREAM2_MAX_FILL:
+        return False
+    stages = (n // 256) * m_tiles * (k // 64)  # the stream-K sequence of the 256-feature tiles
+    return sms * max(WGMMA_STREAM2_MIN_STAGES, WGMMA_SPLIT_MIN_STAGES) <= stages < 1 << 31
+
+
 # The producer form (jm_wgmma.cuh: a producer warpgroup with setmaxnreg + one compute warpgroup of
 # two strips, two CTAs per SM; K.WGMMA_PROD_CONFIGS). H200, session 18 (benchmarks/NOTES.md), µs:
 # - the routed (64, 1, 6) config at M = 33-64, plain -> producer: f16 4-bit 8192x28672 76.5 -> 71.6
@@ -792,9 +835,10 @@ def wgmma_stream_workspace(grid: int, m_tiles: int, f_tiles: int, nt: int, fw: i
 
 def wgmma_split_bound(sms: int) -> int:
     """Partial-sum floats that cover every split launch the heuristic makes (grid <= resident
-    slots, region <= 256 x 64 floats per slot). The first split launch reserves this much, so a
-    CUDA graph captured later never needs the workspace to grow (≈ 17 MB on 132 SMs)."""
-    return 2 * sms * 256 * 64
+    slots, two regions per slot of at most 256 x 64 floats, 256 x 128 with a 128-token two-compute-warpgroup
+    producer config built: K.WGMMA_PROD2_CONFIGS). The first split launch reserves this much, so a
+    CUDA graph captured later never needs the workspace to grow (≈ 17 MB on 132 SMs, 35 MB with that config)."""
+    return 2 * sms * 256 * max([64] + [fw * nt // 2 for nt, fw, _ in K.WGMMA_PROD2_CONFIGS])
 
 
 @dataclass(frozen=True)
@@ -821,7 +865,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
                  prod: int = 0) -> WgmmaLaunch:
     """Config, kernel and grid of the wgmma kernel for (M, N, K) (memoized: the eager launch path
     runs this once per shape, not per call). prod: 1 (True) the producer form, 2 its two-compute-warpgroup
-    form (K.WGMMA_PROD2_CONFIGS, probes only; one CTA per SM, stream-K at any token tile)."""
+    form (K.WGMMA_PROD2_CONFIGS; one CTA per SM, stream-K at any token tile; routed: wgmma_route_stream2)."""
     if n % 128 or k % 64:
         raise ValueError(f"the wgmma kernel needs N % 128 == 0 and K % 64 == 0, got N={n}, K={k}")
     sms = driver.device(index).sm_count
@@ -830,7 +874,9 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         wide = wide or auto_wide
         routed = wgmma_route_prod(n, k, (nt, fw, stages, wide), fam)
         if routed is not None:
-            (nt, fw, stages), wide, prod = routed, False, True
+            (nt, fw, stages), wide, prod = routed, False, 1
+        elif splits is None and wgmma_route_stream2(m, n, k, (nt, fw, stages, wide), fam, sms):
+            (nt, fw, stages), wide, prod, splits = WGMMA_STREAM2_ROUTE, False, 2, -1
     if n % (128 * fw):
         raise ValueError(f"the wgmma kernel with {fw} strips per warpgroup needs N % {128 * fw} == 0, got N={n}")
     m_tiles, f_tiles = -(-m // nt), n // (128 * fw)

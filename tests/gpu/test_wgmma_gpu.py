@@ -176,11 +176,11 @@ def test_capture_of_a_new_split_shape_needs_no_growth():
     ws = K.default_workspace(torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert ws.ws.numel() >= G.wgmma_split_bound(sms)
-    k, n, m = 8192, 4096, 300  # a larger split launch, first seen inside the capture
-    packed2, w2 = random_weights(k, n, 4, 128, seed=3)
-    a2 = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    k, n, m = 11008, 4096, 300  # a larger split launch, first seen inside the capture (on 132 SMs since session
+    packed2, w2 = random_weights(k, n, 4, 128, seed=3)  # 39 the 128-token stream-K of two-warpgroup CTAs, whose
+    a2 = torch.randn(m, k, device="cuda", dtype=torch.float16)  # two regions per CTA are the bound)
     out2 = torch.empty(m, n, device="cuda", dtype=torch.float16)
-    assert G.wgmma_launch(m, n, k, fam, 0).splits > 1
+    assert G.wgmma_launch(m, n, k, fam, 0).splits not in (0, 1)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         G.launch_wgmma(a2, packed2.b, packed2.scales, None, None, out2, m, n, k, fam, 0)
@@ -316,7 +316,7 @@ def test_producer_form_route():
                           (32, 28672, 8192, 32), (17, 8192, 8192, 32), (17, 4096, 4096, 0), (16, 28672, 8192, 0),
                           (256, 28672, 8192, 0)):
         wl = G.wgmma_launch(m, n, k, fam, 0)
-        assert wl.prod is bool(want), (m, n, k)
+        assert wl.prod == (1 if want else 0), (m, n, k)
         assert not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (want, 1, 6, 256), (m, n, k)
     assert not G.wgmma_launch(32, 28672, 8192, K.Family("f16", 8, False, 128), 0).prod
     k, n = 8192, 8320  # K*N above 2^26, N not a multiple of 256
@@ -1043,8 +1043,8 @@ def test_moe_silu_epilogue(monkeypatch, kw):
 
 @pytest.fixture
 def prod2_configs(monkeypatch):
-    """Build the producer form with two compute warpgroups (K.WGMMA_PROD2_CONFIGS, probes only: one CTA
-    per SM, 384 threads) of a 128- and a 64-token config for this test."""
+    """Build the producer form with two compute warpgroups (K.WGMMA_PROD2_CONFIGS: one CTA per SM, 384 threads)
+    of a 128- (the routed one since session 39) and a 64-token config for this test."""
     monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", ((128, 2, 4), (64, 2, 6)))
     yield from _rebuilt(K.WGMMA_PROD2_CONFIGS)
 
@@ -1080,3 +1080,56 @@ def test_producer_form_two_warpgroups(fmt, prod2_configs):
     # stream-K at 128 tokens: one region pair per CTA of 256 x 64 floats (grid = the SMs)
     wl = G.wgmma_launch(256, 28672, 8192, fam, 0, 128, 2, 4, -1, False, 2)
     assert (wl.grid, wl.splits) == (sms, -1) and wl.ws[0] >= 2 * sms * 256 * 2 * 64
+
+
+# (M, N, K): where the route's whole 128-token tiles fill the 132 SMs of an H100 / H200 poorly (session 39:
+# ctas / (sms * rounds) under G.WGMMA_STREAM2_MAX_FILL) and where they do not
+STREAM2_ROUTED = ((384, 12288, 4096), (100, 22016, 8192), (300, 4096, 11008), (256, 22016, 4096), (384, 8192, 28672))
+STREAM2_NOT = ((512, 12288, 4096), (1024, 8192, 8192), (256, 28672, 8192), (128, 4096, 14336), (384, 4096, 4096),
+               (256, 12288, 4096))  # (the last: 47 stages per stream-K CTA, under G.WGMMA_STREAM2_MIN_STAGES)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_two_warpgroup_stream_k_route(fmt):
+    """Session 39: where whole 128-token tiles fill the SMs poorly (G.wgmma_route_stream2) the automatic launch
+    is the two-compute-warpgroup producer form (128, 2, 4) running stream-K over one CTA per SM. Through the
+    public op (general path and a layer's cache of launches: MarlinLinear's gemm_fast) NaN-poisoned outputs
+    match the reference with bias, at M with a partial token tile too, repeat bit for bit, and the counters
+    end at zero; elsewhere the route is unchanged."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, n, k in STREAM2_ROUTED + STREAM2_NOT:
+        want = G.wgmma_route_stream2(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms)
+        assert want is ((m, n, k) in STREAM2_ROUTED) or sms != 132, (m, n, k, want)
+        wl = G.wgmma_launch(m, n, k, fam, 0)
+        assert (wl.prod == 2) is want, (m, n, k, wl)
+        if want:
+            assert (wl.nt, wl.fw, wl.stages, wl.splits, wl.threads, wl.grid) == (128, 2, 4, -1, 384, sms), wl
+            assert wl.ws[0] == G.wgmma_split_bound(sms)  # two regions of 256 x 128 floats per CTA: the bound
+    shapes = ((4096, 12288, (300, 384)), (11008, 4096, (257,)))
+    for k, n, m, a, packed, bias, ref in _form_cases(fmt, shapes, seed=13):
+        assert G.wgmma_launch(m, n, k, fam, 0).prod == 2 or sms != 132, (k, n, m)
+        assert G.use_wgmma_path(m, n, k, fam, 0), (k, n, m)
+        got = run(a, packed, m, n, k, dtype, bias=bias)  # the automatic launch, output poisoned with NaN
+        check_close(got, ref, tol, f"K={k} N={n} M={m} routed 128-token stream-K")
+        assert torch.equal(got, run(a, packed, m, n, k, dtype, bias=bias)), (k, n, m)
+        op = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros, bias)
+        assert torch.equal(op, got), (k, n, m)
+        fast = G.FastGemm()
+        for _ in range(2):  # the entry built, then reused
+            out = G.gemm_fast(fast, a, packed.b, packed.scales, packed.zeros, bias)
+            assert out is not None and torch.equal(out, got), (k, n, m)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+
+
+def test_two_warpgroup_stream_k_route_in_a_cuda_graph():
+    """The routed 128-token stream-K launch (session 39) captured in a CUDA graph equals eager and gives the
+    right result on new inputs."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, k = 384, 12288, 4096
+    fam = K.Family("f16", 4, False, 128)
+    if G.wgmma_launch(m, n, k, fam, 0).prod != 2:
+        pytest.skip(f"{sms} SMs: whole tiles fill them at M={m} N={n} K={k}")
+    _graph_equals_eager(m, n, k, fam)
