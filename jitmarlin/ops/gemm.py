@@ -676,7 +676,7 @@ def wgmma_route_config(m: int, n: int, k: int, sms: int, moe: bool = False) -> t
 # 8192x22016 M=96 / 192 103.5 / 200.3 -> 87.2 / 156.7, 11008x4096 M=640 139.4 -> 114.5; 13824x5120 M=640 level.
 WGMMA_STREAM2_ROUTE = (128, 2, 4)
 WGMMA_STREAM2_MAX_FILL = 0.8
-WGMMA_STREAM2_MIN_KN = 1 << 25  # K*N at least this (smallest measured: 4096x11008)
+WGMMA_STREAM2_MIN_KN = 1 << 25  # K*N at least this (the smallest where it fires and was measured: 8192x4096)
 WGMMA_STREAM2_MIN_STAGES = 48  # 64-k stages per stream-K CTA at least this
 
 
