@@ -1133,3 +1133,58 @@ def test_two_warpgroup_stream_k_route_in_a_cuda_graph():
     if G.wgmma_launch(m, n, k, fam, 0).prod != 2:
         pytest.skip(f"{sms} SMs: whole tiles fill them at M={m} N={n} K={k}")
     _graph_equals_eager(m, n, k, fam)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_tail_split(monkeypatch, fmt):
+    """Session 39: M = 128 q + r (1 <= r <= 64, q >= 1) on the wgmma route runs as two launches on row ranges of
+    one output (G.wgmma_tail_split, forced on every K*N here): NaN-poisoned outputs match the reference with
+    bias, repeat bit for bit, and the public op gives the same with 3-D activations and (fp16 4-bit) act-order;
+    in a CUDA graph replays equal eager; the layer's launch cache leaves these M to the general path."""
+    monkeypatch.setattr(G, "WGMMA_TAIL_SPLIT_MIN_KN", 0)
+    monkeypatch.setattr(G, "WGMMA_TAIL_SPLIT_MAX_REM", 64)
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    calls = []
+    orig = G.launch_gemm
+    monkeypatch.setattr(G, "launch_gemm", lambda *args, **kw: (calls.append(args[6]), orig(*args, **kw))[1])
+    shapes = ((4096, 12288, (129, 320, 136)), (2048, 1024, (200, 641, 1000)))
+    for k, n, m, a, packed, bias, ref in _form_cases(fmt, shapes, seed=17):
+        m1 = G.wgmma_tail_split(m, n, k, fam, 0)
+        want = m - m % 128 if 1 <= m % 128 <= 64 and G.use_wgmma_path(m, n, k, fam, 0) else 0
+        assert m1 == want, (k, n, m, m1)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        calls.clear()
+        G.launch_gemm(a, packed.b, packed.scales, packed.zeros, bias, out, m, n, k, fam)
+        assert calls == ([m, m1, m - m1] if m1 else [m]), (k, n, m, calls)
+        check_close(out, ref, tol, f"K={k} N={n} M={m} tail split at {m1}")
+        again = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        G.launch_gemm(a, packed.b, packed.scales, packed.zeros, bias, again, m, n, k, fam)
+        assert torch.equal(out, again), (k, n, m)
+        if m % 2 == 0:  # 3-D activations through the op: the split crosses the batch boundary
+            op = jitmarlin.marlin_gemm(a.view(2, m // 2, k), packed.b, packed.scales, packed.zeros, bias)
+            assert torch.equal(op.view(m, n), out), (k, n, m)
+        if m1:
+            fast = G.FastGemm()
+            assert G.gemm_fast(fast, a, packed.b, packed.scales, packed.zeros, bias) is None
+    if fmt == FORMATS[0]:
+        k, n, m = 4096, 12288, 320
+        packed, w = random_weights(k, n, 4, 128, seed=19)
+        perm = torch.randperm(k, device="cuda").to(torch.int32)
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        got = jitmarlin.marlin_gemm(a, packed.b, packed.scales, perm=perm)
+        check_close(got, a[:, perm.long()].float() @ w, 1e-3, "act-order M=320, tail split")
+        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n, k, fam)
+        eager = out.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n, k, fam)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, eager)
+        a.copy_(torch.randn(m, k, device="cuda", dtype=torch.float16))
+        graph.replay()
+        check_close(out, a.float() @ w, 1e-3, "tail split in a CUDA graph, new inputs")
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
