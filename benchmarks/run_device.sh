@@ -1129,17 +1129,6 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
-    s39d)  # session 39: the tail split (gemm.wgmma_tail_split: M = 128 q + r, r <= 64, as two launches). Its GPU
-           # tests and the route tests around it first, then route vs nosplit (without it), interleaved.
-           timeout ${S39D_TEST_TIMEOUT:-150} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py tests/gpu/test_linear_gpu.py \
-             -k "tail_split or two_warpgroup_stream_k or route_through or producer_form_route or capture_of_a_new or linear" \
-             > "$OUT/s39d_test.log" 2>&1
-           echo "s39d test rc=$?"; tail -5 "$OUT/s39d_test.log"
-           timeout ${S39D_PROBE_TIMEOUT:-110} python3 benchmarks/probe_configs.py --dtype f16 \
-             --m ${S39_M:-129,144,192,257,288,320,385,448,576,641,769,897} --configs route,nosplit,route \
-             --shapes ${S39_SHAPES:-8192x28672,28672x8192,4096x12288,8192x8192,14336x4096,4096x4096,4096x11008} \
-             > "$OUT/s39d.log" 2>&1
-           echo "s39d rc=$?"; grep " us" "$OUT/s39d.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

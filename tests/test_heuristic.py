@@ -390,32 +390,6 @@ def test_wgmma_two_warpgroup_stream_k_rule(monkeypatch):
         assert floats == G.wgmma_split_bound(sms) == 2 * sms * 256 * 128 and counters == 144
 
 
-def test_wgmma_tail_split_rule(monkeypatch):
-    """Session 39: on the wgmma route, M = 128 q + r with q >= 1 and 1 <= r <= G.WGMMA_TAIL_SPLIT_MAX_REM runs as
-    two launches, the first of M - r rows; never for MoE, M <= 128, M past the route, r = 0 or r above the bound,
-    K*N under G.WGMMA_TAIL_SPLIT_MIN_KN, or off the wgmma route."""
-    from jitmarlin.ops import _kernels as K
-    from jitmarlin.ops import gemm as G
-
-    on_route = {"yes": True}
-    monkeypatch.setattr(G, "use_wgmma_path", lambda m, n, k, fam, index: on_route["yes"])
-    monkeypatch.setattr(G, "WGMMA_TAIL_SPLIT_MAX_REM", 64)
-    monkeypatch.setattr(G, "WGMMA_TAIL_SPLIT_MIN_KN", 1 << 25)
-    f4 = K.Family("f16", 4, False, 128)
-    got = {m: G.wgmma_tail_split(m, 28672, 8192, f4, 0) for m in (1, 64, 128, 129, 192, 193, 256, 257, 320, 959, 1000,
-                                                                    1023, 1024)}
-    assert got == {1: 0, 64: 0, 128: 0, 129: 128, 192: 128, 193: 0, 256: 0, 257: 256, 320: 256, 959: 896, 1000: 0,
-                   1023: 0, 1024: 0}
-    assert G.wgmma_tail_split(1025, 28672, 8192, f4, 0) == 0  # past the wgmma route (dequantize + cuBLAS)
-    assert G.wgmma_tail_split(320, 4096, 4096, f4, 0) == 0  # K*N under the bound
-    assert G.wgmma_tail_split(320, 28672, 8192, K.Family("f16", 4, False, 128, moe=True), 0) == 0
-    monkeypatch.setattr(G, "WGMMA_TAIL_SPLIT_MAX_REM", 0)
-    assert G.wgmma_tail_split(129, 28672, 8192, f4, 0) == 0  # off
-    monkeypatch.setattr(G, "WGMMA_TAIL_SPLIT_MAX_REM", 64)
-    on_route["yes"] = False
-    assert G.wgmma_tail_split(129, 28672, 8192, f4, 0) == 0
-
-
 def test_wgmma_route_falls_back_when_its_module_cannot_be_built(monkeypatch):
     """Chosen automatically, a wgmma module that cannot be built (nvcc without sm_90a, a prebuilt
     cache without it under JITMARLIN_DISABLE_JIT) means the mma.sync path and one warning; forced

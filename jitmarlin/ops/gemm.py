@@ -983,24 +983,6 @@ def wgmma_pdl_after_gather(n: int, k: int) -> bool:
     return k * n > WGMMA_PDL_AFTER_GATHER_MIN_KN
 
 
-# The tail split (session 39): M = 128 q + r (q >= 1, 1 <= r <= WGMMA_TAIL_SPLIT_MAX_REM) on the wgmma route runs
-# as two launches on row ranges of the same output, q whole 128-token tiles and the last r rows on their own
-# route (a small-M kernel), instead of q + 1 tiles whose last one is mostly padding (bench_gemm session 39: M =
-# 320, 2.5 tiles, the slowest column against cuBLAS on seven of eight shapes). The second launch reads the
-# weights again, so it pays where a tile's worth of MMA and dequantization costs more than one weight read.
-WGMMA_TAIL_SPLIT_MAX_REM = 64
-WGMMA_TAIL_SPLIT_MIN_KN = 0  # K*N at least this
-
-
-def wgmma_tail_split(m: int, n: int, k: int, fam: Family, index: int) -> int:
-    """Rows of the first of two launches that run an M-row GEMM (the tail split above), or 0 for one launch."""
-    r = m % 128
-    if (fam.moe or m <= 128 or m >= WGMMA_AUTO_M[1] or not 1 <= r <= WGMMA_TAIL_SPLIT_MAX_REM
-            or k * n < WGMMA_TAIL_SPLIT_MIN_KN):
-        return 0
-    return m - r if use_wgmma_path(m, n, k, fam, index) else 0
-
-
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family,
                 workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None,
@@ -1014,12 +996,6 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace,
                      pdl=perm is None or wgmma_pdl_after_gather(n, k))
-        return
-    m1 = wgmma_tail_split(m, n, k, fam, index) if plan_override is None else 0
-    if m1:  # two launches on row ranges (a and out are contiguous: check_args); the gather, if any, is done
-        a2, o2 = a.reshape(m, k), out.view(m, n)
-        launch_gemm(a2[:m1], b, scales, zeros, bias, o2[:m1], m1, n, k, fam, workspace)
-        launch_gemm(a2[m1:], b, scales, zeros, bias, o2[m1:], m - m1, n, k, fam, workspace)
         return
     if plan_override is None and use_wgmma_path(m, n, k, fam, index):
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace,
@@ -1124,10 +1100,8 @@ class _FastEntry:
 
 def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zeros, bias, a) -> _FastEntry | None:
     """The launch the general path (launch_gemm without a perm) makes for M = m, with its static
-    parameters filled in; None for the dequantize + cuBLAS route and the tail split (two launches)."""
+    parameters filled in; None for the dequantize + cuBLAS route."""
     ws = K.default_workspace(a.device)
-    if wgmma_tail_split(m, n, k, fam, index):
-        return None  # two launches: the general path
     if use_wgmma_path(m, n, k, fam, index):
         wl = wgmma_launch(m, n, k, fam, index)
         p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)
