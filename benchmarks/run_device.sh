@@ -1129,6 +1129,13 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
+    s40a)  # PREPARED in session 39 (probe only): the M = 129 / 144 effect (s39d: without any split, 1.1-1.6x slower
+           # than M = 192 on the same launch on 8192^2, 4096x12288, 4096x11008, 14336x4096). Three passes of the
+           # route over M around 128 / 192 (if it holds: ncu on M = 129 vs 192, then the TMA box past M).
+           timeout 150 python3 benchmarks/probe_configs.py --dtype f16 --m 96,120,128,129,130,136,144,160,176,192,256 \
+             --configs route,route,route --shapes 8192x8192,4096x12288,4096x11008,14336x4096,8192x28672 \
+             > "$OUT/s40a.log" 2>&1
+           echo "s40a rc=$?"; grep " us" "$OUT/s40a.log";;
     moeprof) timeout 120 python3 benchmarks/profile_moe.py > "$OUT/moeprof.log" 2>&1; echo "moeprof rc=$?"
            grep -v "^jitmarlin" "$OUT/moeprof.log" | head -60;;
     e2e)   timeout ${E2E_TIMEOUT:-600} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
