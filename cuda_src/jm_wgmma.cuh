@@ -1168,7 +1168,8 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
     m_tiles = *p.num_padded / NT;
   }
   // stream-K for tiles of up to 64 tokens (at 128 the plain and wide kernels' registers spill with it), and
-  // in the producer form with two compute warpgroups (232 registers each; probes, K.WGMMA_PROD2_CONFIGS)
+  // in the producer form with two compute warpgroups (232 registers each; K.WGMMA_PROD2_CONFIGS, routed where
+  // 128-token tiles fill the SMs poorly: gemm.wgmma_route_stream2)
   const bool stream = MOE || ((NT <= 64 || (PROD && WGS == 2)) && p.k_splits < 0);
   const int splits = MOE || p.k_splits < 1 ? 1 : p.k_splits;
   // the CTAs that share the W stages (MoE: none past W)
@@ -1327,8 +1328,9 @@ JM_DEVICE void wgmma_body(const JmGemmParams p, const JmTensorMap* amap) {
 // warpgroups of FW strips and one producer warpgroup, 128 (WGS + 1) threads, MINB CTAs per SM; the
 // producer warpgroup drops to kWgProdRegs registers and the compute warpgroups take the rest
 // (setmaxnreg, wgmma_body). Built with WGS = 1 (256 threads) and MINB = 2 CTAs per SM: FW = 2 for the
-// host's 128-feature configs, FW = 4 for its 256-feature ones (session 20; the two-compute-warpgroup
-// form WGS = 2, MINB = 1, FW = 2 of session 19 compiles but is not built: it was slower, NOTES.md);
+// host's 128-feature configs, FW = 4 for its 256-feature ones (session 20); WGS = 2, MINB = 1, FW = 2: two
+// compute warpgroups, 128-token tiles with stream-K (K.WGMMA_PROD2_CONFIGS; session 19 found it slower with
+// whole tiles, session 39 routes it where whole tiles fill the SMs poorly, NOTES.md);
 // or MINB = 3 with FW = 2 and tiles of up to 32 tokens (K.WGMMA_PROD_CTAS: 12 compute warps per SM,
 // 120 registers each, one accumulator set; the route at M = 17-32 on large problems since session 20).
 // With four strips a k16 step issues four wgmma and the ring's stage holds 8 KB of 4-bit weights per

@@ -853,7 +853,8 @@ class WgmmaLaunch:
     ws: tuple[int, int]  # (floats, counters) to reserve when splits != 1 (at least wgmma_split_bound)
     pdl: bool
     nt: int  # tokens per tile (the TMA box of the activations)
-    threads: int = 256  # 512: the wide form (four warpgroups of one strip); the producer form K.WGMMA_PROD_THREADS
+    threads: int = 256  # 512: the wide form (four warpgroups of one strip); the producer form K.WGMMA_PROD_THREADS,
+    # its two-compute-warpgroup form K.WGMMA_PROD2_THREADS
     fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
     stages: int = 4
     prod: int = 0  # 1 the producer form (its activations by TMA at every token tile), 2 its two-compute-warpgroup form
@@ -950,13 +951,14 @@ def _wgmma_params(wl: WgmmaLaunch, m: int, n: int, k: int, b, scales, zeros, bia
 
 def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Family, index: int,
                  nt: int | None = None, fw: int | None = None, stages: int | None = None,
-                 splits: int | None = None, wide: bool = False, prod: bool = False, *,
+                 splits: int | None = None, wide: bool = False, prod: int = 0, *,
                  workspace: Workspace | None = None, pdl: bool = True) -> None:
     """pdl=False: a plain launch even where programmatic dependent launch is on (after the act-order
     gather on small problems: launch_gemm, wgmma_pdl_after_gather). wide: the four-warpgroup form of
     a two-strip config (K.WGMMA_WIDE_CONFIGS; the automatic config takes it where
-    wgmma_route_config says). prod: its producer form (K.dense_prod_configs; the automatic config
-    takes it where wgmma_route_prod says)."""
+    wgmma_route_config says). prod: 1 (True) its producer form (K.dense_prod_configs; the automatic config
+    takes it where wgmma_route_prod says), 2 the two-compute-warpgroup form (K.WGMMA_PROD2_CONFIGS; where
+    wgmma_route_stream2 says)."""
     wl = wgmma_launch(m, n, k, fam, index, nt, fw, stages, splits, wide, prod)
     p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)
     p.a, p.c = a.data_ptr(), out.data_ptr()
