@@ -1129,6 +1129,20 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
+    s40c)  # session 40: the shifted partial last tile (jm_wgmma.cuh atok0) vs the box at tok0 (-DJM_WG_NO_SHIFT),
+           # two interleaved rounds of the route, then the wgmma GPU tests
+           for r in 1 2; do
+             for f in "" -DJM_WG_NO_SHIFT; do
+               JITMARLIN_NVCC_FLAGS="$f" timeout 150 python3 benchmarks/probe_configs.py --dtype f16 \
+                 --m ${S40_M:-17,40,65,100,129,144,160,192,257,320,400,640,1000} --configs route \
+                 --shapes ${S40_SHAPES:-8192x8192,4096x12288,4096x11008,14336x4096,8192x28672,28672x8192,4096x4096} \
+                 >> "$OUT/s40c.log" 2>&1
+               echo "s40c round $r flags '$f' rc=$?"
+             done
+           done
+           grep -c " us" "$OUT/s40c.log"
+           timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s40c_test.log" 2>&1
+           echo "s40c test rc=$?"; tail -8 "$OUT/s40c_test.log";;
     s40a)  # PREPARED in session 39 (probe only): the M = 129 / 144 effect (s39d: without any split, 1.1-1.6x slower
            # than M = 192 on the same launch on 8192^2, 4096x12288, 4096x11008, 14336x4096). Three passes of the
            # route over M around 128 / 192 (if it holds: ncu on M = 129 vs 192, then the TMA box past M).

@@ -426,6 +426,24 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   const int strip0 = silu ? f_tile : f_tile * S::kStrips;  // the CTA's first strip
 #endif
   const int tok0 = m_tile * NT;  // this piece's stages: [kt0, kt0 + k_tiles)
+  // The plain dense form's partial last token tile keeps at most NT / 2 of its activation box's rows past M:
+  // with fewer than NT / 2 rows of its own (M - tok0) it reads the NT / 2 rows before M as well, [M - NT / 2,
+  // M + NT / 2), and writes only its own rows [tok0, M). H200 session 40 (route, f16 4-bit, the 128-token
+  // plain form, us): TMA boxes mostly past M made the launch up to 1.6x slower than one more tile's worth of
+  // rows (s40a: 4096x12288 M = 129 / 144 / 160 / 176 / 192 77.2 / 70.6 / 62.4 / 49.7 / 49.9; 8192^2 89.8 / 82.4 /
+  // 76.3 / 63.6 / 59.0), and without TMA (-DJM_WG_NO_TMA) M = 129 cost what 192 did. The box moved to end at M
+  // (no row past M; s40c) gained there (8192^2 M = 129 / 144 / 160 90.1 / 83.6 / 74.9 -> 58.8 / 59.2 / 62.7,
+  // 4096x11008 M = 257 66.7 -> 53.5) but cost 3-7% where the boxes held 64 real rows (14336x4096 M = 192 53.4 ->
+  // 58.1): rows read from L2 cost more than zero-filled ones up to about half a box. The wide, producer
+  // and MoE forms showed no such loss and keep the box at tok0 (moved, they were 2-14% slower: 8192x28672
+  // M = 257 300.5 -> 344.3 wide, 28672x8192 290.9 -> 330.0 two-compute-warpgroup form).
+  // -DJM_WG_NO_SHIFT: the box at tok0 in every form (A/B).
+#if defined(JM_WG_NO_SHIFT)
+  constexpr bool kShiftBox = false;
+#else
+  constexpr bool kShiftBox = !MOE && !PROD && WGS == 2 && wg_tma(NT, MOE);
+#endif
+  const int atok0 = kShiftBox && p.m - tok0 < NT / 2 && tok0 > 0 ? p.m - NT / 2 : tok0;  // the box's first row
   const int e0 = 2 * warp;  // this warp's n8-blocks of a strip: e0, e0 + 1 (features 16 warp .. +15)
   if (tid == 0) {
     JM_TL(0, globaltimer());
@@ -463,7 +481,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 #pragma unroll
   for (int i = 0; i < kActPerThread; i++) {
     const int c = (tid + kThreads * i) % kActChunks, r = 8 * (c >> 6) + (c & 7), j = (c >> 3) & 7;
-    int row = tok0 + r;
+    int row = atok0 + r;  // (atok0 = tok0 but in the plain TMA form; MoE: a slot index)
     bool valid;
     if constexpr (MOE) {  // A row of a (token, k) slot: its token, or its position when pre-gathered
       const int slot_id = __ldg(p.sorted_ids + row);
@@ -532,7 +550,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
       };
       auto issue_acts = [&](int i, int slot) {
 #if !defined(JM_WG_NO_ACT)
-        tma_load_2d(smem + slot * S::kBytes, amap, (kt0 + i) * 64, tok0, &ring.full[slot]);
+        tma_load_2d(smem + slot * S::kBytes, amap, (kt0 + i) * 64, atok0, &ring.full[slot]);
 #endif
       };
       // the weights of the first fills before waiting for the previous kernel (they never depend
@@ -584,7 +602,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         mbar_arrive(&ring.act[slot]);
 #else
         mbar_arrive_expect_tx(&ring.act[slot], S::kAct);
-        tma_load_2d(st, amap, kt * 64, tok0, &ring.act[slot]);
+        tma_load_2d(st, amap, kt * 64, atok0, &ring.act[slot]);
 #endif
       }
       return;
@@ -1113,7 +1131,8 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     for (int i = 0; i < NT / 8; i++) {
 #pragma unroll
       for (int c = 0; c < 2; c++) {
-        int tok = tok0 + 8 * i + 2 * t4 + c;
+        int tok = atok0 + 8 * i + 2 * t4 + c;
+        if (kShiftBox && tok < tok0) continue;  // a row of the previous tile (a shifted box)
         float w = 1.f;
         if constexpr (MOE) {  // output row = the slot; times its routing weight when given
           tok = __ldg(p.sorted_ids + tok);

@@ -1082,6 +1082,62 @@ def test_producer_form_two_warpgroups(fmt, prod2_configs):
     assert (wl.grid, wl.splits) == (sms, -1) and wl.ws[0] >= 2 * sms * 256 * 2 * 64
 
 
+def _built_dense_forms(bits):
+    """Every dense wgmma kernel a family builds by default, as the `cfg` tails run() takes: (nt, fw, stages, form
+    flags...) for the plain configs, the wide ones, the producer form and its two-compute-warpgroup form."""
+    forms = [c + (None,) for c in K.WGMMA_CONFIGS]
+    forms += [c + (None, True) for c in K.WGMMA_WIDE_CONFIGS]
+    forms += [c + (None, False, True) for c in K.dense_prod_configs(bits)]
+    forms += [c + (None, False, 2) for c in K.WGMMA_PROD2_CONFIGS]
+    return forms
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[4]], ids=("float16-u4-g128", "bfloat16-u8-g32-zp"))
+def test_partial_last_tile_reads_rows_ending_at_m(fmt):
+    """Session 40: the plain form's partial last token tile with under NT / 2 rows of its own reads the NT / 2 rows
+    before M as well and writes only its own rows (TMA boxes mostly past M ran up to 1.6x slower on the H200);
+    the other forms keep their box at the tile's first row. Every dense kernel built by
+    default, M on both sides of each tile boundary (one row into a tile, a quarter, half a tile, one row short of whole
+    tiles, a single partial tile, whole tiles), one K split, three and stream-K where the form runs it with a stage
+    per CTA:
+    NaN-poisoned outputs match the reference with bias and repeat bit for bit; an activation row changed after
+    the call changes only its own output row on the next call (no row of the previous tile is written from the
+    shifted one with other data)."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n = 2048, 1024
+    packed, w = random_weights(k, n, bits, group, zp, dtype, seed=17)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    checked = 0
+    for nt, fw, st, _, *form in _built_dense_forms(bits):
+        for m in sorted({nt - 1, nt + 1, nt + nt // 4, nt + nt // 2, 2 * nt + 1, 3 * nt - 1, 2 * nt}):
+            if m < 9 or m > 4 * 128:
+                continue
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            ref = a.float() @ w + bias.float()
+            stages = -(-m // nt) * (n // (128 * fw)) * (k // 64)
+            # CTAs per SM: the producer form's own count, one for the wide and two-compute-warpgroup forms
+            ctas = K.prod_ctas((nt, fw, st), bits) if form == [False, True] else 1 if form or fw == 2 else 2
+            stream = (nt <= 64 or form == [False, 2]) and stages >= ctas * sms  # (plain 128-token tiles: never)
+            for splits in (1, 3) + ((-1,) if stream else ()):
+                cfg = (nt, fw, st, splits, *form)
+                got = run(a, packed, m, n, k, dtype, cfg, bias=bias)
+                check_close(got, ref, tol, f"M={m} config={cfg}")
+                assert torch.equal(got, run(a, packed, m, n, k, dtype, cfg, bias=bias)), (m, cfg)
+                checked += 1
+            if m > nt and m % nt:  # the shifted tile's first row belongs to the tile before it
+                row = (m // nt) * nt - 1
+                a2 = a.clone()
+                a2[row] = torch.randn(k, device="cuda", dtype=dtype)
+                cfg = (nt, fw, st, 1, *form)
+                before, after = run(a, packed, m, n, k, dtype, cfg, bias=bias), run(a2, packed, m, n, k, dtype, cfg, bias=bias)
+                changed = (before != after).any(dim=1).nonzero().flatten().tolist()
+                assert changed == [row], (m, cfg, changed)
+    assert checked >= 60, checked
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+
+
 # (M, N, K): where the route's whole 128-token tiles fill the 132 SMs of an H100 / H200 poorly (session 39:
 # ctas / (sms * rounds) under G.WGMMA_STREAM2_MAX_FILL) and where they do not
 STREAM2_ROUTED = ((384, 12288, 4096), (100, 22016, 8192), (300, 4096, 11008), (256, 22016, 4096), (384, 8192, 28672))
