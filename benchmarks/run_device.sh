@@ -1129,6 +1129,12 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
+    s41b)  # PREPARED in session 40 (main): the moved TMA box of session 40 against the peers at M just past a
+           # multiple of 128 (the probe A/B showed the gain against our own old build only)
+           timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --json "$OUT/s41b.json" --peers humming \
+             --variants none --m 129,144,160,257,288 \
+             --shapes 8192x8192,4096x12288,4096x11008,14336x4096,4096x4096,8192x28672 > "$OUT/s41b.log" 2>&1
+           echo "s41b rc=$?"; grep -E "^\| [0-9]" "$OUT/s41b.log";;
     s40c)  # session 40: the shifted partial last tile (jm_wgmma.cuh atok0) vs the box at tok0 (-DJM_WG_NO_SHIFT),
            # two interleaved rounds of the route, then the wgmma GPU tests
            for r in 1 2; do

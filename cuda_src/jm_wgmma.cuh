@@ -429,15 +429,14 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // The plain dense form's partial last token tile keeps at most NT / 2 of its activation box's rows past M:
   // with fewer than NT / 2 rows of its own (M - tok0) it reads the NT / 2 rows before M as well, [M - NT / 2,
   // M + NT / 2), and writes only its own rows [tok0, M). H200 session 40 (route, f16 4-bit, the 128-token
-  // plain form, us): TMA boxes mostly past M made the launch up to 1.6x slower than one more tile's worth of
-  // rows (s40a: 4096x12288 M = 129 / 144 / 160 / 176 / 192 77.2 / 70.6 / 62.4 / 49.7 / 49.9; 8192^2 89.8 / 82.4 /
-  // 76.3 / 63.6 / 59.0), and without TMA (-DJM_WG_NO_TMA) M = 129 cost what 192 did. The box moved to end at M
-  // (no row past M; s40c) gained there (8192^2 M = 129 / 144 / 160 90.1 / 83.6 / 74.9 -> 58.8 / 59.2 / 62.7,
-  // 4096x11008 M = 257 66.7 -> 53.5) but cost 3-7% where the boxes held 64 real rows (14336x4096 M = 192 53.4 ->
-  // 58.1): rows read from L2 cost more than zero-filled ones up to about half a box. The wide, producer
-  // and MoE forms showed no such loss and keep the box at tok0 (moved, they were 2-14% slower: 8192x28672
-  // M = 257 300.5 -> 344.3 wide, 28672x8192 290.9 -> 330.0 two-compute-warpgroup form).
-  // -DJM_WG_NO_SHIFT: the box at tok0 in every form (A/B).
+  // plain form, us; benchmarks/NOTES.md): TMA boxes mostly past M made the launch up to 1.6x slower than one
+  // more tile's worth of rows (s40a: 8192^2 M = 129 / 144 / 160 / 176 / 192 89.8 / 82.4 / 76.3 / 63.6 / 59.0),
+  // and without TMA (-DJM_WG_NO_TMA) M = 129 cost what 192 did. With this rule (s40c, against -DJM_WG_NO_SHIFT):
+  // 8192^2 M = 129 / 144 / 160 / 176 57.9 / 58.2 / 58.9 / 59.3 vs 89.5 / 81.0 / 76.2 / 67.1, 4096x11008 M = 257
+  // 52.8 vs 65.9, the rest level. A box moved all the way to end at M cost 3-7% where it held 64 real rows
+  // (14336x4096 M = 192 56.8 vs 52.9: rows read from L2 cost more than a modest zero fill), and 2-14% in the
+  // wide and producer forms, which never paid for the zero fill (8192x28672 M = 257 wide 335.6 vs 300.5): they
+  // keep the box at tok0, as MoE does. -DJM_WG_NO_SHIFT: the box at tok0 in every form (A/B).
 #if defined(JM_WG_NO_SHIFT)
   constexpr bool kShiftBox = false;
 #else
