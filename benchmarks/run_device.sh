@@ -1129,6 +1129,19 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
+    s41c)  # PREPARED in session 40 (main): the act-order gathers trigger the GEMM after them only once they have
+           # waited for the kernel before (-DJM_GATHER_TRIGGER_AFTER_WAIT) vs first (default), ABBA, with the
+           # wgmma kernel after the gather by the rule and always as a programmatic dependent. Prediction: in the
+           # chain GEMM -> gather -> GEMM the next GEMM no longer becomes resident under the previous one, so the
+           # link (4096^2 M = 16: 3.2 us over the GEMM, NOTES session 35) shrinks toward the gather's own ~1.5 us.
+           for f in "" -DJM_GATHER_TRIGGER_AFTER_WAIT -DJM_GATHER_TRIGGER_AFTER_WAIT ""; do
+             for w in -1 1; do
+               JITMARLIN_NVCC_FLAGS="$f" timeout 120 python3 benchmarks/probe_act_order.py --wgmma-pdl $w --m 1,8,16 \
+                 --shapes 4096x4096,14336x4096,8192x8192,4096x28672,28672x8192,8192x28672 >> "$OUT/s41c.log" 2>&1
+               echo "s41c flags '$f' wgmma-pdl $w rc=$?"
+             done
+           done
+           grep -v "^jitmarlin" "$OUT/s41c.log" | tail -80;;
     s41b)  # PREPARED in session 40 (main): the moved TMA box of session 40 against the peers at M just past a
            # multiple of 128 (the probe A/B showed the gain against our own old build only)
            timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --json "$OUT/s41b.json" --peers humming \
