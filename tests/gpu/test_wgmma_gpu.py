@@ -1093,7 +1093,7 @@ def _built_dense_forms(bits):
 
 
 @pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[4]], ids=("float16-u4-g128", "bfloat16-u8-g32-zp"))
-def test_partial_last_tile_reads_rows_ending_at_m(fmt):
+def test_partial_last_tile_box(fmt):
     """Session 40: the plain form's partial last token tile with under NT / 2 rows of its own reads the NT / 2 rows
     before M as well and writes only its own rows (TMA boxes mostly past M ran up to 1.6x slower on the H200);
     the other forms keep their box at the tile's first row. Every dense kernel built by
@@ -1126,7 +1126,7 @@ def test_partial_last_tile_reads_rows_ending_at_m(fmt):
                 check_close(got, ref, tol, f"M={m} config={cfg}")
                 assert torch.equal(got, run(a, packed, m, n, k, dtype, cfg, bias=bias)), (m, cfg)
                 checked += 1
-            if m > nt and m % nt:  # the shifted tile's first row belongs to the tile before it
+            if m > nt and m % nt:  # where the plain form's box moves back, its first rows belong to the tile before
                 row = (m // nt) * nt - 1
                 a2 = a.clone()
                 a2[row] = torch.randn(k, device="cuda", dtype=dtype)
