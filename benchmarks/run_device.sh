@@ -1145,6 +1145,25 @@ for st in $STAGES; do
              done
            done
            grep -v "^jitmarlin" "$OUT/s41c.log" | tail -80;;
+    s41d)  # session 41: s41c in one call with its tests and s41b. The act-order gathers' trigger after their wait
+           # (-DJM_GATHER_TRIGGER_AFTER_WAIT, F below) vs first (default), interleaved default, F, F, default with
+           # the library's wgmma PDL rule (-1) and F / default with the wgmma kernel always a programmatic
+           # dependent of the gather (1); then the act-order GPU tests on the flagged build (flipping the default
+           # gives the flagged build's machine code); then s41b (BENCH_TIMEOUT, default 200 s here).
+           for spec in ":-1" "F:-1" "F:1" ":1" "F:-1" ":-1"; do
+             f=${spec%%:*}; w=${spec##*:}; [ "$f" = F ] && f=-DJM_GATHER_TRIGGER_AFTER_WAIT
+             JITMARLIN_NVCC_FLAGS="$f" timeout 80 python3 benchmarks/probe_act_order.py --wgmma-pdl $w --m 1,8,16 \
+               --shapes 4096x4096,14336x4096,8192x8192,4096x28672,28672x8192,8192x28672 >> "$OUT/s41d.log" 2>&1
+             echo "s41d flags '$f' wgmma-pdl $w rc=$?"
+           done
+           grep -v "^jitmarlin" "$OUT/s41d.log" | tail -120
+           JITMARLIN_NVCC_FLAGS=-DJM_GATHER_TRIGGER_AFTER_WAIT timeout ${S41D_TEST_TIMEOUT:-150} python3 -m pytest -q -rs \
+             tests/gpu -k "act_order or perm or gather" > "$OUT/s41d_test.log" 2>&1
+           echo "s41d test rc=$?"; tail -4 "$OUT/s41d_test.log"
+           timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_gemm.py --json "$OUT/s41b.json" --peers humming \
+             --variants none --m 129,144,160,257,288 \
+             --shapes 8192x8192,4096x12288,4096x11008,14336x4096,4096x4096,8192x28672 > "$OUT/s41b.log" 2>&1
+           echo "s41b rc=$?"; grep -E "^\| [0-9]" "$OUT/s41b.log";;
     s41b)  # PREPARED in session 40 (main): the moved TMA box of session 40 against the peers at M just past a
            # multiple of 128 (the probe A/B showed the gain against our own old build only)
            timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --json "$OUT/s41b.json" --peers humming \
