@@ -1132,19 +1132,6 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
-    s41c)  # PREPARED in session 40 (main): the act-order gathers trigger the GEMM after them only once they have
-           # waited for the kernel before (-DJM_GATHER_TRIGGER_AFTER_WAIT) vs first (default), ABBA, with the
-           # wgmma kernel after the gather by the rule and always as a programmatic dependent. Prediction: in the
-           # chain GEMM -> gather -> GEMM the next GEMM no longer becomes resident under the previous one, so the
-           # link (4096^2 M = 16: 3.2 us over the GEMM, NOTES session 35) shrinks toward the gather's own ~1.5 us.
-           for f in "" -DJM_GATHER_TRIGGER_AFTER_WAIT -DJM_GATHER_TRIGGER_AFTER_WAIT ""; do
-             for w in -1 1; do
-               JITMARLIN_NVCC_FLAGS="$f" timeout 120 python3 benchmarks/probe_act_order.py --wgmma-pdl $w --m 1,8,16 \
-                 --shapes 4096x4096,14336x4096,8192x8192,4096x28672,28672x8192,8192x28672 >> "$OUT/s41c.log" 2>&1
-               echo "s41c flags '$f' wgmma-pdl $w rc=$?"
-             done
-           done
-           grep -v "^jitmarlin" "$OUT/s41c.log" | tail -80;;
     s41e)  # session 41: token tiles of 144 / 160 / 192 / 256 rows (wgmma n144..n256) in the two-compute-warpgroup
            # producer form, one token tile where the route runs two of 128 (M = 129-256: s41b, 8192x28672 M = 129
            # 194.9 us vs Humming 96.7, cuBLAS 115.7). Against the route and the same form at 128 tokens, stream-K
@@ -1154,7 +1141,7 @@ for st in $STAGES; do
              --configs ${S41E_CONFIGS:-route,wgmma-n128-f2-s4-sk-p2,wgmma-n144-f2-s4-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n192-f2-s4-sk-p2,wgmma-n256-f1-s4-sk-p2} \
              --shapes ${S41E_SHAPES:-8192x28672,8192x8192,4096x12288,14336x4096,4096x4096} > "$OUT/s41e.log" 2>&1
            echo "s41e rc=$?"; grep " us\|failed" "$OUT/s41e.log" | sed 's/^\[default\] f16 u4 //';;
-    s41d)  # session 41: s41c in one call with its tests and s41b. The act-order gathers' trigger after their wait
+    s41d)  # session 41 (a record: the flag was removed after this run, which it lost): in one call with its tests and s41b. The act-order gathers' trigger after their wait
            # (-DJM_GATHER_TRIGGER_AFTER_WAIT, F below) vs first (default), interleaved default, F, F, default with
            # the library's wgmma PDL rule (-1) and F / default with the wgmma kernel always a programmatic
            # dependent of the gather (1); then the act-order GPU tests on the flagged build (flipping the default

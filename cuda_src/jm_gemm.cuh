@@ -1148,18 +1148,12 @@ namespace jm {
 // programmatic dependent launch (sm_90) it lets the GEMM after it launch at once, so that the
 // GEMM's first weight copies overlap this kernel, reads perm while the kernel before it still
 // runs, and waits for that kernel before reading A.
-// -DJM_GATHER_TRIGGER_AFTER_WAIT (probe, session 40, not measured yet): both gathers let the GEMM after them
-// launch only once they have waited for the kernel before (as jm_moe_gather since session 35), so that in a
-// chain GEMM -> gather -> GEMM the next GEMM's CTAs do not become resident while the previous GEMM still runs.
-#if defined(JM_GATHER_TRIGGER_AFTER_WAIT)
-constexpr bool kGatherTriggerFirst = false;
-#else
-constexpr bool kGatherTriggerFirst = true;
-#endif
+// (Triggering after the wait instead, as jm_moe_gather does, measured slower: H200 session 41, act-order
+// layer 4096^2 M = 1 7.9 -> 10.0 us, 14336x4096 M = 1 16.2 -> 19.1; benchmarks/NOTES.md.)
 
 template <typename T>
 JM_DEVICE void gather_body(const JmGemmParams p) {
-  if constexpr (kGatherTriggerFirst) griddep_launch_dependents();
+  griddep_launch_dependents();
   const int chunks = p.k / 8;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(p.m) * chunks) return;
@@ -1168,7 +1162,6 @@ JM_DEVICE void gather_body(const JmGemmParams p) {
   const int4 c0 = __ldg(reinterpret_cast<const int4*>(p.perm + j0));
   const int4 c1 = __ldg(reinterpret_cast<const int4*>(p.perm + j0 + 4));
   griddep_wait();
-  if constexpr (!kGatherTriggerFirst) griddep_launch_dependents();
   const unsigned short* src = static_cast<const unsigned short*>(p.a) + static_cast<int64_t>(row) * p.lda;
   const int cols[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
   uint32_t packed[4];
@@ -1191,7 +1184,7 @@ constexpr int kGatherSmemChunks = 4;
 
 template <typename T>
 JM_DEVICE void gather_smem_body(const JmGemmParams p) {
-  if constexpr (kGatherTriggerFirst) griddep_launch_dependents();
+  griddep_launch_dependents();
   extern __shared__ __align__(16) uint8_t smem[];
   const int parts = p.n, chunks = p.k / 8;
   const int row = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) - row * parts;
@@ -1208,7 +1201,6 @@ JM_DEVICE void gather_smem_body(const JmGemmParams p) {
     }
   }
   griddep_wait();
-  if constexpr (!kGatherTriggerFirst) griddep_launch_dependents();
   const int4* src = reinterpret_cast<const int4*>(static_cast<const T*>(p.a) + static_cast<int64_t>(row) * p.lda);
   int4* srow = reinterpret_cast<int4*>(smem);
 #pragma unroll 4
