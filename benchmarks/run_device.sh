@@ -1133,7 +1133,7 @@ for st in $STAGES; do
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
     s41e)  # session 41: token tiles of 144 / 160 / 192 / 256 rows (wgmma n144..n256) in the two-compute-warpgroup
-           # producer form, one token tile where the route runs two of 128 (M = 129-256: s41b, 8192x28672 M = 129
+           # producer form, one token tile where the route runs two of 128 (M = 129-256: the bench of s41d, 8192x28672 M = 129
            # 194.9 us vs Humming 96.7, cuBLAS 115.7). Against the route and the same form at 128 tokens, stream-K
            # (-sk); the probe checks each output against the reference (err).
            timeout ${S41E_TIMEOUT:-330} python3 benchmarks/probe_configs.py --dtype f16 --m ${S41E_M:-129,160,192,256,512} \
@@ -1141,11 +1141,12 @@ for st in $STAGES; do
              --configs ${S41E_CONFIGS:-route,wgmma-n128-f2-s4-sk-p2,wgmma-n144-f2-s4-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n192-f2-s4-sk-p2,wgmma-n256-f1-s4-sk-p2} \
              --shapes ${S41E_SHAPES:-8192x28672,8192x8192,4096x12288,14336x4096,4096x4096} > "$OUT/s41e.log" 2>&1
            echo "s41e rc=$?"; grep " us\|failed" "$OUT/s41e.log" | sed 's/^\[default\] f16 u4 //';;
-    s41d)  # session 41 (a record: the flag was removed after this run, which it lost): in one call with its tests and s41b. The act-order gathers' trigger after their wait
-           # (-DJM_GATHER_TRIGGER_AFTER_WAIT, F below) vs first (default), interleaved default, F, F, default with
+    s41d)  # session 41 (a record: the flag was removed after this run, which it lost). The act-order gathers'
+           # trigger after their wait (-DJM_GATHER_TRIGGER_AFTER_WAIT, F below) vs first (default), interleaved default, F, F, default with
            # the library's wgmma PDL rule (-1) and F / default with the wgmma kernel always a programmatic
            # dependent of the gather (1); then the act-order GPU tests on the flagged build (flipping the default
-           # gives the flagged build's machine code); then s41b (BENCH_TIMEOUT, default 200 s here).
+           # gives the flagged build's machine code); then bench_gemm with Humming at M just past a multiple of 128
+           # (session 40's moved box against the peers; BENCH_TIMEOUT, default 200 s here).
            for spec in ":-1" "F:-1" "F:1" ":1" "F:-1" ":-1"; do
              f=${spec%%:*}; w=${spec##*:}; [ "$f" = F ] && f=-DJM_GATHER_TRIGGER_AFTER_WAIT
              JITMARLIN_NVCC_FLAGS="$f" timeout 80 python3 benchmarks/probe_act_order.py --wgmma-pdl $w --m 1,8,16 \
@@ -1157,12 +1158,6 @@ for st in $STAGES; do
              tests/gpu -k "act_order or perm or gather" > "$OUT/s41d_test.log" 2>&1
            echo "s41d test rc=$?"; tail -4 "$OUT/s41d_test.log"
            timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_gemm.py --json "$OUT/s41b.json" --peers humming \
-             --variants none --m 129,144,160,257,288 \
-             --shapes 8192x8192,4096x12288,4096x11008,14336x4096,4096x4096,8192x28672 > "$OUT/s41b.log" 2>&1
-           echo "s41b rc=$?"; grep -E "^\| [0-9]" "$OUT/s41b.log";;
-    s41b)  # PREPARED in session 40 (main): the moved TMA box of session 40 against the peers at M just past a
-           # multiple of 128 (the probe A/B showed the gain against our own old build only)
-           timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --json "$OUT/s41b.json" --peers humming \
              --variants none --m 129,144,160,257,288 \
              --shapes 8192x8192,4096x12288,4096x11008,14336x4096,4096x4096,8192x28672 > "$OUT/s41b.log" 2>&1
            echo "s41b rc=$?"; grep -E "^\| [0-9]" "$OUT/s41b.log";;
