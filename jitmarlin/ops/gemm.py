@@ -698,6 +698,31 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
     return sms * max(WGMMA_STREAM2_MIN_STAGES, WGMMA_SPLIT_MIN_STAGES) <= stages < 1 << 31
 
 
+# One token tile past 128 rows (session 41): where the route would run two 128-token tiles (M = 129-256), the
+# two-compute-warpgroup producer form with a tile of 144 / 160 / 192 / 256 tokens (wgmma n144-n256) computes the
+# M rows once instead of 256 padded ones. H200 s41b (bench_gemm, f16 4-bit, us, ours / fp16 cuBLAS / Humming):
+# 8192x28672 M = 129 194.9 / 115.7 / 96.7, 8192^2 M = 129 57.7 / 39.6 / 34.2, 4096x12288 50.0 / 28.2 / 28.6.
+# WGMMA_TALL_ROUTE: the candidates in order (the first whose tile holds M and divides N is taken); stream-K where
+# every CTA gets WGMMA_SPLIT_MIN_STAGES stages, else the K splits of wgmma_splits.
+WGMMA_TALL_ROUTE: tuple[tuple[int, int, int], ...] = ((144, 2, 4), (160, 2, 4), (192, 2, 4), (256, 1, 4))
+WGMMA_TALL_MAX_M = 256
+
+
+def wgmma_route_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family,
+                     sms: int) -> tuple[tuple[int, int, int], int | None] | None:
+    """((NT, FW, STAGES), splits) of the two-compute-warpgroup producer form with one token tile of more than 128
+    rows, instead of `cfg` (wgmma_route_config's) where that runs 128-token tiles and 128 < M <= WGMMA_TALL_MAX_M;
+    splits -1 (stream-K) or None (wgmma_splits). None: not routed."""
+    if fam.moe or cfg[0] != 128 or not 128 < m <= WGMMA_TALL_MAX_M:
+        return None
+    for c in WGMMA_TALL_ROUTE:
+        nt, fw, _ = c
+        if nt >= m and n % (128 * fw) == 0 and c in K.WGMMA_PROD2_CONFIGS:
+            stages = (n // (128 * fw)) * (k // 64)  # one token tile: the stream-K sequence
+            return c, (-1 if sms * WGMMA_SPLIT_MIN_STAGES <= stages < 1 << 31 else None)
+    return None
+
+
 # The producer form (jm_wgmma.cuh: a producer warpgroup with setmaxnreg + one compute warpgroup of
 # two strips, two CTAs per SM; K.WGMMA_PROD_CONFIGS). H200, session 18 (benchmarks/NOTES.md), µs:
 # - the routed (64, 1, 6) config at M = 33-64, plain -> producer: f16 4-bit 8192x28672 76.5 -> 71.6
@@ -874,8 +899,13 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         nt, fw, stages, auto_wide = wgmma_route_config(m, n, k, sms, fam.moe)
         wide = wide or auto_wide
         routed = wgmma_route_prod(n, k, (nt, fw, stages, wide), fam)
+        tall = None if routed is not None or splits is not None else wgmma_route_tall(
+            m, n, k, (nt, fw, stages, wide), fam, sms)
         if routed is not None:
             (nt, fw, stages), wide, prod = routed, False, 1
+        elif tall is not None:
+            (nt, fw, stages), splits = tall
+            wide, prod = False, 2
         elif splits is None and wgmma_route_stream2(m, n, k, (nt, fw, stages, wide), fam, sms):
             (nt, fw, stages), wide, prod, splits = WGMMA_STREAM2_ROUTE, False, 2, -1
     if n % (128 * fw):

@@ -1180,6 +1180,53 @@ def test_two_warpgroup_stream_k_route(fmt):
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_tall_token_tile_route(fmt):
+    """Session 41: where the route would run two 128-token tiles (M = 129-256) it runs one token tile of 144 / 160 /
+    192 / 256 rows on the two-compute-warpgroup producer form (G.wgmma_route_tall), stream-K where each CTA gets
+    enough stages, else K splits. The launch it picks; through the public op and a layer's cache of launches
+    NaN-poisoned outputs match the reference with bias, repeat bit for bit, and the counters end at zero."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = ((4096, 12288, (129, 144, 150, 160, 176, 192, 200, 256)), (4096, 4096, (130, 255)),
+              (2048, 1024, (129, 256)))
+    seen = set()
+    for k, n, m, a, packed, bias, ref in _form_cases(fmt, shapes, seed=23):
+        tall = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms)
+        assert tall is not None, (k, n, m)
+        (nt, fw, st), splits = tall
+        assert nt >= m and (nt == min(c[0] for c in G.WGMMA_TALL_ROUTE if c[0] >= m and n % (128 * c[1]) == 0))
+        wl = G.wgmma_launch(m, n, k, fam, 0)
+        assert (wl.prod, wl.nt, wl.fw, wl.stages, wl.m_tiles, wl.threads) == (2, nt, fw, st, 1, 384), (k, n, m, wl)
+        assert wl.splits == (-1 if splits == -1 else G.wgmma_splits(n // (128 * fw), k, nt, fw, sms, 1)), wl
+        seen.add((nt, wl.splits == -1))
+        got = run(a, packed, m, n, k, dtype, bias=bias)  # the automatic launch, output poisoned with NaN
+        check_close(got, ref, tol, f"K={k} N={n} M={m} tall tile {nt}")
+        assert torch.equal(got, run(a, packed, m, n, k, dtype, bias=bias)), (k, n, m)
+        op = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros, bias)
+        assert torch.equal(op, got), (k, n, m)
+        fast = G.FastGemm()
+        for _ in range(2):
+            out = G.gemm_fast(fast, a, packed.b, packed.scales, packed.zeros, bias)
+            assert out is not None and torch.equal(out, got), (k, n, m)
+    assert {nt for nt, _ in seen} == {c[0] for c in G.WGMMA_TALL_ROUTE} and {sk for _, sk in seen} == {True, False}, seen
+    for m, n, k in ((128, 12288, 4096), (257, 12288, 4096), (100, 12288, 4096)):  # one 128-token tile / past 256
+        assert G.wgmma_launch(m, n, k, fam, 0).nt <= 128, (m, n, k)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+
+
+def test_tall_token_tile_route_in_a_cuda_graph():
+    """The routed tall token tile (session 41) captured in a CUDA graph equals eager and gives the right result
+    on new inputs."""
+    m, n, k = 160, 12288, 4096
+    fam = K.Family("f16", 4, False, 128)
+    wl = G.wgmma_launch(m, n, k, fam, 0)
+    assert (wl.prod, wl.nt) == (2, 160), wl
+    _graph_equals_eager(m, n, k, fam)
+
+
 def test_two_warpgroup_stream_k_route_in_a_cuda_graph():
     """The routed 128-token stream-K launch (session 39) captured in a CUDA graph equals eager and gives the
     right result on new inputs."""
