@@ -387,7 +387,10 @@ def test_wgmma_two_warpgroup_stream_k_rule(monkeypatch):
     monkeypatch.undo()
     for sms in (78, 114, 132):
         floats, counters = G.wgmma_stream_workspace(sms, 3, 48, 128, 2)
-        assert floats == G.wgmma_split_bound(sms) == 2 * sms * 256 * 128 and counters == 144
+        assert floats == 2 * sms * 256 * 128 and counters == 144
+        # the bound: two regions per CTA of the largest two-compute-warpgroup tile built (session 41's tall tiles)
+        widest = max(fw * nt // 2 for nt, fw, _ in K.WGMMA_PROD2_CONFIGS)
+        assert G.wgmma_split_bound(sms) == 2 * sms * 256 * widest >= floats
 
 
 def test_wgmma_route_falls_back_when_its_module_cannot_be_built(monkeypatch):
