@@ -1136,14 +1136,17 @@ for st in $STAGES; do
            # producer form, one token tile where the route runs two of 128 (M = 129-256: s41b, 8192x28672 M = 129
            # 194.9 us vs Humming 96.7, cuBLAS 115.7). Against the route and the same form at 128 tokens, stream-K
            # (-sk); the probe checks each output against the reference (err).
-           timeout ${S41E_TIMEOUT:-300} python3 benchmarks/probe_configs.py --dtype f16 --m ${S41E_M:-129,160,192,256,512} \
+           timeout ${S41E_TIMEOUT:-270} python3 benchmarks/probe_configs.py --dtype f16 --m ${S41E_M:-129,160,192,256,512} \
              --configs ${S41E_CONFIGS:-route,routeT0,wgmma-n128-f2-s4-sk-p2,wgmma-n144-f2-s4-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n192-f2-s4-sk-p2,wgmma-n256-f1-s4-sk-p2} \
              --shapes ${S41E_SHAPES:-8192x28672,8192x8192,4096x12288,4096x4096} > "$OUT/s41e.log" 2>&1
            echo "s41e rc=$?"; grep " us\|failed" "$OUT/s41e.log" | sed 's/^\[default\] f16 u4 //'
-           timeout ${S41E_TEST_TIMEOUT:-180} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py \
+           timeout ${S41E_TEST_TIMEOUT:-170} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py \
              -k "tall_token_tile_route_in or (tall_token_tile_route and (float16-u4-g128 or bfloat16-u8-g32-zp)) or partial_last_tile" \
              > "$OUT/s41e_test.log" 2>&1
-           echo "s41e test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s41e_test.log" | tail -12;;
+           echo "s41e test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s41e_test.log" | tail -12
+           timeout ${S41E_BENCH_TIMEOUT:-100} python3 benchmarks/bench_gemm.py --json "$OUT/s41e_bench.json" --peers humming \
+             --variants none --m 129,160,256 --shapes 8192x28672,8192x8192,4096x12288,4096x4096 > "$OUT/s41e_bench.log" 2>&1
+           echo "s41e bench rc=$?"; grep -E "^\| [0-9]" "$OUT/s41e_bench.log";;
     s41d)  # session 41 (a record: the flag was removed after this run, which it lost): in one call with its tests and s41b. The act-order gathers' trigger after their wait
            # (-DJM_GATHER_TRIGGER_AFTER_WAIT, F below) vs first (default), interleaved default, F, F, default with
            # the library's wgmma PDL rule (-1) and F / default with the wgmma kernel always a programmatic
