@@ -289,113 +289,30 @@ struct WgmmaRS;
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d))
 
-template <>
-struct WgmmaRS<16> {
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N16("bf16");
-    else JM_WGMMA_RS_N16("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<24> {  // MoE blocks of 24 rows (Humming's Mixtral 64-token gate/up blocks are 24 x 512)
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[12], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N24("bf16");
-    else JM_WGMMA_RS_N24("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<48> {  // MoE blocks of 48 rows (producer form)
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N48("bf16");
-    else JM_WGMMA_RS_N48("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<80> {  // MoE blocks of 80 rows (producer form)
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[40], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N80("bf16");
-    else JM_WGMMA_RS_N80("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<96> {  // MoE blocks of 96 rows (producer form)
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[48], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N96("bf16");
-    else JM_WGMMA_RS_N96("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<32> {
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N32("bf16");
-    else JM_WGMMA_RS_N32("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<64> {
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N64("bf16");
-    else JM_WGMMA_RS_N64("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<128> {
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N128("bf16");
-    else JM_WGMMA_RS_N128("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<144> {  // dense token tiles of up to 144 rows, two-compute-warpgroup producer form only
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[72], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N144("bf16");
-    else JM_WGMMA_RS_N144("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<160> {  // dense token tiles of up to 160 rows, two-compute-warpgroup producer form only
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[80], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N160("bf16");
-    else JM_WGMMA_RS_N160("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<192> {  // dense token tiles of up to 192 rows, two-compute-warpgroup producer form only
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[96], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N192("bf16");
-    else JM_WGMMA_RS_N192("f16");
-  }
-};
-
-template <>
-struct WgmmaRS<256> {  // dense token tiles of up to 256 rows, two-compute-warpgroup producer form only
-  template <typename T>
-  static JM_DEVICE void run(float (&d)[128], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-    if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N256("bf16");
-    else JM_WGMMA_RS_N256("f16");
-  }
-};
+// WgmmaRS<N>::run<T>: the m64nNk16 instruction of activation type T. Token tiles: 16 / 32 / 64 / 128 (dense and
+// MoE), 24 / 48 / 80 / 96 (MoE expert blocks on the producer form; 24: Humming's Mixtral 64-token gate/up blocks
+// are 24 x 512), 144 / 160 / 192 / 256 (dense, the two-compute-warpgroup producer form only).
+#define JM_WGMMA_RS_SPEC(N)                                                                              \
+  template <>                                                                                            \
+  struct WgmmaRS<N> {                                                                                    \
+    template <typename T>                                                                                \
+    static JM_DEVICE void run(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc, int scale_d) {  \
+      if constexpr (DType<T>::kBF16) JM_WGMMA_RS_N##N("bf16");                                          \
+      else JM_WGMMA_RS_N##N("f16");                                                                      \
+    }                                                                                                    \
+  };
+JM_WGMMA_RS_SPEC(16)
+JM_WGMMA_RS_SPEC(24)
+JM_WGMMA_RS_SPEC(48)
+JM_WGMMA_RS_SPEC(80)
+JM_WGMMA_RS_SPEC(96)
+JM_WGMMA_RS_SPEC(32)
+JM_WGMMA_RS_SPEC(64)
+JM_WGMMA_RS_SPEC(128)
+JM_WGMMA_RS_SPEC(144)
+JM_WGMMA_RS_SPEC(160)
+JM_WGMMA_RS_SPEC(192)
+JM_WGMMA_RS_SPEC(256)
 
 // float4 loads in flight per partial-sum region in the stream-K fixup: the largest divisor of the
 // n8 blocks q8 = NT / 8 that is at most 8 (NT = 80: 5, 96: 6; else min(q8, 8))
