@@ -1135,20 +1135,20 @@ for st in $STAGES; do
     s42a)  # session 42: the tall token tiles per shape after s41e (route = 144 / 160 / 192 f2 / 256 f1 stream-K where
            # the tiles' stages allow): each candidate with stream-K (-sk) and with the library's split choice, the
            # one-strip 144 / 160 tiles (built as extras), routeT0 first and last (drift check), settle 0.3 s
-           timeout ${S42A_TIMEOUT:-300} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+           timeout ${S42A_TIMEOUT:-280} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
              --extra-wgmma 144-1-6-p2,160-1-6-p2 --m ${S42A_M:-129,144,160,176,192,224,256} \
              --configs ${S42A_CONFIGS:-routeT0,route,wgmma-n144-f2-s4-sk-p2,wgmma-n144-f1-s6-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n160-f1-s6-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n192-f1-s6-p2,wgmma-n256-f1-s4-sk-p2,wgmma-n256-f1-s4-p2,routeT0} \
              --shapes ${S42A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s42a.log" 2>&1
            echo "s42a rc=$?"; grep -c " us" "$OUT/s42a.log"; grep "failed\|Error" "$OUT/s42a.log" | head -5
-           timeout ${S42A_BF16_TIMEOUT:-90} python3 benchmarks/probe_configs.py --dtype bf16 --settle 0.3 \
+           timeout ${S42A_BF16_TIMEOUT:-80} python3 benchmarks/probe_configs.py --dtype bf16 --settle 0.3 \
              --extra-wgmma 144-1-6-p2,160-1-6-p2 --m 129,160,192,256 \
              --configs routeT0,route,wgmma-n144-f1-s6-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-sk-p2,routeT0 \
              --shapes 8192x28672,8192x8192,4096x12288 > "$OUT/s42a_bf16.log" 2>&1
            echo "s42a bf16 rc=$?"; grep -c " us" "$OUT/s42a_bf16.log"
            # two tall tiles past 256 rows (s41e: 8192x28672 M = 512 n256 f1 stream-K 400.2 us vs the route 445.3)
-           timeout ${S42A_TWO_TIMEOUT:-120} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
-             --m 288,320,384,448,512 --configs routeT0,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-sk-p2,wgmma-n256-f1-s4-p2 \
+           timeout ${S42A_TWO_TIMEOUT:-150} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --m 288,320,384,512,768,1024 --configs routeT0,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-sk-p2,wgmma-n256-f1-s4-p2 \
              --shapes ${S42A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s42a_two.log" 2>&1
            echo "s42a two rc=$?"; grep -c " us" "$OUT/s42a_two.log";;
