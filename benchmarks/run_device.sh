@@ -1132,6 +1132,22 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
+    s42b)  # session 42: the tall-tile route of WGMMA_TALL_ROUTE (M = 129-1024) against the route without it (routeT0)
+           # and each tile with stream-K (the route takes whole tiles / K splits where stream-K idles under 32 stages),
+           # fp16 4-bit on 8 shapes, bf16 4-bit and fp16 8-bit on 3; then the whole GPU suite.
+           timeout ${S42B_TIMEOUT:-200} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --m ${S42B_M:-129,144,160,192,256,320,384,512,768,1024} \
+             --configs ${S42B_CONFIGS:-routeT0,route,wgmma-n144-f2-s4-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n144-f1-s6-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-sk-p2} \
+             --shapes ${S42B_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
+             > "$OUT/s42b.log" 2>&1
+           echo "s42b rc=$?"; grep -c " us" "$OUT/s42b.log"; grep "failed\|Error" "$OUT/s42b.log" | head -5
+           for spec in "bf16 4" "f16 8"; do set -- $spec
+             timeout 60 python3 benchmarks/probe_configs.py --dtype $1 --bits $2 --settle 0.3 --m 129,192,256,512,1024 \
+               --configs routeT0,route --shapes 8192x28672,8192x8192,4096x12288 >> "$OUT/s42b_fmt.log" 2>&1
+             echo "s42b $1 u$2 rc=$?"
+           done
+           timeout ${S42B_TEST_TIMEOUT:-320} python3 -m pytest -q -rs -x tests/gpu > "$OUT/s42b_test.log" 2>&1
+           echo "s42b test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s42b_test.log" | tail -12;;
     s42a)  # session 42: the tall token tiles per shape after s41e (route = 144 / 160 / 192 f2 / 256 f1 stream-K where
            # the tiles' stages allow): each candidate with stream-K (-sk) and with the library's split choice, the
            # one-strip 144 / 160 tiles (built as extras), routeT0 first and last (drift check), settle 0.3 s
