@@ -429,8 +429,8 @@ def test_wgmma_tall_token_tile_rule(monkeypatch):
                 for m in (129, 160, 200, 300, 512, 700, 1000):
                     t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), f4, sms)
                     if t is not None and t[1] == -1:
-                        (nt, fw, _), m_tiles = t[0], -(-m // t[0][0])
-                        assert m_tiles * (n // (128 * fw)) * (k // 64) >= sms * 16, (sms, m, n, k)
+                        (nt, fw, _) = t[0]
+                        assert -(-m // nt) * (n // (128 * fw)) * (k // 64) >= sms * 16, (sms, m, n, k)
     assert tall(160, 12288, 4096, K.Family("bf16", 8, True, 32)) == tall(160, 12288, 4096)  # any dense format
     assert tall(160, 12288, 4096, K.Family("f16", 4, False, 128, moe=True)) is None
     monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", ((128, 2, 4), (192, 1, 6)))  # 144 / 256 not built: rows skipped
