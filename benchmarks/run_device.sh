@@ -1132,6 +1132,14 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
+    s42c)  # session 42: the wgmma GPU tests (s42b's whole-suite run timed out at 320 s before them; the files
+           # before passed) and bench_gemm at M = 129 / 256 / 512 / 1024 with the peers (the README rows the tall-tile
+           # route changes)
+           timeout ${S42C_TEST_TIMEOUT:-220} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s42c_test.log" 2>&1
+           echo "s42c test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s42c_test.log" | tail -12
+           timeout ${S42C_BENCH_TIMEOUT:-250} python3 benchmarks/bench_gemm.py --json "$OUT/s42c_bench.json" \
+             --variants none --m 129,256,512,1024 > "$OUT/s42c_bench.log" 2>&1
+           echo "s42c bench rc=$?"; grep -E "^\| [0-9]|copy|bandwidth" "$OUT/s42c_bench.log";;
     s42b)  # session 42: the tall-tile route of WGMMA_TALL_ROUTE (M = 129-1024) against the route without it (routeT0)
            # and each tile with stream-K (the route takes whole tiles / K splits where stream-K idles under 32 stages),
            # fp16 4-bit on 8 shapes, bf16 4-bit and fp16 8-bit on 3; then the whole GPU suite.
