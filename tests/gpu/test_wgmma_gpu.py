@@ -314,7 +314,7 @@ def test_producer_form_route():
     fam = K.Family("f16", 4, False, 128)
     for m, n, k, want in ((64, 28672, 8192, 64), (33, 8192, 28672, 64), (64, 8192, 8192, 0), (64, 4096, 4096, 0),
                           (32, 28672, 8192, 32), (17, 8192, 8192, 32), (17, 4096, 4096, 0), (16, 28672, 8192, 0),
-                          (256, 28672, 8192, 0)):
+                          (128, 28672, 8192, 0)):  # (M = 129-1024: the tall tiles' two-compute-warpgroup form)
         wl = G.wgmma_launch(m, n, k, fam, 0)
         assert wl.prod == (1 if want else 0), (m, n, k)
         assert not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (want, 1, 6, 256), (m, n, k)
@@ -1160,6 +1160,10 @@ def test_two_warpgroup_stream_k_route(fmt):
         want = G.wgmma_route_stream2(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms)
         assert want is ((m, n, k) in STREAM2_ROUTED) or sms != 132, (m, n, k, want)
         wl = G.wgmma_launch(m, n, k, fam, 0)
+        tall = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms)
+        if tall is not None:  # the tall-tile rule (sessions 41-42) goes first
+            assert (wl.prod, wl.nt, wl.fw) == (2,) + tall[0][:2], (m, n, k, wl)
+            continue
         assert (wl.prod == 2) is want, (m, n, k, wl)
         if want:
             assert (wl.nt, wl.fw, wl.stages, wl.splits, wl.threads, wl.grid) == (128, 2, 4, -1, 384, sms), wl
@@ -1215,6 +1219,9 @@ def test_tall_token_tile_route(fmt):
         got = run(a, packed, m, n, k, dtype, bias=bias)  # the automatic launch, output poisoned with NaN
         check_close(got, ref, tol, f"K={k} N={n} M={m} tall tile {nt} x {fw}")
         assert torch.equal(got, run(a, packed, m, n, k, dtype, bias=bias)), (k, n, m)
+        if not G.use_wgmma_path(m, n, k, fam, 0):  # (bf16 8-bit above WGMMA_BF16_U8_MAX_M: the op runs mma.sync)
+            assert dtype == torch.bfloat16 and bits == 8 and m > G.WGMMA_BF16_U8_MAX_M, (k, n, m)
+            continue
         op = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros, bias)
         assert torch.equal(op, got), (k, n, m)
         fast = G.FastGemm()
@@ -1226,7 +1233,7 @@ def test_tall_token_tile_route(fmt):
     if sms == 132:  # H200: 4096x12288 M = 512 runs stream-K, the others whole tiles or K splits
         assert {sk for *_, sk, _ in seen} == {True, False}, seen
     for m, n, k in ((128, 12288, 4096), (100, 12288, 4096), (200, 4096, 4096), (300, 12288, 4096),
-                    (600, 12288, 4096), (900, 12288, 4096)):  # 128-token tiles, or no row of the table
+                    (600, 12288, 4096), (800, 12288, 4096)):  # 128-token tiles, or no row of the table
         assert G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms) is None, (m, n, k)
         assert G.wgmma_launch(m, n, k, fam, 0).nt <= 128, (m, n, k)
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
