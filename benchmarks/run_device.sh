@@ -1132,15 +1132,66 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
+    s42c)  # session 42: the wgmma GPU tests (s42b's whole-suite run timed out at 320 s before them; the files
+           # before passed) and bench_gemm at M = 129 / 256 / 512 / 1024 with the peers (the README rows the tall-tile
+           # route changes)
+           timeout ${S42C_TEST_TIMEOUT:-220} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s42c_test.log" 2>&1
+           echo "s42c test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s42c_test.log" | tail -12
+           timeout ${S42C_BENCH_TIMEOUT:-250} python3 benchmarks/bench_gemm.py --json "$OUT/s42c_bench.json" \
+             --variants none --m 129,256,512,1024 > "$OUT/s42c_bench.log" 2>&1
+           echo "s42c bench rc=$?"; grep -E "^\| [0-9]|copy|bandwidth" "$OUT/s42c_bench.log";;
+    s42b)  # session 42: the tall-tile route of WGMMA_TALL_ROUTE (M = 129-1024) against the route without it (routeT0)
+           # and each tile with stream-K (the route takes whole tiles / K splits where stream-K idles under 32 stages),
+           # fp16 4-bit on 8 shapes, bf16 4-bit and fp16 8-bit on 3; then the whole GPU suite.
+           timeout ${S42B_TIMEOUT:-200} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --m ${S42B_M:-129,144,160,192,256,320,384,512,768,1024} \
+             --configs ${S42B_CONFIGS:-routeT0,route,wgmma-n144-f2-s4-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n144-f1-s6-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-sk-p2} \
+             --shapes ${S42B_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
+             > "$OUT/s42b.log" 2>&1
+           echo "s42b rc=$?"; grep -c " us" "$OUT/s42b.log"; grep "failed\|Error" "$OUT/s42b.log" | head -5
+           for spec in "bf16 4" "f16 8"; do set -- $spec
+             timeout 60 python3 benchmarks/probe_configs.py --dtype $1 --bits $2 --settle 0.3 --m 129,192,256,512,1024 \
+               --configs routeT0,route --shapes 8192x28672,8192x8192,4096x12288 >> "$OUT/s42b_fmt.log" 2>&1
+             echo "s42b $1 u$2 rc=$?"
+           done
+           timeout ${S42B_TEST_TIMEOUT:-320} python3 -m pytest -q -rs tests/gpu > "$OUT/s42b_test.log" 2>&1
+           echo "s42b test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s42b_test.log" | tail -12;;
+    s42a)  # session 42: the tall token tiles per shape after s41e (route = 144 / 160 / 192 f2 / 256 f1 stream-K where
+           # the tiles' stages allow): each candidate with stream-K (-sk) and with the library's split choice, the
+           # one-strip 144 / 160 tiles (built as extras), routeT0 first and last (drift check), settle 0.3 s
+           timeout ${S42A_TIMEOUT:-280} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --extra-wgmma 144-1-6-p2,160-1-6-p2 --m ${S42A_M:-129,144,160,176,192,224,256} \
+             --configs ${S42A_CONFIGS:-routeT0,route,wgmma-n144-f2-s4-sk-p2,wgmma-n144-f1-s6-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n160-f1-s6-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n192-f1-s6-p2,wgmma-n256-f1-s4-sk-p2,wgmma-n256-f1-s4-p2,routeT0} \
+             --shapes ${S42A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
+             > "$OUT/s42a.log" 2>&1
+           echo "s42a rc=$?"; grep -c " us" "$OUT/s42a.log"; grep "failed\|Error" "$OUT/s42a.log" | head -5
+           timeout ${S42A_BF16_TIMEOUT:-80} python3 benchmarks/probe_configs.py --dtype bf16 --settle 0.3 \
+             --extra-wgmma 144-1-6-p2,160-1-6-p2 --m 129,160,192,256 \
+             --configs routeT0,route,wgmma-n144-f1-s6-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-sk-p2,routeT0 \
+             --shapes 8192x28672,8192x8192,4096x12288 > "$OUT/s42a_bf16.log" 2>&1
+           echo "s42a bf16 rc=$?"; grep -c " us" "$OUT/s42a_bf16.log"
+           # two tall tiles past 256 rows (s41e: 8192x28672 M = 512 n256 f1 stream-K 400.2 us vs the route 445.3)
+           timeout ${S42A_TWO_TIMEOUT:-150} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --m 288,320,384,512,768,1024 --configs routeT0,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-sk-p2,wgmma-n256-f1-s4-p2 \
+             --shapes ${S42A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
+             > "$OUT/s42a_two.log" 2>&1
+           echo "s42a two rc=$?"; grep -c " us" "$OUT/s42a_two.log";;
     s41e)  # session 41: token tiles of 144 / 160 / 192 / 256 rows (wgmma n144..n256) in the two-compute-warpgroup
            # producer form, one token tile where the route runs two of 128 (M = 129-256: the bench of s41d, 8192x28672 M = 129
            # 194.9 us vs Humming 96.7, cuBLAS 115.7). Against the route and the same form at 128 tokens, stream-K
-           # (-sk); the probe checks each output against the reference (err).
-           timeout ${S41E_TIMEOUT:-330} python3 benchmarks/probe_configs.py --dtype f16 --m ${S41E_M:-129,160,192,256,512} \
-             --extra-wgmma 144-2-4-p2,160-2-4-p2,192-1-6-p2,192-2-4-p2,256-1-4-p2 \
-             --configs ${S41E_CONFIGS:-route,wgmma-n128-f2-s4-sk-p2,wgmma-n144-f2-s4-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n192-f2-s4-sk-p2,wgmma-n256-f1-s4-sk-p2} \
-             --shapes ${S41E_SHAPES:-8192x28672,8192x8192,4096x12288,14336x4096,4096x4096} > "$OUT/s41e.log" 2>&1
-           echo "s41e rc=$?"; grep " us\|failed" "$OUT/s41e.log" | sed 's/^\[default\] f16 u4 //';;
+           # (-sk); the probe checks each output against the reference (err). Ran in session 42 on 668179b (the first
+           # rule, WGMMA_TALL_ROUTE as a list of tiles; (192, 2, 4) is no longer built: its configs fail there now).
+           timeout ${S41E_TIMEOUT:-270} python3 benchmarks/probe_configs.py --dtype f16 --m ${S41E_M:-129,160,192,256,512} \
+             --configs ${S41E_CONFIGS:-route,routeT0,wgmma-n128-f2-s4-sk-p2,wgmma-n144-f2-s4-sk-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n192-f2-s4-sk-p2,wgmma-n256-f1-s4-sk-p2} \
+             --shapes ${S41E_SHAPES:-8192x28672,8192x8192,4096x12288,4096x4096} > "$OUT/s41e.log" 2>&1
+           echo "s41e rc=$?"; grep " us\|failed" "$OUT/s41e.log" | sed 's/^\[default\] f16 u4 //'
+           timeout ${S41E_TEST_TIMEOUT:-170} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py \
+             -k "tall_token_tile_route_in or partial_last_tile or (tall_token_tile_route and (u8-g32-zp or (float16-u4-g128 and not bfloat16)))" \
+             > "$OUT/s41e_test.log" 2>&1
+           echo "s41e test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s41e_test.log" | tail -12
+           timeout ${S41E_BENCH_TIMEOUT:-100} python3 benchmarks/bench_gemm.py --json "$OUT/s41e_bench.json" --peers humming \
+             --variants none --m 129,160,256 --shapes 8192x28672,8192x8192,4096x12288,4096x4096 > "$OUT/s41e_bench.log" 2>&1
+           echo "s41e bench rc=$?"; grep -E "^\| [0-9]" "$OUT/s41e_bench.log";;
     s41d)  # session 41 (a record: the flag was removed after this run, which it lost). The act-order gathers'
            # trigger after their wait (-DJM_GATHER_TRIGGER_AFTER_WAIT, F below) vs first (default), interleaved default, F, F, default with
            # the library's wgmma PDL rule (-1) and F / default with the wgmma kernel always a programmatic

@@ -387,7 +387,56 @@ def test_wgmma_two_warpgroup_stream_k_rule(monkeypatch):
     monkeypatch.undo()
     for sms in (78, 114, 132):
         floats, counters = G.wgmma_stream_workspace(sms, 3, 48, 128, 2)
-        assert floats == G.wgmma_split_bound(sms) == 2 * sms * 256 * 128 and counters == 144
+        assert floats == 2 * sms * 256 * 128 and counters == 144
+        # the bound: two regions per CTA of the largest two-compute-warpgroup tile built (session 41's tall tiles)
+        widest = max(fw * nt // 2 for nt, fw, _ in K.WGMMA_PROD2_CONFIGS)
+        assert G.wgmma_split_bound(sms) == 2 * sms * 256 * widest >= floats
+
+
+def test_wgmma_tall_token_tile_rule(monkeypatch):
+    """Sessions 41-42: where the route runs 128-token tiles at M = 129-1024 it takes the two-compute-warpgroup
+    producer form with 144- / 160- / 192- / 256-token tiles (G.WGMMA_TALL_ROUTE); the cells measured on the H200
+    (132 SMs, s42a) get the tile that measured fastest, stream-K only where the whole-tile launch leaves at least
+    32 stages of its last round idle; none for MoE, formats aside, or a tile that is not built."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+
+    f4 = K.Family("f16", 4, False, 128)
+
+    def tall(m, n, k, fam=f4, sms=132):
+        t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms, fam.moe), fam, sms)
+        return None if t is None else (t[0][0], t[0][1], "sk" if t[1] == -1 else t[1])
+
+    big = {129: (144, 2), 144: (144, 2), 160: (160, 2), 176: (192, 1), 192: (192, 1), 256: (256, 1), 320: (192, 1),
+           512: (256, 1), 768: (256, 1), 1024: (256, 1)}
+    for k, n in ((8192, 28672), (28672, 8192)):
+        assert {m: tall(m, n, k)[:2] for m in big} == big, (k, n)
+    mid = {129: (144, 1), 144: (144, 1), 160: (192, 1), 192: (192, 1), 224: (256, 1), 256: (256, 1),
+           512: (256, 1), 768: (256, 1), 1024: (256, 1)}
+    for k, n in ((4096, 28672), (8192, 8192), (14336, 4096), (4096, 12288), (4096, 11008)):
+        assert {m: tall(m, n, k)[:2] for m in mid} == mid, (k, n)
+    assert [tall(m, 4096, 4096) for m in (129, 192, 224, 256, 300)] == [(144, 1, 4), (192, 1, 4), None, None, None]
+    # two 192-token tiles from K = 8192 only; no row at M = 513-640 and 769-896 (256-token tiles pad more)
+    assert tall(320, 8192, 8192)[:2] == (192, 1) and tall(320, 12288, 4096) is None
+    assert all(tall(m, 28672, 8192) is None for m in (128, 513, 640, 769, 896, 1025))
+    # stream-K where the last round's idle part is worth >= 32 stages (s42a: faster there, slower under)
+    assert [tall(m, 12288, 4096)[2] for m in (256, 512, 768, 1024)] == [1, "sk", "sk", 1]
+    assert [tall(m, 8192, 8192)[2] for m in (256, 512, 768, 1024)] == [2, 1, "sk", 1]
+    assert tall(1024, 28672, 8192)[2] == 1 and tall(768, 28672, 8192)[2] == "sk"
+    for sms in (78, 114, 132, 264):  # a stream-K launch gives every CTA at least 16 stages
+        for k in (1024, 4096, 8192, 28672):
+            for n in (1024, 4096, 12288, 28672):
+                for m in (129, 160, 200, 300, 512, 700, 1000):
+                    t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), f4, sms)
+                    if t is not None and t[1] == -1:
+                        (nt, fw, _) = t[0]
+                        assert -(-m // nt) * (n // (128 * fw)) * (k // 64) >= sms * 16, (sms, m, n, k)
+    assert tall(160, 12288, 4096, K.Family("bf16", 8, True, 32)) == tall(160, 12288, 4096)  # any dense format
+    assert tall(160, 12288, 4096, K.Family("f16", 4, False, 128, moe=True)) is None
+    monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", ((128, 2, 4), (192, 1, 6)))  # 144 / 256 not built: rows skipped
+    assert tall(129, 12288, 4096) is None and tall(160, 12288, 4096)[:2] == (192, 1) and tall(256, 12288, 4096) is None
+    monkeypatch.setattr(G, "WGMMA_TALL_MAX_M", 0)  # the rule off (probe_configs routeT0)
+    assert tall(160, 12288, 4096) is None
 
 
 def test_wgmma_route_falls_back_when_its_module_cannot_be_built(monkeypatch):

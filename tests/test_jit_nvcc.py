@@ -67,8 +67,8 @@ def test_compile_error_is_a_build_error_with_command_and_log(cuda_toolchain, jm_
 
 def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
     """The sm_90a wgmma kernels compile for the arch-specific target without spills, but for the routed
-    two-compute-warpgroup 128-token kernel (session 39): a few bytes in its stream-K epilogue, after the main
-    loop, bounded here so that growth shows."""
+    two-compute-warpgroup kernels of two strips (128 tokens, session 39; 144 / 160 / 192, session 41): a few
+    bytes in the stream-K epilogue, after the main loop, bounded here so that growth shows."""
     for fam in (K.Family("bf16", 4, True, 64), K.Family("f16", 8, True, 32, moe=True)):
         spec = K.wgmma_build_spec(fam, (9, 0))
         assert spec.arch_specific
@@ -77,7 +77,10 @@ def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
         for name, _ in spec.sources:
             assert mod.cubin(name).read_bytes()[:4] == b"\x7fELF"
             info = mod.meta["ptxas"][name]
-            spills = 32 if name.endswith("_n128_f2_s4_prod2") else 0
+            # two-strip two-compute-warpgroup kernels: 2 x NT / 2 sums per thread in the stream-K epilogue
+            # (session 41's tall tiles of 144 / 160 / 192 tokens a little more)
+            spills = {"_n128_f2_s4_prod2": 32, "_n144_f2_s4_prod2": 48, "_n160_f2_s4_prod2": 48,
+                      "_n192_f2_s4_prod2": 96}.get(name[name.index("_n"):] if "_prod2" in name else "", 0)
             assert info["spill_stores"] <= spills and info["spill_loads"] <= spills, (name, info)
             assert info["stack"] <= spills, (name, info)
     with pytest.raises(ValueError, match="sm_90a only"):

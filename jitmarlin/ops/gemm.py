@@ -698,6 +698,81 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
     return sms * max(WGMMA_STREAM2_MIN_STAGES, WGMMA_SPLIT_MIN_STAGES) <= stages < 1 << 31
 
 
+# Token tiles past 128 rows (sessions 41-42): where the route would run 128-token tiles (M = 129-1024), the
+# two-compute-warpgroup producer form with tiles of 144 / 160 / 192 / 256 tokens (wgmma n144-n256) computes fewer
+# padded rows (M = 129-256 as one tile) or runs faster per row (two to four 192- / 256-token tiles). H200 s41b
+# (bench_gemm, f16 4-bit, us, ours / fp16 cuBLAS / Humming): 8192x28672 M = 129 194.9 / 115.7 / 96.7, 8192^2 M = 129
+# 57.7 / 39.6 / 34.2. Session 42 (s42a, probe_configs, f16 4-bit, us, route without this rule -> the row's tile):
+# - M = 129-144 (144, 2, 4) stream-K on K*N >= 2^27: 8192x28672 192.7 -> 111.9, 28672x8192 176.3 -> 112.3; one
+#   strip ((144, 1, 6)) below: 4096x28672 103.0 -> 65.6, 8192^2 58.3 -> 41.2, 14336x4096 52.9 -> 38.1, 4096x12288
+#   50.0 -> 34.0, 4096x11008 49.9 -> 31.9, 4096^2 24.3 -> 20.3 (stream-K; the two-strip tile there 48.0 / 46.9 /
+#   40.8 / 39.2 / 31.6).
+# - M = 145-160 (160, 2, 4) on K*N >= 2^27: 8192x28672 194.9 -> 132.7, 28672x8192 183.3 -> 129.9 ((192, 1, 6) 145.8 /
+#   140.2); M = 145-192 (192, 1, 6) elsewhere, M = 161-192 everywhere: M = 192 8192x28672 202.7 -> 156.9,
+#   28672x8192 185.6 -> 146.1, 4096x28672 104.1 -> 80.6, 8192^2 59.6 -> 45.5, 14336x4096 53.0 -> 42.8, 4096x12288
+#   50.1 -> 37.3, 4096x11008 50.0 -> 36.9, 4096^2 24.5 -> 21.2.
+# - M = 193-256 (256, 1, 4) above K*N = 2^24: M = 256 8192x28672 211.7 -> 193.3, 28672x8192 199.1 -> 178.6,
+#   4096x28672 112.8 -> 98.0, 8192^2 61.7 -> 58.4, 4096x12288 51.0 -> 45.5, 4096x11008 50.4 -> 45.2, 14336x4096
+#   55.2 -> 55.0; 4096^2 25.0 -> 26.5 (not taken).
+# - M = 257-384 two (192, 1, 6) tiles from K = 8192 (stream-K, M = 288 / 384): 8192x28672 303.4 / 322.4 -> 268.9 /
+#   297.3, 28672x8192 295.3 / 313.9 -> 263.0 / 285.6, 8192^2 88.5 / 92.3 -> 80.8 / 84.9, 14336x4096 81.0 / 84.5 ->
+#   71.9 / 78.4; at K = 4096 mixed (M = 288 4096x28672 153.9 -> 170.9, 4096x11008 52.5 -> 74.2; not taken).
+# - M = 385-512, 641-768, 897-1024 (256, 1, 4) tiles (where they pad no more than 128-token ones would, or a third
+#   more at 385-512; per row they ran 0.85-0.91 of their time), M = 512 / 768 / 1024: 8192x28672 436.5 / 662.5 /
+#   832.6 -> 391.4 / 569.0 / 747.6, 28672x8192 388.9 / 633.0 / 839.1 -> 334.6 / 585.9 / 759.7, 8192^2 104.6 / 176.8
+#   / 221.1 -> 92.1 / 163.9 / 189.2, 4096x12288 84.5 / 145.6 / 165.9 -> 88.3 / 125.2 / 149.2, 4096^2 35.3 / 50.3 /
+#   53.4 -> 35.3 / 44.1 / 48.2.
+# Rows: (M from, M to, K*N at least, K at least, (NT, FW, STAGES)); the first row holding M whose bounds hold and
+# whose kernel is built (K.WGMMA_PROD2_CONFIGS) is taken. WGMMA_TALL_MAX_M: none above it (0: the rule off).
+WGMMA_TALL_ROUTE: tuple[tuple[int, int, int, int, tuple[int, int, int]], ...] = (
+    (129, 144, 1 << 27, 0, (144, 2, 4)),
+    (145, 160, 1 << 27, 0, (160, 2, 4)),
+    (129, 144, 0, 0, (144, 1, 6)),
+    (145, 192, 0, 0, (192, 1, 6)),
+    (193, 256, (1 << 24) + 1, 0, (256, 1, 4)),
+    (257, 384, 0, 8192, (192, 1, 6)),
+    (385, 512, 0, 0, (256, 1, 4)),
+    (641, 768, 0, 0, (256, 1, 4)),
+    (897, 1024, 0, 0, (256, 1, 4)),
+)
+WGMMA_TALL_MAX_M = 1024
+# Stream-K over the tiles (one CTA per SM) instead of whole tiles / K splits (wgmma_splits) where the idle part of
+# the last round of CTAs is worth at least this many 64-k stages (its sums through the workspace cost about as much:
+# s42a, (256, 1, 4), us, whole tiles vs stream-K: 4096x12288 M = 256 (17 stages idle) 45.5 vs 51.4, 8192x28672
+# M = 1024 (27) 747.6 vs 837.1, 4096x12288 M = 768 (52) 142.5 vs 125.2, 8192^2 M = 768 (70) 183.9 vs 163.9,
+# 14336x4096 M = 768 (60) 152.3 vs 141.0; 4096x12288 M = 512 (35) 93.7 vs 88.3).
+WGMMA_TALL_SK_IDLE_STAGES = 32
+
+
+def wgmma_tall_splits(m: int, n: int, k: int, c: tuple[int, int, int], sms: int) -> int:
+    """K splits of a tall-tile launch (wgmma_route_tall's config `c`): -1 (stream-K) where the whole-tile / K-split
+    launch leaves at least WGMMA_TALL_SK_IDLE_STAGES stages idle in its last round and every stream-K CTA gets
+    WGMMA_SPLIT_MIN_STAGES, else wgmma_splits (one CTA per SM)."""
+    nt, fw, _ = c
+    tiles = -(-m // nt) * (n // (128 * fw))
+    splits = wgmma_splits(tiles, k, nt, fw, sms, 1)
+    ctas, per_cta = tiles * splits, (k // 64) / splits
+    idle = (-(-ctas // sms) - ctas / sms) * per_cta
+    stages = tiles * (k // 64)  # the stream-K sequence
+    if idle >= WGMMA_TALL_SK_IDLE_STAGES and sms * WGMMA_SPLIT_MIN_STAGES <= stages < 1 << 31:
+        return -1
+    return splits
+
+
+def wgmma_route_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family,
+                     sms: int) -> tuple[tuple[int, int, int], int] | None:
+    """((NT, FW, STAGES), splits) of the two-compute-warpgroup producer form with token tiles of more than 128
+    rows (WGMMA_TALL_ROUTE), instead of `cfg` (wgmma_route_config's) where that runs 128-token tiles and
+    128 < M <= WGMMA_TALL_MAX_M; splits from wgmma_tall_splits (-1: stream-K). None: not routed."""
+    if fam.moe or cfg[0] != 128 or not 128 < m <= WGMMA_TALL_MAX_M:
+        return None
+    for lo, hi, min_kn, min_k, c in WGMMA_TALL_ROUTE:
+        if (lo <= m <= hi and k * n >= min_kn and k >= min_k and n % (128 * c[1]) == 0
+                and c in K.WGMMA_PROD2_CONFIGS):
+            return c, wgmma_tall_splits(m, n, k, c, sms)
+    return None
+
+
 # The producer form (jm_wgmma.cuh: a producer warpgroup with setmaxnreg + one compute warpgroup of
 # two strips, two CTAs per SM; K.WGMMA_PROD_CONFIGS). H200, session 18 (benchmarks/NOTES.md), µs:
 # - the routed (64, 1, 6) config at M = 33-64, plain -> producer: f16 4-bit 8192x28672 76.5 -> 71.6
@@ -874,8 +949,13 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         nt, fw, stages, auto_wide = wgmma_route_config(m, n, k, sms, fam.moe)
         wide = wide or auto_wide
         routed = wgmma_route_prod(n, k, (nt, fw, stages, wide), fam)
+        tall = None if routed is not None or splits is not None else wgmma_route_tall(
+            m, n, k, (nt, fw, stages, wide), fam, sms)
         if routed is not None:
             (nt, fw, stages), wide, prod = routed, False, 1
+        elif tall is not None:
+            (nt, fw, stages), splits = tall
+            wide, prod = False, 2
         elif splits is None and wgmma_route_stream2(m, n, k, (nt, fw, stages, wide), fam, sms):
             (nt, fw, stages), wide, prod, splits = WGMMA_STREAM2_ROUTE, False, 2, -1
     if n % (128 * fw):

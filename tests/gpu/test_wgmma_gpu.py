@@ -314,7 +314,7 @@ def test_producer_form_route():
     fam = K.Family("f16", 4, False, 128)
     for m, n, k, want in ((64, 28672, 8192, 64), (33, 8192, 28672, 64), (64, 8192, 8192, 0), (64, 4096, 4096, 0),
                           (32, 28672, 8192, 32), (17, 8192, 8192, 32), (17, 4096, 4096, 0), (16, 28672, 8192, 0),
-                          (256, 28672, 8192, 0)):
+                          (128, 28672, 8192, 0)):  # (M = 129-1024: the tall tiles' two-compute-warpgroup form)
         wl = G.wgmma_launch(m, n, k, fam, 0)
         assert wl.prod == (1 if want else 0), (m, n, k)
         assert not want or (wl.nt, wl.fw, wl.stages, wl.threads) == (want, 1, 6, 256), (m, n, k)
@@ -1160,6 +1160,10 @@ def test_two_warpgroup_stream_k_route(fmt):
         want = G.wgmma_route_stream2(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms)
         assert want is ((m, n, k) in STREAM2_ROUTED) or sms != 132, (m, n, k, want)
         wl = G.wgmma_launch(m, n, k, fam, 0)
+        tall = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms)
+        if tall is not None:  # the tall-tile rule (sessions 41-42) goes first
+            assert (wl.prod, wl.nt, wl.fw) == (2,) + tall[0][:2], (m, n, k, wl)
+            continue
         assert (wl.prod == 2) is want, (m, n, k, wl)
         if want:
             assert (wl.nt, wl.fw, wl.stages, wl.splits, wl.threads, wl.grid) == (128, 2, 4, -1, 384, sms), wl
@@ -1178,6 +1182,71 @@ def test_two_warpgroup_stream_k_route(fmt):
             out = G.gemm_fast(fast, a, packed.b, packed.scales, packed.zeros, bias)
             assert out is not None and torch.equal(out, got), (k, n, m)
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+
+
+# (K, N): {M: (NT, FW)} of the tall-tile route (G.WGMMA_TALL_ROUTE) in every row of its table
+TALL_CASES = {
+    (8192, 16384): {129: (144, 2), 150: (160, 2), 160: (160, 2)},  # K*N = 2^27: the two-strip tiles
+    (4096, 12288): {129: (144, 1), 144: (144, 1), 176: (192, 1), 192: (192, 1), 200: (256, 1), 256: (256, 1),
+                    512: (256, 1)},
+    (8192, 2048): {257: (192, 1), 300: (192, 1), 384: (192, 1)},  # two 192-token tiles from K = 8192
+    (2048, 1024): {400: (256, 1), 700: (256, 1), 1000: (256, 1)},  # two to four 256-token tiles
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_tall_token_tile_route(fmt):
+    """Sessions 41-42: where the route would run 128-token tiles (M = 129-1024) it runs the two-compute-warpgroup
+    producer form with tiles of 144 / 160 / 192 / 256 tokens (G.wgmma_route_tall), stream-K or whole tiles / K
+    splits (G.wgmma_tall_splits). The launch it picks in every row of its table, and none where the table has
+    no row; through the public op and a layer's cache of launches NaN-poisoned outputs match the reference with
+    bias, repeat bit for bit, and the counters end at zero."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = tuple((k, n, tuple(ms)) for (k, n), ms in TALL_CASES.items())
+    seen = set()
+    for k, n, m, a, packed, bias, ref in _form_cases(fmt, shapes, seed=23):
+        nt, fw = TALL_CASES[(k, n)][m]
+        tall = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms)
+        assert tall is not None and tall[0][:2] == (nt, fw), (k, n, m, tall)
+        splits = G.wgmma_tall_splits(m, n, k, tall[0], sms)
+        wl = G.wgmma_launch(m, n, k, fam, 0)
+        assert (wl.prod, wl.nt, wl.fw, wl.stages, wl.m_tiles, wl.threads, wl.splits) == (
+            2, nt, fw, tall[0][2], -(-m // nt), 384, splits), (k, n, m, wl)
+        seen.add((nt, fw, splits == -1, wl.m_tiles > 1))
+        got = run(a, packed, m, n, k, dtype, bias=bias)  # the automatic launch, output poisoned with NaN
+        check_close(got, ref, tol, f"K={k} N={n} M={m} tall tile {nt} x {fw}")
+        assert torch.equal(got, run(a, packed, m, n, k, dtype, bias=bias)), (k, n, m)
+        if not G.use_wgmma_path(m, n, k, fam, 0):  # (bf16 8-bit above WGMMA_BF16_U8_MAX_M: the op runs mma.sync)
+            assert dtype == torch.bfloat16 and bits == 8 and m > G.WGMMA_BF16_U8_MAX_M, (k, n, m)
+            continue
+        op = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros, bias)
+        assert torch.equal(op, got), (k, n, m)
+        fast = G.FastGemm()
+        for _ in range(2):
+            out = G.gemm_fast(fast, a, packed.b, packed.scales, packed.zeros, bias)
+            assert out is not None and torch.equal(out, got), (k, n, m)
+    assert {c[4][:2] for c in G.WGMMA_TALL_ROUTE} == {(nt, fw) for nt, fw, _, _ in seen}, seen
+    assert {multi for *_, multi in seen} == {True, False}, seen
+    if sms == 132:  # H200: 4096x12288 M = 512 runs stream-K, the others whole tiles or K splits
+        assert {sk for *_, sk, _ in seen} == {True, False}, seen
+    for m, n, k in ((128, 12288, 4096), (100, 12288, 4096), (200, 4096, 4096), (300, 12288, 4096),
+                    (600, 12288, 4096), (800, 12288, 4096)):  # 128-token tiles, or no row of the table
+        assert G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms) is None, (m, n, k)
+        assert G.wgmma_launch(m, n, k, fam, 0).nt <= 128, (m, n, k)
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+
+
+def test_tall_token_tile_route_in_a_cuda_graph():
+    """The routed tall token tile (session 41) captured in a CUDA graph equals eager and gives the right result
+    on new inputs."""
+    m, n, k = 160, 12288, 4096
+    fam = K.Family("f16", 4, False, 128)
+    wl = G.wgmma_launch(m, n, k, fam, 0)
+    assert (wl.prod, wl.nt) == (2, 192), wl
+    _graph_equals_eager(m, n, k, fam)
 
 
 def test_two_warpgroup_stream_k_route_in_a_cuda_graph():
