@@ -1132,6 +1132,18 @@ for st in $STAGES; do
              -k "two_warpgroup or capture_of_a_new or producer_form_route or test_shapes or route_through or stream_k" \
              > "$OUT/s39c_test.log" 2>&1
            echo "s39c test rc=$?"; tail -5 "$OUT/s39c_test.log";;
+    s43a)  # PREPARED in session 42 (main): first the wgmma GPU tests as corrected after s42c (NOT GPU-run yet), then
+           # the tall tiles where the table has no row or a row not measured in its own form: two (160, 2, 4) tiles at
+           # M = 257-320 (s42b: stream-K 8192x28672 M = 320 253.6 us vs the route 296.0), 256- / 192-token tiles at
+           # M = 513-640 and 769-896, each with whole tiles / K splits and with stream-K (-sk)
+           timeout ${S43A_TEST_TIMEOUT:-220} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s43a_test.log" 2>&1
+           echo "s43a test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s43a_test.log" | tail -12
+           timeout ${S43A_TIMEOUT:-300} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --m ${S43A_M:-257,288,320,352,544,600,640,800,896} \
+             --configs ${S43A_CONFIGS:-routeT0,route,wgmma-n160-f2-s4-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-p2,wgmma-n256-f1-s4-sk-p2,routeT0} \
+             --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
+             > "$OUT/s43a.log" 2>&1
+           echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
     s42c)  # session 42: the wgmma GPU tests (s42b's whole-suite run timed out at 320 s before them; the files
            # before passed) and bench_gemm at M = 129 / 256 / 512 / 1024 with the peers (the README rows the tall-tile
            # route changes)

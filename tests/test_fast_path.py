@@ -92,7 +92,7 @@ def test_fast_path_makes_the_general_paths_launches(recorded, bits, group, zp, b
     for k, n in ((4096, 4096), (4096, 28672), (14336, 4096)):
         b, s, z, bb = _weights(k, n, bits, group, zp, bias, dtype)
         cache = G.FastGemm()
-        for m in (1, 7, 9, 16, 17, 32, 33, 64, 100, 128, 256, 1024, 1):
+        for m in (1, 7, 9, 16, 17, 32, 33, 64, 100, 128, 256, 600, 1024, 1):  # (600: 128-token tiles, wide)
             a = torch.randn(m, k).to(dtype)
             log.clear()
             _, nn_, kk, fam = G.check_args(a, b, s, z, bb)
@@ -107,10 +107,10 @@ def test_fast_path_makes_the_general_paths_launches(recorded, bits, group, zp, b
             assert log[0][-1] == fast_out.data_ptr()
             kernels.add(log[0][0])
     assert ws.ensured  # split launches reserved their workspace
-    # every kind of route was compared: mma.sync tiles, and the wgmma kernel's 16/32/64/128-token
-    # and wide forms
+    # every kind of route was compared: mma.sync tiles, and the wgmma kernel's 16/32/64/128-token,
+    # wide and tall-token-tile (two-compute-warpgroup) forms
     assert any(not name.startswith("jm_wgmma") for name in kernels), kernels
-    for part in ("_n16_", "_n32_", "_n64_", "_n128_f1", "_wide"):
+    for part in ("_n16_", "_n32_", "_n64_", "_n128_f1", "_wide", "_n256_f1_s4_prod2"):
         assert any(part in name for name in kernels), (part, kernels)
 
 
