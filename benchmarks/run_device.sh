@@ -1144,6 +1144,14 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s43b)  # PREPARED in session 42 (main): deeper rings for the tall tiles (the routed ones use 111-179 KB of shared
+           # memory in fp16 4-bit: (144, 2, 4) and (160, 2, 4) at 4 stages, (256, 1, 4)), built as extras: ptxas
+           # (sm_90a, fp16 4-bit g128) (256, 1, 5) and (144, 1, 8) 0 spill bytes, (144, 2, 6) 20, (160, 2, 6) 36
+           timeout ${S43B_TIMEOUT:-300} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --extra-wgmma 256-1-5-p2,144-2-6-p2,160-2-6-p2,144-1-8-p2 --m ${S43B_M:-129,144,160,256,512,768,1024} \
+             --configs ${S43B_CONFIGS:-route,wgmma-n144-f2-s4-p2,wgmma-n144-f2-s6-p2,wgmma-n160-f2-s4-p2,wgmma-n160-f2-s6-p2,wgmma-n144-f1-s6-p2,wgmma-n144-f1-s8-p2,wgmma-n256-f1-s4-p2,wgmma-n256-f1-s5-p2,route} \
+             --shapes ${S43B_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288} > "$OUT/s43b.log" 2>&1
+           echo "s43b rc=$?"; grep -c " us" "$OUT/s43b.log"; grep "failed\|Error" "$OUT/s43b.log" | head -5;;
     s42c)  # session 42: the wgmma GPU tests (s42b's whole-suite run timed out at 320 s before them; the files
            # before passed) and bench_gemm at M = 129 / 256 / 512 / 1024 with the peers (the README rows the tall-tile
            # route changes)
