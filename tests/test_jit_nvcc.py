@@ -67,7 +67,7 @@ def test_compile_error_is_a_build_error_with_command_and_log(cuda_toolchain, jm_
 
 def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
     """The sm_90a wgmma kernels compile for the arch-specific target without spills, but for the routed
-    two-compute-warpgroup kernels of two strips (128 tokens, session 39; 144 / 160 / 192, session 41): a few
+    two-compute-warpgroup kernels of two strips (128 tokens, session 39; 144 / 160, sessions 41-42): a few
     bytes in the stream-K epilogue, after the main loop, bounded here so that growth shows."""
     for fam in (K.Family("bf16", 4, True, 64), K.Family("f16", 8, True, 32, moe=True)):
         spec = K.wgmma_build_spec(fam, (9, 0))
@@ -78,9 +78,9 @@ def test_wgmma_family_compiles_for_sm90a_without_spills(cuda_toolchain):
             assert mod.cubin(name).read_bytes()[:4] == b"\x7fELF"
             info = mod.meta["ptxas"][name]
             # two-strip two-compute-warpgroup kernels: 2 x NT / 2 sums per thread in the stream-K epilogue
-            # (session 41's tall tiles of 144 / 160 / 192 tokens a little more)
-            spills = {"_n128_f2_s4_prod2": 32, "_n144_f2_s4_prod2": 48, "_n160_f2_s4_prod2": 48,
-                      "_n192_f2_s4_prod2": 96}.get(name[name.index("_n"):] if "_prod2" in name else "", 0)
+            # (the tall tiles of 144 / 160 tokens a little more; the one-strip ones none)
+            spills = {"_n128_f2_s4_prod2": 32, "_n144_f2_s4_prod2": 48, "_n160_f2_s4_prod2": 48}.get(
+                name[name.index("_n"):] if "_prod2" in name else "", 0)
             assert info["spill_stores"] <= spills and info["spill_loads"] <= spills, (name, info)
             assert info["stack"] <= spills, (name, info)
     with pytest.raises(ValueError, match="sm_90a only"):
