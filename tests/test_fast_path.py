@@ -92,7 +92,7 @@ def test_fast_path_makes_the_general_paths_launches(recorded, bits, group, zp, b
     for k, n in ((4096, 4096), (4096, 28672), (14336, 4096)):
         b, s, z, bb = _weights(k, n, bits, group, zp, bias, dtype)
         cache = G.FastGemm()
-        for m in (1, 7, 9, 16, 17, 32, 33, 64, 100, 128, 256, 600, 1024, 1):  # (600: 128-token tiles, wide)
+        for m in (1, 7, 9, 16, 17, 32, 33, 64, 100, 128, 256, 600, 850, 1024, 1):  # (850: 128-token tiles, wide)
             a = torch.randn(m, k).to(dtype)
             log.clear()
             _, nn_, kk, fam = G.check_args(a, b, s, z, bb)

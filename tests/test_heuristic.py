@@ -396,7 +396,7 @@ def test_wgmma_two_warpgroup_stream_k_rule(monkeypatch):
 def test_wgmma_tall_token_tile_rule(monkeypatch):
     """Sessions 41-42: where the route runs 128-token tiles at M = 129-1024 it takes the two-compute-warpgroup
     producer form with 144- / 160- / 192- / 256-token tiles (G.WGMMA_TALL_ROUTE); the cells measured on the H200
-    (132 SMs, s42a) get the tile that measured fastest, stream-K only where the whole-tile launch leaves at least
+    (132 SMs, s42a, s43a) get the tile that measured fastest, stream-K only where the whole-tile launch leaves at least
     32 stages of its last round idle; none for MoE, formats aside, or a tile that is not built."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
@@ -407,18 +407,27 @@ def test_wgmma_tall_token_tile_rule(monkeypatch):
         t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms, fam.moe), fam, sms)
         return None if t is None else (t[0][0], t[0][1], "sk" if t[1] == -1 else t[1])
 
-    big = {129: (144, 2), 144: (144, 2), 160: (160, 2), 176: (192, 1), 192: (192, 1), 256: (256, 1), 320: (192, 1),
-           512: (256, 1), 768: (256, 1), 1024: (256, 1)}
+    big = {129: (144, 2), 144: (144, 2), 160: (160, 2), 176: (192, 1), 192: (192, 1), 256: (256, 1), 300: (160, 2),
+           320: (160, 2), 352: (192, 1), 384: (192, 1), 512: (256, 1), 513: (160, 2), 640: (160, 2), 768: (256, 1),
+           800: (160, 2), 1024: (256, 1)}
     for k, n in ((8192, 28672), (28672, 8192)):
         assert {m: tall(m, n, k)[:2] for m in big} == big, (k, n)
+    # session 43: M = 801-896 takes 256-token tiles where N <= 16384 only (N = 28672 measured slower)
+    assert tall(896, 8192, 28672)[:2] == (256, 1) and tall(801, 28672, 8192) is None
     mid = {129: (144, 1), 144: (144, 1), 160: (192, 1), 192: (192, 1), 224: (256, 1), 256: (256, 1),
-           512: (256, 1), 768: (256, 1), 1024: (256, 1)}
+           512: (256, 1), 600: (160, 2), 768: (256, 1), 780: (160, 2), 1024: (256, 1)}
     for k, n in ((4096, 28672), (8192, 8192), (14336, 4096), (4096, 12288), (4096, 11008)):
         assert {m: tall(m, n, k)[:2] for m in mid} == mid, (k, n)
-    assert [tall(m, 4096, 4096) for m in (129, 192, 224, 256, 300)] == [(144, 1, 4), (192, 1, 4), None, None, None]
-    # two 192-token tiles from K = 8192 only; no row at M = 513-640 and 769-896 (256-token tiles pad more)
-    assert tall(320, 8192, 8192)[:2] == (192, 1) and tall(320, 12288, 4096) is None
-    assert all(tall(m, 28672, 8192) is None for m in (128, 513, 640, 769, 896, 1025))
+    # two 160-token tiles at M = 257-320 from K*N = 3 * 2^24 (4096x12288 in, 4096x11008 out)
+    assert tall(288, 12288, 4096)[:2] == (160, 2) and tall(288, 11008, 4096) is None
+    assert tall(896, 11008, 4096)[:2] == (256, 1) and tall(896, 28672, 4096) is None
+    # 4096^2 (K*N in (2^23, 2^24]): 192-token tiles at M = 257-384 and 513-640, none at 769-800 or below 2^23
+    assert [tall(m, 4096, 4096) for m in (129, 192, 224, 256, 300, 400, 600, 800, 896)] == [
+        (144, 1, 4), (192, 1, 4), None, None, (192, 1, 2), (256, 1, 2), (192, 1, 1), None, (256, 1, 1)]
+    assert all(tall(m, 2048, 2048) is None for m in (300, 600, 780))
+    # two 192-token tiles at M = 321-384 from K = 8192 only; none past M = 1024
+    assert tall(352, 8192, 8192)[:2] == (192, 1) and tall(352, 12288, 4096) is None
+    assert all(tall(m, 28672, 8192) is None for m in (128, 1025))
     # stream-K where the last round's idle part is worth >= 32 stages (s42a: faster there, slower under)
     assert [tall(m, 12288, 4096)[2] for m in (256, 512, 768, 1024)] == [1, "sk", "sk", 1]
     assert [tall(m, 8192, 8192)[2] for m in (256, 512, 768, 1024)] == [2, 1, "sk", 1]

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -722,18 +722,48 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
 #   832.6 -> 391.4 / 569.0 / 747.6, 28672x8192 388.9 / 633.0 / 839.1 -> 334.6 / 585.9 / 759.7, 8192^2 104.6 / 176.8
 #   / 221.1 -> 92.1 / 163.9 / 189.2, 4096x12288 84.5 / 145.6 / 165.9 -> 88.3 / 125.2 / 149.2, 4096^2 35.3 / 50.3 /
 #   53.4 -> 35.3 / 44.1 / 48.2.
-# Rows: (M from, M to, K*N at least, K at least, (NT, FW, STAGES)); the first row holding M whose bounds hold and
-# whose kernel is built (K.WGMMA_PROD2_CONFIGS) is taken. WGMMA_TALL_MAX_M: none above it (0: the rule off).
-WGMMA_TALL_ROUTE: tuple[tuple[int, int, int, int, tuple[int, int, int]], ...] = (
-    (129, 144, 1 << 27, 0, (144, 2, 4)),
-    (145, 160, 1 << 27, 0, (160, 2, 4)),
-    (129, 144, 0, 0, (144, 1, 6)),
-    (145, 192, 0, 0, (192, 1, 6)),
-    (193, 256, (1 << 24) + 1, 0, (256, 1, 4)),
-    (257, 384, 0, 8192, (192, 1, 6)),
-    (385, 512, 0, 0, (256, 1, 4)),
-    (641, 768, 0, 0, (256, 1, 4)),
-    (897, 1024, 0, 0, (256, 1, 4)),
+# - session 43 (s43a, probe_configs, f16 4-bit, us, route of session 42 -> the row's tile): two (160, 2, 4) tiles at
+#   M = 257-320 from K*N = 3 * 2^24 (M = 257): 8192x28672 276.0 -> 220.2 (stream-K), 28672x8192 269.0 -> 205.3,
+#   4096x28672 155.5 -> 120.4, 8192^2 78.7 -> 71.9, 14336x4096 72.3 -> 66.7, 4096x12288 72.6 -> 59.9 (4096x11008
+#   53.2 -> 59.0: not taken); four at M = 513-640 above K*N = 2^24 (M = 544 / 640): 28672x8192 521.3 / 588.9 -> 385.2 /
+#   448.1, 8192^2 173.6 / 169.9 -> 115.3 / 127.0, 14336x4096 134.2 / 141.3 -> 112.7 / 122.3, 8192x28672 544.8 /
+#   587.6 -> 489.3 / 552.1, 4096x28672 277.2 / 291.2 -> 252.6 / 265.7, 4096x11008 109.7 / 115.3 -> 104.3 / 110.3
+#   (4096x12288 106.4 / 114.7 -> 111.3 / 119.5, the one loss); five at M = 769-800 (M = 800): 8192x28672 708.7 ->
+#   642.5, 28672x8192 737.8 -> 643.4, 4096x28672 360.3 -> 332.8, 8192^2 222.0 -> 188.6, 14336x4096 191.7 -> 156.5,
+#   4096x12288 174.0 -> 130.1, 4096x11008 144.7 -> 124.0. (192, 1, 6) tiles on K*N in (2^23, 2^24] at M = 257-384
+#   and 513-640 (4096^2, M = 288 / 544 / 640: 32.9 / 49.5 / 49.3 -> 28.5 / 36.2 / 38.4). (256, 1, 4) tiles at M = 801-896
+#   where N <= 16384 (M = 896: 28672x8192 759.9 -> 718.9, 8192^2 226.7 -> 194.8, 14336x4096 193.0 -> 161.7, 4096x12288
+#   170.1 -> 152.9, 4096x11008 152.6 -> 147.1, 4096^2 51.9 -> 47.0; N = 28672 lost: 8192x28672 740.0 -> 758.4,
+#   4096x28672 371.6 -> 378.7).
+# The first row holding M whose bounds hold and whose kernel is built (K.WGMMA_PROD2_CONFIGS) is taken.
+# WGMMA_TALL_MAX_M: none above it (0: the rule off).
+class TallRow(NamedTuple):
+    """A row of WGMMA_TALL_ROUTE: M in [lo, hi], min_kn <= K*N <= max_kn, K >= min_k, N <= max_n."""
+    lo: int
+    hi: int
+    tile: tuple[int, int, int]  # (NT, FW, STAGES)
+    min_kn: int = 0
+    max_kn: int = 1 << 62
+    min_k: int = 0
+    max_n: int = 1 << 62
+
+
+WGMMA_TALL_ROUTE: tuple[TallRow, ...] = (
+    TallRow(129, 144, (144, 2, 4), min_kn=1 << 27),
+    TallRow(145, 160, (160, 2, 4), min_kn=1 << 27),
+    TallRow(129, 144, (144, 1, 6)),
+    TallRow(145, 192, (192, 1, 6)),
+    TallRow(193, 256, (256, 1, 4), min_kn=(1 << 24) + 1),
+    TallRow(257, 320, (160, 2, 4), min_kn=3 << 24),
+    TallRow(257, 384, (192, 1, 6), min_kn=(1 << 23) + 1, max_kn=1 << 24),
+    TallRow(257, 384, (192, 1, 6), min_k=8192),
+    TallRow(385, 512, (256, 1, 4)),
+    TallRow(513, 640, (192, 1, 6), min_kn=(1 << 23) + 1, max_kn=1 << 24),
+    TallRow(513, 640, (160, 2, 4), min_kn=(1 << 24) + 1),
+    TallRow(641, 768, (256, 1, 4)),
+    TallRow(769, 800, (160, 2, 4), min_kn=(1 << 24) + 1),
+    TallRow(801, 896, (256, 1, 4), max_n=16384),
+    TallRow(897, 1024, (256, 1, 4)),
 )
 WGMMA_TALL_MAX_M = 1024
 # Stream-K over the tiles (one CTA per SM) instead of whole tiles / K splits (wgmma_splits) where the idle part of
@@ -766,9 +796,10 @@ def wgmma_route_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fa
     128 < M <= WGMMA_TALL_MAX_M; splits from wgmma_tall_splits (-1: stream-K). None: not routed."""
     if fam.moe or cfg[0] != 128 or not 128 < m <= WGMMA_TALL_MAX_M:
         return None
-    for lo, hi, min_kn, min_k, c in WGMMA_TALL_ROUTE:
-        if (lo <= m <= hi and k * n >= min_kn and k >= min_k and n % (128 * c[1]) == 0
-                and c in K.WGMMA_PROD2_CONFIGS):
+    for r in WGMMA_TALL_ROUTE:
+        c = r.tile
+        if (r.lo <= m <= r.hi and r.min_kn <= k * n <= r.max_kn and k >= r.min_k and n <= r.max_n
+                and n % (128 * c[1]) == 0 and c in K.WGMMA_PROD2_CONFIGS):
             return c, wgmma_tall_splits(m, n, k, c, sms)
     return None
 

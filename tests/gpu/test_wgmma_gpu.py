@@ -1168,7 +1168,7 @@ def test_two_warpgroup_stream_k_route(fmt):
         if want:
             assert (wl.nt, wl.fw, wl.stages, wl.splits, wl.threads, wl.grid) == (128, 2, 4, -1, 384, sms), wl
             assert wl.ws[0] == G.wgmma_split_bound(sms)  # two regions of 256 x 128 floats per CTA: the bound
-    shapes = ((4096, 12288, (300, 384)), (11008, 4096, (257,)))
+    shapes = ((4096, 12288, (340, 384)), (11008, 4096, (257,)))
     for k, n, m, a, packed, bias, ref in _form_cases(fmt, shapes, seed=13):
         assert G.wgmma_launch(m, n, k, fam, 0).prod == 2 or sms != 132, (k, n, m)
         assert G.use_wgmma_path(m, n, k, fam, 0), (k, n, m)
@@ -1188,7 +1188,8 @@ def test_two_warpgroup_stream_k_route(fmt):
 TALL_CASES = {
     (8192, 16384): {129: (144, 2), 150: (160, 2), 160: (160, 2)},  # K*N = 2^27: the two-strip tiles
     (4096, 12288): {129: (144, 1), 144: (144, 1), 176: (192, 1), 192: (192, 1), 200: (256, 1), 256: (256, 1),
-                    512: (256, 1)},
+                    288: (160, 2), 512: (256, 1), 600: (160, 2), 780: (160, 2), 850: (256, 1)},  # (session 43: 288-850)
+    (4096, 4096): {300: (192, 1), 600: (192, 1)},  # K*N in (2^23, 2^24]: 192-token tiles (session 43)
     (8192, 2048): {257: (192, 1), 300: (192, 1), 384: (192, 1)},  # two 192-token tiles from K = 8192
     (2048, 1024): {400: (256, 1), 700: (256, 1), 1000: (256, 1)},  # two to four 256-token tiles
 }
@@ -1196,7 +1197,7 @@ TALL_CASES = {
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
 def test_tall_token_tile_route(fmt):
-    """Sessions 41-42: where the route would run 128-token tiles (M = 129-1024) it runs the two-compute-warpgroup
+    """Sessions 41-43: where the route would run 128-token tiles (M = 129-1024) it runs the two-compute-warpgroup
     producer form with tiles of 144 / 160 / 192 / 256 tokens (G.wgmma_route_tall), stream-K or whole tiles / K
     splits (G.wgmma_tall_splits). The launch it picks in every row of its table, and none where the table has
     no row; through the public op and a layer's cache of launches NaN-poisoned outputs match the reference with
@@ -1228,12 +1229,12 @@ def test_tall_token_tile_route(fmt):
         for _ in range(2):
             out = G.gemm_fast(fast, a, packed.b, packed.scales, packed.zeros, bias)
             assert out is not None and torch.equal(out, got), (k, n, m)
-    assert {c[4][:2] for c in G.WGMMA_TALL_ROUTE} == {(nt, fw) for nt, fw, _, _ in seen}, seen
+    assert {c.tile[:2] for c in G.WGMMA_TALL_ROUTE} == {(nt, fw) for nt, fw, _, _ in seen}, seen
     assert {multi for *_, multi in seen} == {True, False}, seen
     if sms == 132:  # H200: 4096x12288 M = 512 runs stream-K, the others whole tiles or K splits
         assert {sk for *_, sk, _ in seen} == {True, False}, seen
-    for m, n, k in ((128, 12288, 4096), (100, 12288, 4096), (200, 4096, 4096), (300, 12288, 4096),
-                    (600, 12288, 4096), (800, 12288, 4096)):  # 128-token tiles, or no row of the table
+    for m, n, k in ((128, 12288, 4096), (100, 12288, 4096), (200, 4096, 4096), (300, 11008, 4096),
+                    (800, 4096, 4096), (880, 28672, 4096)):  # 128-token tiles, or no row of the table
         assert G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms) is None, (m, n, k)
         assert G.wgmma_launch(m, n, k, fam, 0).nt <= 128, (m, n, k)
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
