@@ -1144,6 +1144,27 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s43d)  # session 43: stream-K of the two-compute-warpgroup form as whole-tile rounds + stream-K over the tiles
+           # left (jm_wgmma.cuh kWgHybrid); first the wgmma GPU tests on it, then the route (s43a rows) against
+           # routeT0 with every tall tile whole (ws) and stream-K (sk), then the same sk configs built
+           # -DJM_WG_NO_HYBRID (stream-K over all tiles: session 42's machine code), bf16 / 8-bit route checks
+           timeout ${S43D_TEST_TIMEOUT:-220} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s43d_test.log" 2>&1
+           echo "s43d test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s43d_test.log" | tail -12
+           sh43=${S43D_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096,5120x13824,13824x5120,2048x8192}
+           m43=${S43D_M:-300,384,544,600,640,700,768,800,896,1024}
+           timeout ${S43D_TIMEOUT:-170} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 --m $m43 \
+             --configs routeT0,route,wgmma-n160-f2-s4-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-p2,wgmma-n256-f1-s4-sk-p2,routeT0 \
+             --shapes $sh43 > "$OUT/s43d.log" 2>&1
+           echo "s43d rc=$?"; grep -c " us" "$OUT/s43d.log"; grep "failed\|Error" "$OUT/s43d.log" | head -5
+           JITMARLIN_NVCC_FLAGS=-DJM_WG_NO_HYBRID timeout ${S43D_TIMEOUT2:-90} python3 benchmarks/probe_configs.py --dtype f16 \
+             --settle 0.3 --m $m43 --configs route,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-sk-p2 \
+             --shapes $sh43 > "$OUT/s43d_nohyb.log" 2>&1
+           echo "s43d nohyb rc=$?"; grep -c " us" "$OUT/s43d_nohyb.log"
+           for v in "--dtype bf16" "--dtype f16 --bits 8"; do
+             timeout 60 python3 benchmarks/probe_configs.py $v --settle 0.3 --m 300,600,800,896 --configs routeT0,route,routeT0 \
+               --shapes 8192x28672,28672x8192,8192x8192,4096x12288 >> "$OUT/s43d_fmt.log" 2>&1
+             echo "s43d fmt rc=$?"
+           done;;
     s43c)  # session 43: the corrected tall-tile route (rows from s43a) against the route without the tall rule
            # (routeT0, timed first and last), fp16 4-bit on the s43a shapes plus three it did not measure, bf16 and
            # 8-bit on four; then the wgmma GPU tests (the tall-route test's new rows)

@@ -1136,11 +1136,25 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
 //   the same work when the tiles do not divide the resident CTAs (4096x28672, 8192x28672: 112
 //   tiles of two strips on 132 SMs). A tile cut between CTAs is summed by the last piece to
 //   arrive; region of CTA c's piece: 2c for its first tile, 2c + 1 for its last.
+//   The two-compute-warpgroup producer form (dense) runs the first D = floor(tiles / G) rounds as whole
+//   tiles (round r: tile r G + c, so the CTAs running together share weight strips in L2 as in the
+//   tile-per-CTA launch) and stream-K over the tiles left, as the "data-parallel + stream-K" hybrid of
+//   Osama et al., "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on
+//   the GPU" (2023); one round fewer where the tiles left would give a CTA under kWgSkMinStages stages.
+//   Stream-K over all tiles re-read each weight strip from HBM per token tile (a CTA's run walks the tiles
+//   of one strip one after another), e.g. (160, 2, 4) 8192x28672 M = 640 stream-K 552 us vs whole tiles
+//   523 (4 rounds, the last 39% full). -DJM_WG_NO_HYBRID: stream-K over all tiles (measurements).
 // The piece loop (see wgmma_body); ROLE: 0 every thread (plain form), 1 the producer
 // warpgroup, 2 the compute warpgroups of the producer form. MOE (the producer form, stream-K only):
 // the tiles are (feature tile, expert block) over the blocks that hold rows (the alignment's padded
 // count, read after griddep_wait), so W is known on the device only; with fewer stages than CTAs
 // the CTAs past W take none and leave at once (G = min(gridDim.x, W) in the formulas).
+#ifdef JM_WG_NO_HYBRID
+constexpr bool kWgHybrid = false;
+#else
+constexpr bool kWgHybrid = true;
+#endif
+constexpr int kWgSkMinStages = 16;  // the hybrid's stream-K stages per CTA at least (gemm.WGMMA_SPLIT_MIN_STAGES)
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int NT, int FW, int STAGES, int WGS, bool PROD,
           int ROLE, int MINB, bool MOE = false>
 JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRing& ring) {
@@ -1164,28 +1178,42 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
     if constexpr (MOE) return w < static_cast<int64_t>(gridDim.x) ? w : static_cast<int64_t>(gridDim.x);
     return gridDim.x;
   };
-  // stream-K: this CTA's run [u0, u1) of the W stages (W < 2^31: gemm.wgmma_stream_grid); split:
-  // one piece, and the loop below runs once
-  int u0 = 0, u1 = 1;
+  // stream-K: this CTA's run [u0, u1) of the W stages of the tiles after the first `dp` rounds of whole
+  // tiles (W < 2^31: gemm.wgmma_stream_grid); split: one piece, and the loop below runs once
+  int u0 = 0, u1 = 1, dp = 0, t_sk = 0;
   if (stream) {
-    const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = stream_ctas(W);
+    const int64_t G = stream_ctas(static_cast<int64_t>(f_tiles) * m_tiles * ks);
     if (MOE && c >= G) return;
+    if constexpr (kWgHybrid && !MOE && PROD && WGS == 2) {
+      const int tiles = f_tiles * m_tiles;
+      dp = tiles / static_cast<int>(G);
+      const int left = tiles - dp * static_cast<int>(G);
+      if (dp > 0 && left > 0 && static_cast<int64_t>(left) * ks < G * kWgSkMinStages) --dp;
+      t_sk = dp * static_cast<int>(G);
+    }
+    const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks - static_cast<int64_t>(t_sk) * ks;
     u0 = static_cast<int>(c * W / G);
     u1 = static_cast<int>((c + 1) * W / G);
   }
 #pragma unroll 1
-  for (int u = u0; u < u1;) {  // one call site: the tile's code is inlined once
-    int f_tile, m_tile, kt0, k_tiles, next;
+  for (int r = 0, u = u0; r < dp || u < u1;) {  // one call site: the tile's code is inlined once
+    int f_tile, m_tile, kt0, k_tiles;
     WgPiece piece{1, 0, 0, 0, 0};
-    if (stream) {
-      const int t = u / ks, x = t * ks, x_end = x + ks, e = u1 < x_end ? u1 : x_end;
+    if (r < dp) {  // a whole tile of the hybrid's first rounds
+      const int t = r++ * static_cast<int>(gridDim.x) + c;
       f_tile = t / m_tiles;
       m_tile = t - f_tile * m_tiles;
+      kt0 = 0;
+      k_tiles = ks;
+    } else if (stream) {  // stages [x, x_end) of the stream-K sequence are tile t_sk + u / ks
+      const int t = u / ks, x = t * ks, x_end = x + ks, e = u1 < x_end ? u1 : x_end;
+      f_tile = (t_sk + t) / m_tiles;
+      m_tile = (t_sk + t) - f_tile * m_tiles;
       kt0 = u - x;
       k_tiles = e - u;
-      next = e;
       if (k_tiles < ks) {  // cut between CTAs: CTAs c_first .. c_last hold its pieces
-        const int64_t W = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = stream_ctas(W);
+        const int64_t W_all = static_cast<int64_t>(f_tiles) * m_tiles * ks, G = stream_ctas(W_all),
+                      W = W_all - static_cast<int64_t>(t_sk) * ks;
         const int c_first = static_cast<int>(((x + 1) * G + W - 1) / W) - 1;
         const int c_last = static_cast<int>((static_cast<int64_t>(x_end) * G + W - 1) / W) - 1;
         piece = WgPiece{c_last - c_first + 1, 2 * c + (u0 >= x ? 0 : 1), 2 * c_first, 2,
@@ -1193,6 +1221,7 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
       }
       if (!PROD && u != u0) __syncthreads();  // every warp is past the previous piece's last stage
       // (the producer form: the producer waits for each slot's `empty` barrier instead)
+      u = e;
     } else {
       const int per_f = m_tiles * splits;
       f_tile = c / per_f;
@@ -1200,7 +1229,7 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
       m_tile = rem - split * m_tiles;
       kt0 = split * ks / splits;
       k_tiles = (split + 1) * ks / splits - kt0;
-      next = u1;
+      u = u1;
     }
     wgmma_tile<T, BITS, HAS_ZP, GROUP_BLOCKS, NT, FW, STAGES, MOE, WGS, PROD, ROLE, MINB>(
         p, f_tile, m_tile, kt0, k_tiles, [&]() -> WgPiece {
@@ -1211,7 +1240,6 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
           return WgPiece{splits, cc, ft * per_f + mt, p.grid, 0};
         },
         amap, ring);
-    u = next;
   }
 }
 // The producer form's registers: launched with __launch_bounds__(128 (WGS + 1), MINB), so each
