@@ -1144,6 +1144,17 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s43e)  # session 43: the final route (s43a/s43d rows, stream-K hybrid): the tall-route GPU test, bench_gemm
+           # at M = 300 / 544 / 640 / 800 with the peers, and the e2e Llama subset (prefill 128-2048)
+           timeout 120 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "tall_token_tile or two_warpgroup_stream_k" \
+             > "$OUT/s43e_test.log" 2>&1
+           echo "s43e test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s43e_test.log" | tail -8
+           timeout ${S43E_BENCH_TIMEOUT:-150} python3 benchmarks/bench_gemm.py --json "$OUT/s43e_bench.json" \
+             --variants none --m ${S43E_M:-300,544,640,800} > "$OUT/s43e_bench.log" 2>&1
+           echo "s43e bench rc=$?"; tail -30 "$OUT/s43e_bench.log"
+           timeout ${E2E_TIMEOUT:-240} python3 benchmarks/bench_e2e.py --json "$OUT/e2e.json" --models llama \
+             --variants fp16,w4,w4-fused --batches 1,8 --prefill 128,512,1024,2048 --decode 128 --time-budget 200 > "$OUT/e2e.log" 2>&1
+           echo "e2e rc=$?"; tail -25 "$OUT/e2e.log";;
     s43d)  # session 43: stream-K of the two-compute-warpgroup form as whole-tile rounds + stream-K over the tiles
            # left (jm_wgmma.cuh kWgHybrid); first the wgmma GPU tests on it, then the route (s43a rows) against
            # routeT0 with every tall tile whole (ws) and stream-K (sk), then the same sk configs built

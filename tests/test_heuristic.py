@@ -421,9 +421,9 @@ def test_wgmma_tall_token_tile_rule(monkeypatch):
     # two 160-token tiles at M = 257-320 from K*N = 3 * 2^24 (4096x12288 in, 4096x11008 out)
     assert tall(288, 12288, 4096)[:2] == (160, 2) and tall(288, 11008, 4096) is None
     assert tall(896, 11008, 4096)[:2] == (256, 1) and tall(896, 28672, 4096) is None
-    # 4096^2 (K*N in (2^23, 2^24]): 192-token tiles at M = 257-384 and 513-640, none at 769-800 or below 2^23
-    assert [tall(m, 4096, 4096) for m in (129, 192, 224, 256, 300, 400, 600, 800, 896)] == [
-        (144, 1, 4), (192, 1, 4), None, None, (192, 1, 2), (256, 1, 2), (192, 1, 1), None, (256, 1, 1)]
+    # 4096^2 (K*N in (2^23, 2^24]): 192-token tiles at M = 257-384, 513-768, none at 769-800 or below 2^23
+    assert [tall(m, 4096, 4096) for m in (129, 192, 224, 256, 300, 400, 600, 700, 800, 896)] == [
+        (144, 1, 4), (192, 1, 4), None, None, (192, 1, 2), (256, 1, 2), (192, 1, 1), (192, 1, 1), None, (256, 1, 1)]
     assert all(tall(m, 2048, 2048) is None for m in (300, 600, 780))
     # two 192-token tiles at M = 321-384 from K = 8192 only; none past M = 1024
     assert tall(352, 8192, 8192)[:2] == (192, 1) and tall(352, 12288, 4096) is None

@@ -734,7 +734,9 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
 #   and 513-640 (4096^2, M = 288 / 544 / 640: 32.9 / 49.5 / 49.3 -> 28.5 / 36.2 / 38.4). (256, 1, 4) tiles at M = 801-896
 #   where N <= 16384 (M = 896: 28672x8192 759.9 -> 718.9, 8192^2 226.7 -> 194.8, 14336x4096 193.0 -> 161.7, 4096x12288
 #   170.1 -> 152.9, 4096x11008 152.6 -> 147.1, 4096^2 51.9 -> 47.0; N = 28672 lost: 8192x28672 740.0 -> 758.4,
-#   4096x28672 371.6 -> 378.7).
+#   4096x28672 371.6 -> 378.7). s43d (same probe, the stream-K hybrid built): four (192, 1, 6) tiles at M = 641-768 on
+#   K*N in (2^23, 2^24] (M = 700 / 768, (256, 1, 4) -> (192, 1, 6)): 4096^2 43.8 / 43.4 -> 38.8 / 39.1, 2048x8192
+#   50.0 / 50.6 -> 41.9 / 43.1 (the 256-token tiles lost to the route without the tall rule there, 43.1 / 44.1).
 # The first row holding M whose bounds hold and whose kernel is built (K.WGMMA_PROD2_CONFIGS) is taken.
 # WGMMA_TALL_MAX_M: none above it (0: the rule off).
 class TallRow(NamedTuple):
@@ -760,6 +762,7 @@ WGMMA_TALL_ROUTE: tuple[TallRow, ...] = (
     TallRow(385, 512, (256, 1, 4)),
     TallRow(513, 640, (192, 1, 6), min_kn=(1 << 23) + 1, max_kn=1 << 24),
     TallRow(513, 640, (160, 2, 4), min_kn=(1 << 24) + 1),
+    TallRow(641, 768, (192, 1, 6), min_kn=(1 << 23) + 1, max_kn=1 << 24),
     TallRow(641, 768, (256, 1, 4)),
     TallRow(769, 800, (160, 2, 4), min_kn=(1 << 24) + 1),
     TallRow(801, 896, (256, 1, 4), max_n=16384),
