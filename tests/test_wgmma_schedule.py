@@ -21,9 +21,20 @@ def hybrid_rounds(tiles: int, ks: int, grid: int) -> int:
     session 43): floor(tiles / grid), one fewer where the tiles left would give a CTA under 16 stages."""
     dp = tiles // grid
     left = tiles - dp * grid
-    if dp > 0 and left > 0 and left * ks < grid * 16:
+    if dp > 0 and left > 0 and left * ks < grid * G.WGMMA_SPLIT_MIN_STAGES:
         dp -= 1
     return dp
+
+
+def test_hybrid_stage_floor_is_the_hosts():
+    """The kernel's kWgSkMinStages (the hybrid's least stream-K stages per CTA) is the host's
+    WGMMA_SPLIT_MIN_STAGES, which the routes' stream-K rules and the model above use."""
+    import re
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "jm_wgmma.cuh").read_text()
+    (value,) = re.findall(r"constexpr int kWgSkMinStages = (\d+);", src)
+    assert int(value) == G.WGMMA_SPLIT_MIN_STAGES == 16
 
 
 def stream_pieces(tiles: int, ks: int, grid: int, dp: int = 0,
