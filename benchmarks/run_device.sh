@@ -1185,22 +1185,7 @@ for st in $STAGES; do
                --shapes 8192x28672,28672x8192,8192x8192,4096x12288 >> "$OUT/s43d_fmt.log" 2>&1
              echo "s43d fmt rc=$?"
            done;;
-    s43c)  # session 43: the corrected tall-tile route (rows from s43a) against the route without the tall rule
-           # (routeT0, timed first and last), fp16 4-bit on the s43a shapes plus three it did not measure, bf16 and
-           # 8-bit on four; then the wgmma GPU tests (the tall-route test's new rows)
-           timeout ${S43C_TIMEOUT:-200} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
-             --m ${S43C_M:-257,300,320,352,400,544,600,640,700,768,800,850,896} --configs routeT0,route,routeT0 \
-             --shapes ${S43C_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096,5120x13824,13824x5120,2048x8192} \
-             > "$OUT/s43c.log" 2>&1
-           echo "s43c rc=$?"; grep -c " us" "$OUT/s43c.log"; grep "failed\|Error" "$OUT/s43c.log" | head -5
-           for v in "--dtype bf16" "--dtype f16 --bits 8"; do
-             timeout 100 python3 benchmarks/probe_configs.py $v --settle 0.3 --m 300,600,800,896 --configs routeT0,route,routeT0 \
-               --shapes 8192x28672,28672x8192,8192x8192,4096x12288 >> "$OUT/s43c_fmt.log" 2>&1
-             echo "s43c fmt rc=$?"
-           done
-           timeout ${S43C_TEST_TIMEOUT:-220} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s43c_test.log" 2>&1
-           echo "s43c test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s43c_test.log" | tail -12;;
-    s43b)  # PREPARED in session 42 (main): deeper rings for the tall tiles (the routed ones use 111-179 KB of shared
+    s43b)  # PREPARED in session 42 (main; not run in session 43): deeper rings for the tall tiles (the routed ones use 111-179 KB of shared
            # memory in fp16 4-bit: (144, 2, 4) and (160, 2, 4) at 4 stages, (256, 1, 4)), built as extras: ptxas
            # (sm_90a, fp16 4-bit g128) (256, 1, 5) and (144, 1, 8) 0 spill bytes, (144, 2, 6) 20, (160, 2, 6) 36
            timeout ${S43B_TIMEOUT:-300} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
