@@ -90,9 +90,10 @@ def main() -> None:
             # what the heuristic picks; route0: without the two-compute-warpgroup stream-K rule (session 39)
             G.WGMMA_STREAM2_MAX_FILL = 0.0 if cfg == "route0" else stream2_fill
             G.WGMMA_TALL_MAX_M = 0 if cfg == "routeT0" else tall_max_m  # routeT0: without the tall-tile rule
+            G.WGMMA_TALL_MODEL = cfg == "routeCM"  # routeCM: tall tiles by the cost model (session 43 experiment)
             G.wgmma_launch.cache_clear()
             G.prepare_launch.cache_clear()
-            if cfg in ("route", "route0", "routeT0"):
+            if cfg in ("route", "route0", "routeT0", "routeCM"):
                 override = None
             elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w][-p]
                 parts = cfg.split("-")[1:]

@@ -1144,6 +1144,15 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s44a)  # PREPARED in session 43 (branch exp-cost-model): the tall tile by the cost model (routeCM,
+           # G.WGMMA_TALL_MODEL) against the table route and the route without tall tiles, on shapes the fit never saw
+           # (Llama-3-8B, Qwen2-7B, Mistral-Nemo, Yi-34B-like) and three it did, fp16 4-bit, M = 257-1024; twice
+           # (route / routeCM alternate) so the noise shows
+           timeout ${S44A_TIMEOUT:-420} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --m ${S44A_M:-257,300,384,448,544,600,700,800,896,1000} --configs routeT0,route,routeCM,route,routeCM,routeT0 \
+             --shapes ${S44A_SHAPES:-4096x14336,14336x4096,4096x6144,3584x18944,18944x3584,3584x4608,5120x14336,14336x5120,7168x20480,8192x28672,4096x11008,4096x4096} \
+             > "$OUT/s44a.log" 2>&1
+           echo "s44a rc=$?"; grep -c " us" "$OUT/s44a.log"; grep "failed\|Error" "$OUT/s44a.log" | head -5;;
     s43e)  # session 43: the final route (s43a/s43d rows, stream-K hybrid): the tall-route GPU test, bench_gemm
            # at M = 300 / 544 / 640 / 800 with the peers, and the e2e Llama subset (prefill 128-2048)
            timeout 120 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "tall_token_tile or two_warpgroup_stream_k" \

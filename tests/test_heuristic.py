@@ -622,3 +622,36 @@ def test_cluster_choice():
     assert G.choose_cluster(plan_for(1, 4096, 4096, fam8), 1, 4096, 4096, fam8, 132, h200) is None
     assert not K.tile_fits(K.Family("f16", 4, False, 128, moe=True), G.CLUSTER_TILE)
     assert G.cluster_twin(K.Tile(1, False, 8, 6)) is None
+
+
+def test_wgmma_tall_cost_model_experiment(monkeypatch):
+    """Session 43's experiment (G.WGMMA_TALL_MODEL, off by default; probe_configs routeCM): the tall tile from the
+    cost model. Its picks in cells s43d measured, stream-K only where every CTA gets 16 stages, the route without
+    tall tiles where the model prices it lowest, the table's rows at M <= 256."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+
+    f4 = K.Family("f16", 4, False, 128)
+    assert G.WGMMA_TALL_MODEL is False
+
+    def tall(m, n, k, sms=132):
+        t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), f4, sms)
+        return None if t is None else (t[0][0], t[0][1], "sk" if t[1] == -1 else t[1])
+
+    table = {m: tall(m, 28672, 8192) for m in (129, 256)}
+    monkeypatch.setattr(G, "WGMMA_TALL_MODEL", True)
+    assert {m: tall(m, 28672, 8192) for m in (129, 256)} == table  # the table below M = 257
+    # s43d's fastest launch in these cells (us): 28672x8192 M = 640 (160, 2) whole tiles 449.0, 8192^2 M = 544
+    # (160, 2) 114.3, 4096x11008 M = 544 (192, 1) whole 78.7, 4096^2 M = 544 (192, 1) 36.3, 8192x28672 M = 800
+    # (160, 2) stream-K 601.3
+    assert tall(640, 8192, 28672) == (160, 2, 1) and tall(544, 8192, 8192)[:2] == (160, 2)
+    assert tall(544, 11008, 4096) == (192, 1, 1) and tall(544, 4096, 4096) == (192, 1, 1)
+    assert tall(800, 28672, 8192) == (160, 2, "sk")
+    assert tall(544, 12288, 4096) is None  # the 128-token route priced lowest there
+    for sms in (78, 114, 132):
+        for m in (257, 300, 400, 544, 700, 900, 1024):
+            for n, k in ((4096, 4096), (12288, 4096), (28672, 8192), (8192, 28672), (1024, 2048)):
+                t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), f4, sms)
+                if t is not None and t[1] == -1:
+                    (nt, fw, _) = t[0]
+                    assert -(-m // nt) * (n // (128 * fw)) * (k // 64) >= sms * 16, (sms, m, n, k)

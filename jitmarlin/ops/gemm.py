@@ -792,6 +792,69 @@ def wgmma_tall_splits(m: int, n: int, k: int, c: tuple[int, int, int], sms: int)
     return splits
 
 
+# EXPERIMENT (session 43, not routed by default: probe_configs `routeCM` sets WGMMA_TALL_MODEL): the tall-tile
+# choice from a cost model instead of the table. Time of a launch ~ a + c[form] x the 64-k stages each CTA runs in
+# sequence (rounds of whole tiles / K-split runs; the two-compute-warpgroup stream-K's hybrid rounds plus its share
+# of the tiles left) + a K-split fix-up (split + per_split x splits) + a stream-K fix-up (sk + sk_stage x stages).
+# Least squares on relative error over s43d (H200, fp16 4-bit g128, 11 shapes x M = 300-1024, 990 timings of the
+# tall tiles whole / stream-K and the route without them): median error 5%; left-one-shape-out, the cost model's
+# pick was 0.8% slower than the fastest measured launch of its cell on average (the table route 2.8%), 1.8% faster
+# than the table route (geometric mean), > 5% slower in 10 of 110 cells, > 5% faster in 23. Forms: (NT, FW,
+# "p2") the two-compute-warpgroup producer form, "plain" / "w" (wide) the 128-token plain forms.
+WGMMA_TALL_MODEL = False
+WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.813, (128, 2, "w"): 0.864,
+                        (160, 2, "p2"): 0.965, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
+WGMMA_COST_TERMS = {"a": 1.359, "split": 2.148, "per_split": 3.526, "sk": 14.961, "sk_stage": 0.049}
+
+
+def wgmma_cost_us(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, per_sm: int, sms: int) -> float:
+    """The cost model's time (us, H200 fp16 4-bit) of a wgmma launch of `form` with `splits` (-1: stream-K)."""
+    nt, fw, kind = form
+    tiles, ks, slots = -(-m // nt) * (n // (128 * fw)), k // 64, sms * per_sm
+    t = WGMMA_COST_TERMS
+    if splits == -1:
+        dp = 0
+        if kind == "p2":  # jm_wgmma.cuh wgmma_pieces: whole-tile rounds, then stream-K over the tiles left
+            dp = tiles // slots
+            if dp > 0 and tiles > dp * slots and (tiles - dp * slots) * ks < slots * WGMMA_SPLIT_MIN_STAGES:
+                dp -= 1
+        stages = dp * ks + (tiles - dp * slots) * ks / slots
+        return t["a"] + WGMMA_COST_PER_STAGE[form] * stages + t["sk"] + t["sk_stage"] * stages
+    stages = -(-tiles * splits // slots) * ks / splits
+    fix = t["split"] + t["per_split"] * splits if splits > 1 else 0.0
+    return t["a"] + WGMMA_COST_PER_STAGE[form] * stages + fix
+
+
+def wgmma_route_cost(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family,
+                     sms: int) -> tuple[tuple[int, int, int], int] | None:
+    """wgmma_route_tall by the cost model: the cheapest of each built tall tile (whole tiles / K splits, and stream-K
+    where every CTA gets WGMMA_SPLIT_MIN_STAGES) and the launch the route makes without tall tiles (None)."""
+    nt, fw, _, wide = cfg
+    if wgmma_route_stream2(m, n, k, cfg, fam, sms):
+        best = wgmma_cost_us(m, n, k, (128, 2, "p2"), -1, 1, sms)
+    else:
+        form = (nt, fw, "w" if wide else "plain")
+        if form not in WGMMA_COST_PER_STAGE:
+            return None
+        per_sm = 1 if wide else wgmma_ctas_per_sm(fw)
+        best = wgmma_cost_us(m, n, k, form, wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, sms, per_sm),
+                             per_sm, sms)
+    pick = None
+    for c in K.WGMMA_PROD2_CONFIGS:
+        form = (c[0], c[1], "p2")
+        if c[0] <= 128 or form not in WGMMA_COST_PER_STAGE or n % (128 * c[1]):
+            continue
+        tiles = -(-m // c[0]) * (n // (128 * c[1]))
+        options = [wgmma_splits(tiles, k, c[0], c[1], sms, 1)]
+        if sms * WGMMA_SPLIT_MIN_STAGES <= tiles * (k // 64) < 1 << 31:
+            options.append(-1)
+        for sp in options:
+            us = wgmma_cost_us(m, n, k, form, sp, 1, sms)
+            if us < best:
+                best, pick = us, (c, sp)
+    return pick
+
+
 def wgmma_route_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family,
                      sms: int) -> tuple[tuple[int, int, int], int] | None:
     """((NT, FW, STAGES), splits) of the two-compute-warpgroup producer form with token tiles of more than 128
@@ -799,6 +862,8 @@ def wgmma_route_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fa
     128 < M <= WGMMA_TALL_MAX_M; splits from wgmma_tall_splits (-1: stream-K). None: not routed."""
     if fam.moe or cfg[0] != 128 or not 128 < m <= WGMMA_TALL_MAX_M:
         return None
+    if WGMMA_TALL_MODEL and m > 256:  # (fitted at M = 300-1024; the table's 144-token tiles below)
+        return wgmma_route_cost(m, n, k, cfg, fam, sms)
     for r in WGMMA_TALL_ROUTE:
         c = r.tile
         if (r.lo <= m <= r.hi and r.min_kn <= k * n <= r.max_kn and k >= r.min_k and n <= r.max_n

@@ -1,0 +1,93 @@
+"""Fit gemm.WGMMA_COST_PER_STAGE / WGMMA_COST_TERMS (the session-43 cost-model experiment) to a probe_configs log
+that times the tall tiles (wgmma-n{160,192,256}-...-p2, whole and -sk) and routeT0 per (shape, M), e.g. stage s43d:
+
+    python benchmarks/fit_tall_cost.py benchmarks/logs/s43d.log
+
+Needs numpy. Runs on the CPU (the launches the route would make are computed with a 132-SM H200 stand-in). Prints the
+coefficients, the in-sample error, and a leave-one-shape-out check of the cost model's pick against the fastest
+measured launch of each cell and against the `route` timing of that cell."""
+import collections
+import functools
+import re
+import sys
+
+import numpy as np
+from jitmarlin.ops import gemm as G, _kernels as K
+from jitmarlin.jit import driver
+
+
+class _Dev:
+    sm_count = 132
+
+
+driver.device = lambda index: _Dev()
+G._cc = functools.lru_cache(None)(lambda index: (9, 0))
+K.get_wgmma_kernel = lambda *a, **k: None
+K.wgmma_smem_bytes = lambda *a, **k: 0
+fam = K.Family("f16", 4, False, 128)
+pat = re.compile(r"^\[(\S+)\] (\S+) u(\d+) (\d+x\d+) M=(\d+) (\S+): ([\d.]+) us")
+data = collections.defaultdict(list)
+for line in open(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/logs/s43d.log"):
+    m = pat.match(line.strip())
+    if m:
+        _, dt, b, shape, M, cfg, us = m.groups(); k, n = map(int, shape.split("x"))
+        data[(k, n, int(M), cfg)].append(float(us))
+SMS = 132
+def launch_of(m, n, k, cfg):
+    if cfg.startswith("wgmma"):
+        p = cfg.split("-"); nt, fw = int(p[1][1:]), int(p[2][1:]); sk = "sk" in p
+        cls = (nt, fw, "p2")
+        per_sm = 1
+        splits = -1 if sk else G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, SMS, 1)
+    else:
+        G.WGMMA_TALL_MAX_M = 0; G.wgmma_launch.cache_clear()
+        wl = G.wgmma_launch(m, n, k, fam, 0)
+        G.WGMMA_TALL_MAX_M = 1024
+        nt, fw, splits = wl.nt, wl.fw, wl.splits
+        wide = wl.threads == 512
+        cls = (nt, fw, "p2" if wl.prod == 2 else "p" if wl.prod else "w" if wide else "plain")
+        per_sm = 1 if wl.prod == 2 else G.wgmma_ctas_per_sm(fw, (nt, fw, wl.stages) if wl.prod else None, 4)
+        if wide: fw = 2  # four warpgroups of one strip: a 256-feature tile
+    tiles = -(-m // nt) * (n // (128 * fw)); ks = k // 64; slots = SMS * per_sm
+    if splits == -1:
+        dp = 0
+        if cls[2] == "p2":
+            dp = tiles // slots; left = tiles - dp * slots
+            if dp > 0 and left > 0 and left * ks < slots * 16: dp -= 1
+        stages = dp * ks + (tiles - dp * slots) * ks / slots
+    else:
+        stages = -(-tiles * splits // slots) * ks / splits
+    return cls, stages, splits
+rows = []
+for (k, n, M, cfg), v in data.items():
+    if cfg == "route": continue
+    cls, st, sp = launch_of(M, n, k, cfg)
+    rows.append(((k, n, M), cfg, cls, st, sp, min(v)))
+classes = sorted({r[2] for r in rows}, key=str)
+print(classes)
+def feats(cls, st, sp):
+    f = [0.0] * len(classes); f[classes.index(cls)] = st
+    return f + [1.0, 1.0 if sp > 1 else 0.0, sp if sp > 1 else 0.0, 1.0 if sp == -1 else 0.0, st if sp == -1 else 0.0]
+X = np.array([feats(*r[2:5]) for r in rows]); y = np.array([r[5] for r in rows]); w = 1 / y
+def fit(idx):
+    cf, *_ = np.linalg.lstsq(X[idx] * w[idx, None], y[idx] * w[idx], rcond=None); return cf
+cf = fit(np.arange(len(rows)))
+print({str(c): round(v, 3) for c, v in zip(classes + ["a", "split", "per_split", "sk", "sk*st"], cf)})
+rel = X @ cf / y - 1
+print("in-sample rel err median %.3f 90%% %.3f" % (np.median(abs(rel)), np.quantile(abs(rel), .9)))
+shapes = sorted({r[0][:2] for r in rows})
+out = []
+for hold in shapes:
+    tr = np.array([i for i, r in enumerate(rows) if r[0][:2] != hold])
+    c2 = fit(tr); pr = X @ c2
+    cells = collections.defaultdict(list)
+    for i, r in enumerate(rows):
+        if r[0][:2] == hold: cells[r[0]].append((pr[i], r[5], r[1]))
+    for key, lst in cells.items():
+        best = min(x[1] for x in lst); pick = min(lst)
+        route = min(data[key + ("route",)])
+        out.append((pick[1] / best - 1, route / best - 1, pick[1] / route, key, pick[2]))
+a = np.array([o[:3] for o in out])
+print("held-out: model loss mean %.3f (>5%%: %d), route loss mean %.3f (>5%%: %d); model/route geo %.3f; worse>5%% %d better>5%% %d of %d" % (
+    a[:, 0].mean(), (a[:, 0] > .05).sum(), a[:, 1].mean(), (a[:, 1] > .05).sum(), np.exp(np.log(a[:, 2]).mean()), (a[:, 2] > 1.05).sum(), (a[:, 2] < .95).sum(), len(a)))
+for o in sorted(out, key=lambda o: -o[2])[:10]: print("  worst", o[3], o[4], "model/route %.2f" % o[2])
