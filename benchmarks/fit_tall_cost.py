@@ -1,7 +1,12 @@
-"""Fit gemm.WGMMA_COST_PER_STAGE / WGMMA_COST_TERMS (the session-43 cost-model experiment) to a probe_configs log
-that times the tall tiles (wgmma-n{160,192,256}-...-p2, whole and -sk) and routeT0 per (shape, M), e.g. stage s43d:
+"""Fit gemm.WGMMA_COST_PER_STAGE / WGMMA_COST_TERMS (the tall-tile cost model, route above M = 256 since session 44)
+to probe_configs logs that time the tall tiles (wgmma-n{160,192,256}-...-p2, whole and -sk), routeT0 and the routes
+per (shape, M), e.g. stages s43d and s44a (the fit in gemm.py):
 
-    python benchmarks/fit_tall_cost.py benchmarks/logs/s43d.log
+    python benchmarks/fit_tall_cost.py benchmarks/logs/s43d.log benchmarks/logs/s44a.log
+
+Route names in the logs: routeT0 the route without tall tiles; routeCM the cost model (s44a, session 43's
+coefficients); route in a cell that also has routeCM (s44a) the table's rows; other `route` timings (s43d) are
+skipped, their rows changed since. `routeTab` (later logs) is the table's rows; a later log's `route` is not read.
 
 Needs numpy. Runs on the CPU (the launches the route would make are computed with a 132-SM H200 stand-in). Prints the
 coefficients, the in-sample error, and a leave-one-shape-out check of the cost model's pick against the fastest
@@ -27,12 +32,17 @@ K.wgmma_smem_bytes = lambda *a, **k: 0
 fam = K.Family("f16", 4, False, 128)
 pat = re.compile(r"^\[(\S+)\] (\S+) u(\d+) (\d+x\d+) M=(\d+) (\S+): ([\d.]+) us")
 data = collections.defaultdict(list)
-for line in open(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/logs/s43d.log"):
-    m = pat.match(line.strip())
-    if m:
-        _, dt, b, shape, M, cfg, us = m.groups(); k, n = map(int, shape.split("x"))
-        data[(k, n, int(M), cfg)].append(float(us))
+for path in sys.argv[1:] or ["benchmarks/logs/s43d.log"]:
+    for line in open(path):
+        m = pat.match(line.strip())
+        if m:
+            _, dt, b, shape, M, cfg, us = m.groups(); k, n = map(int, shape.split("x"))
+            data[(k, n, int(M), cfg)].append(float(us))
 SMS = 132
+# the coefficients s44a's routeCM ran with (session 43, fitted to s43d alone)
+S43_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.813, (128, 2, "w"): 0.864,
+                 (160, 2, "p2"): 0.965, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
+S43_TERMS = {"a": 1.359, "split": 2.148, "per_split": 3.526, "sk": 14.961, "sk_stage": 0.049}
 def launch_of(m, n, k, cfg):
     if cfg.startswith("wgmma"):
         p = cfg.split("-"); nt, fw = int(p[1][1:]), int(p[2][1:]); sk = "sk" in p
@@ -40,9 +50,16 @@ def launch_of(m, n, k, cfg):
         per_sm = 1
         splits = -1 if sk else G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, SMS, 1)
     else:
-        G.WGMMA_TALL_MAX_M = 0; G.wgmma_launch.cache_clear()
+        # routeT0: the route without tall tiles; route (s44a) / routeTab: the table's tall tiles; routeCM: the model
+        # with session 43's coefficients
+        G.WGMMA_TALL_MAX_M = 0 if cfg == "routeT0" else 1024
+        G.WGMMA_TALL_MODEL = cfg == "routeCM"; G.wgmma_launch.cache_clear()
+        saved = dict(G.WGMMA_COST_PER_STAGE), dict(G.WGMMA_COST_TERMS)
+        G.WGMMA_COST_PER_STAGE.update(S43_PER_STAGE); G.WGMMA_COST_TERMS.update(S43_TERMS)
         wl = G.wgmma_launch(m, n, k, fam, 0)
-        G.WGMMA_TALL_MAX_M = 1024
+        G.WGMMA_COST_PER_STAGE.update(saved[0]); G.WGMMA_COST_TERMS.update(saved[1])
+        G.WGMMA_TALL_MAX_M, G.WGMMA_TALL_MODEL = 1024, True
+        G.wgmma_launch.cache_clear()
         nt, fw, splits = wl.nt, wl.fw, wl.splits
         wide = wl.threads == 512
         cls = (nt, fw, "p2" if wl.prod == 2 else "p" if wl.prod else "w" if wide else "plain")
@@ -60,7 +77,7 @@ def launch_of(m, n, k, cfg):
     return cls, stages, splits
 rows = []
 for (k, n, M, cfg), v in data.items():
-    if cfg == "route": continue
+    if cfg == "route" and (k, n, M, "routeCM") not in data: continue  # s43d's / a later log's route: not read
     cls, st, sp = launch_of(M, n, k, cfg)
     rows.append(((k, n, M), cfg, cls, st, sp, min(v)))
 classes = sorted({r[2] for r in rows}, key=str)
@@ -85,7 +102,7 @@ for hold in shapes:
         if r[0][:2] == hold: cells[r[0]].append((pr[i], r[5], r[1]))
     for key, lst in cells.items():
         best = min(x[1] for x in lst); pick = min(lst)
-        route = min(data[key + ("route",)])
+        route = min(data.get(key + ("routeTab",)) or data[key + ("route",)])
         out.append((pick[1] / best - 1, route / best - 1, pick[1] / route, key, pick[2]))
 a = np.array([o[:3] for o in out])
 print("held-out: model loss mean %.3f (>5%%: %d), route loss mean %.3f (>5%%: %d); model/route geo %.3f; worse>5%% %d better>5%% %d of %d" % (

@@ -1144,12 +1144,25 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
-    s44a)  # PREPARED in session 43 (branch exp-cost-model): the tall tile by the cost model (routeCM,
-           # G.WGMMA_TALL_MODEL) against the table route and the route without tall tiles, on shapes the fit never saw
-           # (Llama-3-8B, Qwen2-7B, Mistral-Nemo, Yi-34B-like) and three it did, fp16 4-bit, M = 257-1024; twice
-           # (route / routeCM alternate) so the noise shows
+    s44b)  # session 44: the cost model routes the tall tiles above M = 256: the wgmma GPU tests, bf16 and 8-bit checks
+           # of the route against the table's rows (routeTab) and no tall tiles (routeT0), bench_gemm at mid M
+           timeout ${S44B_TEST_TIMEOUT:-220} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s44b_test.log" 2>&1
+           echo "s44b test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s44b_test.log" | tail -12
+           for v in "--dtype bf16" "--dtype f16 --bits 8"; do
+             timeout 70 python3 benchmarks/probe_configs.py $v --settle 0.3 --m 300,544,700,896 \
+               --configs routeT0,route,routeTab,route,routeT0 --shapes 8192x28672,28672x8192,8192x8192,4096x12288 \
+               >> "$OUT/s44b_fmt.log" 2>&1
+             echo "s44b fmt $v rc=$?"
+           done
+           grep -c " us" "$OUT/s44b_fmt.log"
+           timeout ${S44B_BENCH_TIMEOUT:-150} python3 benchmarks/bench_gemm.py --json "$OUT/s44b_bench.json" \
+             --variants none --m ${S44B_M:-300,544,640,800} > "$OUT/s44b_bench.log" 2>&1
+           echo "s44b bench rc=$?"; tail -30 "$OUT/s44b_bench.log";;
+    s44a)  # session 44 (ran on branch exp-cost-model, where `route` was the table's rows and routeCM the cost model;
+           # on main now: route = the cost model, routeTab = the table): on shapes the s43d fit never saw (Llama-3-8B,
+           # Qwen2-7B, Mistral-Nemo, Yi-34B-like) and three it did, fp16 4-bit, M = 257-1024; twice so the noise shows
            timeout ${S44A_TIMEOUT:-420} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
-             --m ${S44A_M:-257,300,384,448,544,600,700,800,896,1000} --configs routeT0,route,routeCM,route,routeCM,routeT0 \
+             --m ${S44A_M:-257,300,384,448,544,600,700,800,896,1000} --configs routeT0,routeTab,route,routeTab,route,routeT0 \
              --shapes ${S44A_SHAPES:-4096x14336,14336x4096,4096x6144,3584x18944,18944x3584,3584x4608,5120x14336,14336x5120,7168x20480,8192x28672,4096x11008,4096x4096} \
              > "$OUT/s44a.log" 2>&1
            echo "s44a rc=$?"; grep -c " us" "$OUT/s44a.log"; grep "failed\|Error" "$OUT/s44a.log" | head -5;;

@@ -394,14 +394,18 @@ def test_wgmma_two_warpgroup_stream_k_rule(monkeypatch):
 
 
 def test_wgmma_tall_token_tile_rule(monkeypatch):
-    """Sessions 41-42: where the route runs 128-token tiles at M = 129-1024 it takes the two-compute-warpgroup
+    """Sessions 41-43: where the route runs 128-token tiles at M = 129-1024 it takes the two-compute-warpgroup
     producer form with 144- / 160- / 192- / 256-token tiles (G.WGMMA_TALL_ROUTE); the cells measured on the H200
     (132 SMs, s42a, s43a) get the tile that measured fastest, stream-K only where the whole-tile launch leaves at least
-    32 stages of its last round idle; none for MoE, formats aside, or a tile that is not built."""
+    32 stages of its last round idle; none for MoE, formats aside, or a tile that is not built. Since session 44 the
+    rows route M = 129-256 only; above, they are the A/B baseline of the cost model (test_wgmma_tall_cost_model), so
+    this test checks them with the model off."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
 
     f4 = K.Family("f16", 4, False, 128)
+    assert G.WGMMA_TALL_MODEL is True
+    monkeypatch.setattr(G, "WGMMA_TALL_MODEL", False)  # probe_configs routeTab
 
     def tall(m, n, k, fam=f4, sms=132):
         t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms, fam.moe), fam, sms)
@@ -624,23 +628,24 @@ def test_cluster_choice():
     assert G.cluster_twin(K.Tile(1, False, 8, 6)) is None
 
 
-def test_wgmma_tall_cost_model_experiment(monkeypatch):
-    """Session 43's experiment (G.WGMMA_TALL_MODEL, off by default; probe_configs routeCM): the tall tile from the
-    cost model. Its picks in cells s43d measured, stream-K only where every CTA gets 16 stages, the route without
-    tall tiles where the model prices it lowest, the table's rows at M <= 256."""
+def test_wgmma_tall_cost_model(monkeypatch):
+    """Session 44: from M = 257 the tall tile comes from the cost model (G.wgmma_route_cost; fitted to s43d + s44a by
+    benchmarks/fit_tall_cost.py). Its picks in cells measured on the H200, stream-K only where every CTA gets 16
+    stages, the route without tall tiles where the model prices it lowest, the table's rows at M <= 256."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
 
     f4 = K.Family("f16", 4, False, 128)
-    assert G.WGMMA_TALL_MODEL is False
+    assert G.WGMMA_TALL_MODEL is True and G.WGMMA_TALL_MODEL_MIN_M == 257
 
     def tall(m, n, k, sms=132):
         t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), f4, sms)
         return None if t is None else (t[0][0], t[0][1], "sk" if t[1] == -1 else t[1])
 
-    table = {m: tall(m, 28672, 8192) for m in (129, 256)}
+    below = {(m, n, k): tall(m, n, k) for m in (129, 160, 200, 256) for n, k in ((28672, 8192), (4096, 4096))}
+    monkeypatch.setattr(G, "WGMMA_TALL_MODEL", False)
+    assert {(m, n, k): tall(m, n, k) for m, n, k in below} == below  # the table's rows below M = 257
     monkeypatch.setattr(G, "WGMMA_TALL_MODEL", True)
-    assert {m: tall(m, 28672, 8192) for m in (129, 256)} == table  # the table below M = 257
     # s43d's fastest launch in these cells (us): 28672x8192 M = 640 (160, 2) whole tiles 449.0, 8192^2 M = 544
     # (160, 2) 114.3, 4096x11008 M = 544 (192, 1) whole 78.7, 4096^2 M = 544 (192, 1) 36.3, 8192x28672 M = 800
     # (160, 2) stream-K 601.3
@@ -648,6 +653,11 @@ def test_wgmma_tall_cost_model_experiment(monkeypatch):
     assert tall(544, 11008, 4096) == (192, 1, 1) and tall(544, 4096, 4096) == (192, 1, 1)
     assert tall(800, 28672, 8192) == (160, 2, "sk")
     assert tall(544, 12288, 4096) is None  # the 128-token route priced lowest there
+    # s44a (shapes the s43d fit never saw; table route -> model route, us): 4096x6144 M = 300 49.7 -> 36.9 (192, 1);
+    # 3584x4608 M = 896 61.9 -> 48.0 (no tall tile); 14336x4096 M = 300 K split in four 67.9, stream-K 73.3 (the
+    # refit keeps the split)
+    assert tall(300, 6144, 4096) == (192, 1, 1) and tall(896, 4608, 3584) is None
+    assert tall(300, 4096, 14336) == (160, 2, 4)
     for sms in (78, 114, 132):
         for m in (257, 300, 400, 544, 700, 900, 1024):
             for n, k in ((4096, 4096), (12288, 4096), (28672, 8192), (8192, 28672), (1024, 2048)):
@@ -655,3 +665,6 @@ def test_wgmma_tall_cost_model_experiment(monkeypatch):
                 if t is not None and t[1] == -1:
                     (nt, fw, _) = t[0]
                     assert -(-m // nt) * (n // (128 * fw)) * (k // 64) >= sms * 16, (sms, m, n, k)
+    assert tall(300, 12288, 4096) is not None and G.wgmma_route_tall(
+        300, 12288, 4096, G.wgmma_route_config(300, 12288, 4096, 132), K.Family("f16", 4, False, 128, moe=True),
+        132) is None  # not for MoE

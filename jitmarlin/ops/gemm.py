@@ -737,7 +737,8 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
 #   4096x28672 371.6 -> 378.7). s43d (same probe, the stream-K hybrid built): four (192, 1, 6) tiles at M = 641-768 on
 #   K*N in (2^23, 2^24] (M = 700 / 768, (256, 1, 4) -> (192, 1, 6)): 4096^2 43.8 / 43.4 -> 38.8 / 39.1, 2048x8192
 #   50.0 / 50.6 -> 41.9 / 43.1 (the 256-token tiles lost to the route without the tall rule there, 43.1 / 44.1).
-# The first row holding M whose bounds hold and whose kernel is built (K.WGMMA_PROD2_CONFIGS) is taken.
+# The first row holding M whose bounds hold and whose kernel is built (K.WGMMA_PROD2_CONFIGS) is taken. Since
+# session 44 the rows from M = 257 on are the A/B baseline only: the cost model below (wgmma_route_cost) routes there.
 # WGMMA_TALL_MAX_M: none above it (0: the rule off).
 class TallRow(NamedTuple):
     """A row of WGMMA_TALL_ROUTE: M in [lo, hi], min_kn <= K*N <= max_kn, K >= min_k, N <= max_n."""
@@ -792,19 +793,20 @@ def wgmma_tall_splits(m: int, n: int, k: int, c: tuple[int, int, int], sms: int)
     return splits
 
 
-# EXPERIMENT (session 43, not routed by default: probe_configs `routeCM` sets WGMMA_TALL_MODEL): the tall-tile
-# choice from a cost model instead of the table. Time of a launch ~ a + c[form] x the 64-k stages each CTA runs in
-# sequence (rounds of whole tiles / K-split runs; the two-compute-warpgroup stream-K's hybrid rounds plus its share
-# of the tiles left) + a K-split fix-up (split + per_split x splits) + a stream-K fix-up (sk + sk_stage x stages).
-# Least squares on relative error over s43d (H200, fp16 4-bit g128, 11 shapes x M = 300-1024, 990 timings of the
-# tall tiles whole / stream-K and the route without them): median error 5%; left-one-shape-out, the cost model's
-# pick was 0.8% slower than the fastest measured launch of its cell on average (the table route 2.8%), 1.8% faster
-# than the table route (geometric mean), > 5% slower in 10 of 110 cells, > 5% faster in 23. Forms: (NT, FW,
-# "p2") the two-compute-warpgroup producer form, "plain" / "w" (wide) the 128-token plain forms.
-WGMMA_TALL_MODEL = False
-WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.813, (128, 2, "w"): 0.864,
-                        (160, 2, "p2"): 0.965, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
-WGMMA_COST_TERMS = {"a": 1.359, "split": 2.148, "per_split": 3.526, "sk": 14.961, "sk_stage": 0.049}
+# Above M = 256 the tall tile comes from a cost model (session 44; the table rows above 256 stay for A/Bs:
+# WGMMA_TALL_MODEL = False, probe_configs `routeTab`). Time of a launch ~ a + c[form] x the 64-k stages each CTA runs
+# in sequence (rounds of whole tiles / K-split runs; the two-compute-warpgroup stream-K's hybrid rounds plus its
+# share of the tiles left) + a K-split fix-up (split + per_split x splits) + a stream-K fix-up (sk + sk_stage x
+# stages). Least squares on relative error (benchmarks/fit_tall_cost.py) over s43d (11 shapes x M = 300-1024, every
+# tall tile whole and stream-K) and s44a (12 shapes, 9 of them new, x M = 257-1000: table route, model route, no
+# tall tiles), H200, fp16 4-bit g128: median error 5%. Measured on s44a's 9 new shapes and 3 old (model fitted to s43d
+# only): 3.0% faster than the table route (geometric mean over 120 cells), > 5% faster in 28, > 5% slower in 5.
+# Forms: (NT, FW, "p2") the two-compute-warpgroup producer form, "plain" / "w" (wide) the 128-token plain forms.
+WGMMA_TALL_MODEL = True
+WGMMA_TALL_MODEL_MIN_M = 257  # the table's rows (and its 144-token tiles) below
+WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.820, (128, 2, "w"): 0.857,
+                        (160, 2, "p2"): 0.971, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
+WGMMA_COST_TERMS = {"a": 0.785, "split": 4.571, "per_split": 2.157, "sk": 15.248, "sk_stage": 0.048}
 
 
 def wgmma_cost_us(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, per_sm: int, sms: int) -> float:
@@ -858,11 +860,12 @@ def wgmma_route_cost(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fa
 def wgmma_route_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family,
                      sms: int) -> tuple[tuple[int, int, int], int] | None:
     """((NT, FW, STAGES), splits) of the two-compute-warpgroup producer form with token tiles of more than 128
-    rows (WGMMA_TALL_ROUTE), instead of `cfg` (wgmma_route_config's) where that runs 128-token tiles and
-    128 < M <= WGMMA_TALL_MAX_M; splits from wgmma_tall_splits (-1: stream-K). None: not routed."""
+    rows, instead of `cfg` (wgmma_route_config's) where that runs 128-token tiles and 128 < M <= WGMMA_TALL_MAX_M:
+    from M = WGMMA_TALL_MODEL_MIN_M the cost model's pick (wgmma_route_cost), below it the first WGMMA_TALL_ROUTE row
+    that holds, with splits from wgmma_tall_splits (-1: stream-K). None: not routed."""
     if fam.moe or cfg[0] != 128 or not 128 < m <= WGMMA_TALL_MAX_M:
         return None
-    if WGMMA_TALL_MODEL and m > 256:  # (fitted at M = 300-1024; the table's 144-token tiles below)
+    if WGMMA_TALL_MODEL and m >= WGMMA_TALL_MODEL_MIN_M:
         return wgmma_route_cost(m, n, k, cfg, fam, sms)
     for r in WGMMA_TALL_ROUTE:
         c = r.tile

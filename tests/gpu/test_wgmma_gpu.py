@@ -1184,23 +1184,24 @@ def test_two_warpgroup_stream_k_route(fmt):
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
 
-# (K, N): {M: (NT, FW)} of the tall-tile route (G.WGMMA_TALL_ROUTE) in every row of its table
+# (K, N): {M: (NT, FW)} of the tall-tile route: every tile of the table (G.WGMMA_TALL_ROUTE, M <= 256) and the cost
+# model (above)
 TALL_CASES = {
     (8192, 16384): {129: (144, 2), 150: (160, 2), 160: (160, 2)},  # K*N = 2^27: the two-strip tiles
     (4096, 12288): {129: (144, 1), 144: (144, 1), 176: (192, 1), 192: (192, 1), 200: (256, 1), 256: (256, 1),
-                    288: (160, 2), 512: (256, 1), 600: (160, 2), 780: (160, 2), 850: (256, 1)},  # (session 43: 288-850)
-    (4096, 4096): {300: (192, 1), 600: (192, 1), 700: (192, 1)},  # K*N in (2^23, 2^24]: 192-token tiles (session 43)
+                    288: (160, 2), 512: (256, 1), 780: (160, 2), 850: (256, 1)},  # (from 257: the cost model)
+    (4096, 4096): {300: (192, 1), 600: (192, 1), 700: (192, 1), 800: (256, 1)},
     (8192, 2048): {257: (192, 1), 300: (192, 1), 384: (192, 1)},  # two 192-token tiles from K = 8192
-    (2048, 1024): {400: (256, 1), 700: (256, 1), 1000: (256, 1)},  # two to four 256-token tiles
+    (2048, 1024): {400: (192, 1), 700: (192, 1), 1000: (192, 1)},  # three to six 192-token tiles
 }
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
 def test_tall_token_tile_route(fmt):
-    """Sessions 41-43: where the route would run 128-token tiles (M = 129-1024) it runs the two-compute-warpgroup
-    producer form with tiles of 144 / 160 / 192 / 256 tokens (G.wgmma_route_tall), stream-K or whole tiles / K
-    splits (G.wgmma_tall_splits). The launch it picks in every row of its table, and none where the table has
-    no row; through the public op and a layer's cache of launches NaN-poisoned outputs match the reference with
+    """Sessions 41-44: where the route would run 128-token tiles (M = 129-1024) it runs the two-compute-warpgroup
+    producer form with tiles of 144 / 160 / 192 / 256 tokens (G.wgmma_route_tall: the table's rows to M = 256, the
+    cost model above), stream-K or whole tiles / K splits. The launch it picks in cells of every tile, and none where
+    neither picks one; through the public op and a layer's cache of launches NaN-poisoned outputs match the reference with
     bias, repeat bit for bit, and the counters end at zero."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
@@ -1212,7 +1213,7 @@ def test_tall_token_tile_route(fmt):
         nt, fw = TALL_CASES[(k, n)][m]
         tall = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms)
         assert tall is not None and tall[0][:2] == (nt, fw), (k, n, m, tall)
-        splits = G.wgmma_tall_splits(m, n, k, tall[0], sms)
+        splits = tall[1]
         wl = G.wgmma_launch(m, n, k, fam, 0)
         assert (wl.prod, wl.nt, wl.fw, wl.stages, wl.m_tiles, wl.threads, wl.splits) == (
             2, nt, fw, tall[0][2], -(-m // nt), 384, splits), (k, n, m, wl)
@@ -1234,7 +1235,7 @@ def test_tall_token_tile_route(fmt):
     if sms == 132:  # H200: 4096x12288 M = 512 runs stream-K, the others whole tiles or K splits
         assert {sk for *_, sk, _ in seen} == {True, False}, seen
     for m, n, k in ((128, 12288, 4096), (100, 12288, 4096), (200, 4096, 4096), (300, 11008, 4096),
-                    (800, 4096, 4096), (880, 28672, 4096)):  # 128-token tiles, or no row of the table
+                    (600, 12288, 4096), (880, 28672, 4096)):  # 128-token tiles, no row of the table, the model's none
         assert G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), fam, sms) is None, (m, n, k)
         assert G.wgmma_launch(m, n, k, fam, 0).nt <= 128, (m, n, k)
     assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
