@@ -1144,6 +1144,25 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s44d)  # session 44: the two-strip 144- / 160-token tiles at M = 129-160 on K*N in (2^26, 2^27) where N >= 24576 (new
+           # table rows) against the one-strip ones, then the tall-route GPU test, then the GPU test files s44c's run did
+           # not reach
+           timeout ${S44D_TIMEOUT:-90} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 --m 129,144,160 \
+             --configs route,wgmma-n144-f2-s4-p2,wgmma-n160-f2-s4-p2,wgmma-n144-f1-s6-p2,wgmma-n192-f1-s6-p2,wgmma-n144-f2-s4-sk-p2,route \
+             --shapes 4096x28672,4096x24576,4096x22016 > "$OUT/s44d.log" 2>&1
+           echo "s44d rc=$?"; grep -c " us" "$OUT/s44d.log"
+           timeout 100 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "tall_token_tile" > "$OUT/s44d_tall.log" 2>&1
+           echo "s44d tall rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s44d_tall.log" | tail -8
+           timeout ${S44D_TESTS_TIMEOUT:-240} python3 -m pytest -q -rs tests/gpu/test_model_gpu.py tests/gpu/test_moe_gpu.py \
+             tests/gpu/test_moe_util_gpu.py tests/gpu/test_tuning_gpu.py > "$OUT/s44d_rest.log" 2>&1
+           echo "s44d rest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s44d_rest.log" | tail -8;;
+    s44c)  # session 44: session 42's prepared s43b (deeper rings for the tall tiles, built as extras) with the 160-token
+           # stream-K forms added, at fewer M
+           timeout ${S44C_TIMEOUT:-230} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+             --extra-wgmma 256-1-5-p2,144-2-6-p2,160-2-6-p2,144-1-8-p2 --m ${S44C_M:-129,144,256,300,544,640,800,1024} \
+             --configs ${S44C_CONFIGS:-route,wgmma-n144-f2-s4-p2,wgmma-n144-f2-s6-p2,wgmma-n160-f2-s4-p2,wgmma-n160-f2-s6-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n160-f2-s6-sk-p2,wgmma-n144-f1-s6-p2,wgmma-n144-f1-s8-p2,wgmma-n256-f1-s4-p2,wgmma-n256-f1-s5-p2,route} \
+             --shapes ${S44C_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288} > "$OUT/s44c.log" 2>&1
+           echo "s44c rc=$?"; grep -c " us" "$OUT/s44c.log"; grep "failed\|Error" "$OUT/s44c.log" | head -5;;
     s44b)  # session 44: the cost model routes the tall tiles above M = 256: the wgmma GPU tests, bf16 and 8-bit checks
            # of the route against the table's rows (routeTab) and no tall tiles (routeT0), bench_gemm at mid M
            timeout ${S44B_TEST_TIMEOUT:-220} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s44b_test.log" 2>&1

@@ -741,7 +741,7 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
 # session 44 the rows from M = 257 on are the A/B baseline only: the cost model below (wgmma_route_cost) routes there.
 # WGMMA_TALL_MAX_M: none above it (0: the rule off).
 class TallRow(NamedTuple):
-    """A row of WGMMA_TALL_ROUTE: M in [lo, hi], min_kn <= K*N <= max_kn, K >= min_k, N <= max_n."""
+    """A row of WGMMA_TALL_ROUTE: M in [lo, hi], min_kn <= K*N <= max_kn, K >= min_k, min_n <= N <= max_n."""
     lo: int
     hi: int
     tile: tuple[int, int, int]  # (NT, FW, STAGES)
@@ -749,11 +749,14 @@ class TallRow(NamedTuple):
     max_kn: int = 1 << 62
     min_k: int = 0
     max_n: int = 1 << 62
+    min_n: int = 0
 
 
 WGMMA_TALL_ROUTE: tuple[TallRow, ...] = (
     TallRow(129, 144, (144, 2, 4), min_kn=1 << 27),
     TallRow(145, 160, (160, 2, 4), min_kn=1 << 27),
+    TallRow(129, 144, (144, 2, 4), min_kn=(1 << 26) + 1, min_n=24576),
+    TallRow(145, 160, (160, 2, 4), min_kn=(1 << 26) + 1, min_n=24576),
     TallRow(129, 144, (144, 1, 6)),
     TallRow(145, 192, (192, 1, 6)),
     TallRow(193, 256, (256, 1, 4), min_kn=(1 << 24) + 1),
@@ -869,7 +872,7 @@ def wgmma_route_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fa
         return wgmma_route_cost(m, n, k, cfg, fam, sms)
     for r in WGMMA_TALL_ROUTE:
         c = r.tile
-        if (r.lo <= m <= r.hi and r.min_kn <= k * n <= r.max_kn and k >= r.min_k and n <= r.max_n
+        if (r.lo <= m <= r.hi and r.min_kn <= k * n <= r.max_kn and k >= r.min_k and r.min_n <= n <= r.max_n
                 and n % (128 * c[1]) == 0 and c in K.WGMMA_PROD2_CONFIGS):
             return c, wgmma_tall_splits(m, n, k, c, sms)
     return None
