@@ -4,6 +4,8 @@ per (shape, M), e.g. stages s43d and s44a (the fit in gemm.py):
 
     python benchmarks/fit_tall_cost.py benchmarks/logs/s43d.log benchmarks/logs/s44a.log
 
+(--all-m: also the cells at M <= 256, e.g. s44c's or a future s45a log, for a model over all of M = 129-1024.)
+
 Route names in the logs: routeT0 the route without tall tiles; routeCM the cost model (s44a, session 43's
 coefficients); route in a cell that also has routeCM (s44a) the table's rows; other `route` timings (s43d) are
 skipped, their rows changed since. `routeTab` (later logs) is the table's rows; a later log's `route` is not read.
@@ -31,6 +33,9 @@ K.get_wgmma_kernel = lambda *a, **k: None
 K.wgmma_smem_bytes = lambda *a, **k: 0
 fam = K.Family("f16", 4, False, 128)
 pat = re.compile(r"^\[(\S+)\] (\S+) u(\d+) (\d+x\d+) M=(\d+) (\S+): ([\d.]+) us")
+ALL_M = "--all-m" in sys.argv  # also fit the cells below M = 257 (where the table's rows route)
+MIN_M = 257
+sys.argv = [a for a in sys.argv if a != "--all-m"]
 data = collections.defaultdict(list)
 for path in sys.argv[1:] or ["benchmarks/logs/s43d.log"]:
     for line in open(path):
@@ -46,6 +51,8 @@ S43_TERMS = {"a": 1.359, "split": 2.148, "per_split": 3.526, "sk": 14.961, "sk_s
 def launch_of(m, n, k, cfg):
     if cfg.startswith("wgmma"):
         p = cfg.split("-"); nt, fw = int(p[1][1:]), int(p[2][1:]); sk = "sk" in p
+        if (nt, fw, int(p[3][1:])) not in K.WGMMA_PROD2_CONFIGS:
+            return None  # an extra ring depth (e.g. s44c's): not a form the route can take
         cls = (nt, fw, "p2")
         per_sm = 1
         splits = -1 if sk else G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, SMS, 1)
@@ -78,7 +85,10 @@ def launch_of(m, n, k, cfg):
 rows = []
 for (k, n, M, cfg), v in data.items():
     if cfg == "route" and (k, n, M, "routeCM") not in data: continue  # s43d's / a later log's route: not read
-    cls, st, sp = launch_of(M, n, k, cfg)
+    launch = launch_of(M, n, k, cfg)
+    if launch is None or (M < MIN_M and not ALL_M):
+        continue
+    cls, st, sp = launch
     rows.append(((k, n, M), cfg, cls, st, sp, min(v)))
 classes = sorted({r[2] for r in rows}, key=str)
 print(classes)

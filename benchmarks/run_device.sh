@@ -1144,6 +1144,16 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s45a)  # PREPARED in session 44 (not run): the data for a cost model over all of M = 129-1024 (the table's rows route
+           # M = 129-256 now): every tall tile whole and stream-K, the route and the route without tall tiles, at
+           # M = 129-256 on 12 shapes. Then: python benchmarks/fit_tall_cost.py --all-m benchmarks/logs/s43d.log
+           # benchmarks/logs/s44a.log benchmarks/logs/s44c.log s45a.log, and compare the model's picks below 257 with
+           # the table's (leave-one-shape-out in the script's output)
+           timeout ${S45A_TIMEOUT:-400} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 --m ${S45A_M:-129,144,160,176,192,224,256} \
+             --configs routeT0,route,wgmma-n144-f2-s4-p2,wgmma-n144-f2-s4-sk-p2,wgmma-n144-f1-s6-p2,wgmma-n144-f1-s6-sk-p2,wgmma-n160-f2-s4-p2,wgmma-n160-f2-s4-sk-p2,wgmma-n192-f1-s6-p2,wgmma-n192-f1-s6-sk-p2,wgmma-n256-f1-s4-p2,wgmma-n256-f1-s4-sk-p2,routeT0 \
+             --shapes ${S45A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096,4096x22016,5120x13824,13824x5120,3584x18944} \
+             > "$OUT/s45a.log" 2>&1
+           echo "s45a rc=$?"; grep -c " us" "$OUT/s45a.log"; grep "failed\|Error" "$OUT/s45a.log" | head -5;;
     s44d)  # session 44: the two-strip 144- / 160-token tiles at M = 129-160 on K*N in (2^26, 2^27) where N >= 24576 (new
            # table rows) against the one-strip ones, then the tall-route GPU test, then the GPU test files s44c's run did
            # not reach
