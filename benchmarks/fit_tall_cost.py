@@ -72,16 +72,7 @@ def launch_of(m, n, k, cfg):
         cls = (nt, fw, "p2" if wl.prod == 2 else "p" if wl.prod else "w" if wide else "plain")
         per_sm = 1 if wl.prod == 2 else G.wgmma_ctas_per_sm(fw, (nt, fw, wl.stages) if wl.prod else None, 4)
         if wide: fw = 2  # four warpgroups of one strip: a 256-feature tile
-    tiles = -(-m // nt) * (n // (128 * fw)); ks = k // 64; slots = SMS * per_sm
-    if splits == -1:
-        dp = 0
-        if cls[2] == "p2":
-            dp = tiles // slots; left = tiles - dp * slots
-            if dp > 0 and left > 0 and left * ks < slots * 16: dp -= 1
-        stages = dp * ks + (tiles - dp * slots) * ks / slots
-    else:
-        stages = -(-tiles * splits // slots) * ks / splits
-    return cls, stages, splits
+    return cls, G.wgmma_cost_stages(m, n, k, (nt, fw, cls[2]), splits, SMS * per_sm), splits
 rows = []
 for (k, n, M, cfg), v in data.items():
     if cfg == "route" and (k, n, M, "routeCM") not in data: continue  # s43d's / a later log's route: not read

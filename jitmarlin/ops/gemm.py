@@ -812,21 +812,30 @@ WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.820, (128, 2
 WGMMA_COST_TERMS = {"a": 0.785, "split": 4.571, "per_split": 2.157, "sk": 15.248, "sk_stage": 0.048}
 
 
+def wgmma_cost_stages(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, slots: int) -> float:
+    """The cost model's feature: the 64-k stages each of `slots` resident CTAs runs in sequence in a launch of `form`
+    with `splits` (-1: stream-K; the two-compute-warpgroup form's whole-tile rounds first, as jm_wgmma.cuh
+    wgmma_pieces runs them)."""
+    nt, fw, kind = form
+    tiles, ks = -(-m // nt) * (n // (128 * fw)), k // 64
+    if splits != -1:
+        return -(-tiles * splits // slots) * ks / splits
+    dp = 0
+    if kind == "p2":
+        dp = tiles // slots
+        if dp > 0 and tiles > dp * slots and (tiles - dp * slots) * ks < slots * WGMMA_SPLIT_MIN_STAGES:
+            dp -= 1
+    return dp * ks + (tiles - dp * slots) * ks / slots
+
+
 def wgmma_cost_us(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, per_sm: int, sms: int) -> float:
     """The cost model's time (us, H200 fp16 4-bit) of a wgmma launch of `form` with `splits` (-1: stream-K)."""
-    nt, fw, kind = form
-    tiles, ks, slots = -(-m // nt) * (n // (128 * fw)), k // 64, sms * per_sm
     t = WGMMA_COST_TERMS
+    stages = wgmma_cost_stages(m, n, k, form, splits, sms * per_sm)
     if splits == -1:
-        dp = 0
-        if kind == "p2":  # jm_wgmma.cuh wgmma_pieces: whole-tile rounds, then stream-K over the tiles left
-            dp = tiles // slots
-            if dp > 0 and tiles > dp * slots and (tiles - dp * slots) * ks < slots * WGMMA_SPLIT_MIN_STAGES:
-                dp -= 1
-        stages = dp * ks + (tiles - dp * slots) * ks / slots
-        return t["a"] + WGMMA_COST_PER_STAGE[form] * stages + t["sk"] + t["sk_stage"] * stages
-    stages = -(-tiles * splits // slots) * ks / splits
-    fix = t["split"] + t["per_split"] * splits if splits > 1 else 0.0
+        fix = t["sk"] + t["sk_stage"] * stages
+    else:
+        fix = t["split"] + t["per_split"] * splits if splits > 1 else 0.0
     return t["a"] + WGMMA_COST_PER_STAGE[form] * stages + fix
 
 
