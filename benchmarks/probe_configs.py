@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
-                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
+                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model; a +ws suffix: wgmma K splits summed through the workspace instead of a cluster; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
                     "stream-K, -w its wide form (four warpgroups of one strip; FW = 2 configs added by --extra-wgmma "
                     "NT-2-S-w)) "
                     "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
@@ -86,7 +86,10 @@ def main() -> None:
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n, bits=args.bits)
-        for cfg in args.configs.split(","):
+        for name in args.configs.split(","):
+            # NAME+ws: the wgmma K splits summed through the workspace, not in clusters (gemm.WGMMA_CLUSTER_SUM)
+            cfg = name[:-3] if name.endswith("+ws") else name
+            G.WGMMA_CLUSTER_SUM = not name.endswith("+ws")
             # what the heuristic picks; route0: without the two-compute-warpgroup stream-K rule (session 39)
             G.WGMMA_STREAM2_MAX_FILL = 0.0 if cfg == "route0" else stream2_fill
             G.WGMMA_TALL_MAX_M = 0 if cfg == "routeT0" else tall_max_m  # routeT0: without the tall-tile rule
@@ -109,14 +112,14 @@ def main() -> None:
             results: dict = {}
             ms = [int(x) for x in args.m.split(",")]
             if args.settle > 0:
-                common.settle(cfg)
-            bench_ours(k, n, ms, q, s, results, override=override, tag=cfg, bits=args.bits,
+                common.settle(name)
+            bench_ours(k, n, ms, q, s, results, override=override, tag=name, bits=args.bits,
                        dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float16)
             for m in ms:
-                r = results.get((cfg, k, n, m))
+                r = results.get((name, k, n, m))
                 what = f"{r['us']:.1f} us (floor {floor_us(k, n, m, bw, args.bits):.1f}) err {r['err']:.1e}" if r else \
                     f"failed: {results.get('errors')}"
-                print(f"[{flags or 'default'}] {args.dtype} u{args.bits} {k}x{n} M={m} {cfg}: {what}", flush=True)
+                print(f"[{flags or 'default'}] {args.dtype} u{args.bits} {k}x{n} M={m} {name}: {what}", flush=True)
 
 
 if __name__ == "__main__":

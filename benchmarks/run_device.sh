@@ -1144,6 +1144,60 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s45d)  # session 45: clusters of 2 only (s45c: clusters of 4 lost up to 1.8x), launched only where they take no
+           # more rounds: the cluster GPU tests (which also run clusters of 3 and 4), the route against the
+           # workspace (+ws) on the K-split cells, two interleaved rounds, bf16 and 8-bit too, then bench_gemm at
+           # mid M
+           timeout ${S45D_TEST_TIMEOUT:-150} python3 -m pytest -q -x -rs tests/gpu/test_wgmma_gpu.py -k "cluster_sum or k_splits or cuda_graph" \
+             > "$OUT/s45d_test.log" 2>&1
+           echo "s45d test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/s45d_test.log" | tail -8
+           for r in 1 2; do
+             timeout 120 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+               --m ${S45D_M:-16,64,129,192,256,300,384,544} --configs route,route+ws \
+               --shapes ${S45D_SHAPES:-4096x4096,14336x4096,8192x8192,11008x4096,4096x12288,28672x8192,13824x5120} \
+               >> "$OUT/s45d.log" 2>&1
+             echo "s45d probe $r rc=$?"
+           done
+           for v in "--dtype bf16" "--dtype f16 --bits 8"; do
+             timeout 60 python3 benchmarks/probe_configs.py $v --settle 0.3 --m 64,256,300 --configs route,route+ws,route \
+               --shapes 8192x8192,4096x12288,14336x4096 >> "$OUT/s45d_fmt.log" 2>&1
+             echo "s45d fmt $v rc=$?"
+           done
+           grep -c " us" "$OUT/s45d.log" "$OUT/s45d_fmt.log"; grep -i "failed\|error" "$OUT/s45d.log" "$OUT/s45d_fmt.log" | head -5
+           timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_gemm.py --json "$OUT/s45d_bench.json" --peers humming \
+             --variants none --m 64,129,256,300 > "$OUT/s45d_bench.log" 2>&1
+           echo "s45d bench rc=$?"; grep -E "^\| [0-9]" "$OUT/s45d_bench.log" | head -40;;
+    s45c)  # session 45: wgmma K splits summed in clusters through distributed shared memory (gemm.WGMMA_CLUSTER_SUM):
+           # the split / cluster GPU tests, then the route against the route with the workspace fixup (+ws), two
+           # interleaved rounds, then the rest of the wgmma GPU tests
+           timeout ${S45C_TEST_TIMEOUT:-150} python3 -m pytest -q -x -rs tests/gpu/test_wgmma_gpu.py -k "cluster_sum or k_splits" \
+             > "$OUT/s45c_test.log" 2>&1
+           echo "s45c test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/s45c_test.log" | tail -8
+           for r in 1 2; do
+             timeout 120 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+               --m ${S45C_M:-16,64,129,192,256,300,544} --configs route,route+ws \
+               --shapes ${S45C_SHAPES:-4096x4096,14336x4096,8192x8192,4096x11008,11008x4096,4096x12288,8192x28672} \
+               >> "$OUT/s45c.log" 2>&1
+             echo "s45c probe $r rc=$?"
+           done
+           grep -c " us" "$OUT/s45c.log"; grep -i "failed\|error" "$OUT/s45c.log" | head -5
+           timeout ${S45C_REST_TIMEOUT:-230} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "not cluster_sum and not k_splits" \
+             > "$OUT/s45c_rest.log" 2>&1
+           echo "s45c rest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s45c_rest.log" | tail -8;;
+    s45b)  # session 45: what the wgmma kernel's K-split / stream-K fixup costs: the route with the default build,
+           # -DJM_WG_FIXUP_NOSUM (partials stored, arrival counted, the last piece does not sum: wrong results) and
+           # -DJM_WG_NO_FIXUP (no fixup at all: wrong results), two interleaved rounds
+           for r in 1 2; do
+             for f in "" -DJM_WG_FIXUP_NOSUM -DJM_WG_NO_FIXUP; do
+               echo "### flags '$f' round $r" >> "$OUT/s45b.log"
+               JITMARLIN_NVCC_FLAGS="$f" timeout 80 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 \
+                 --m ${S45B_M:-16,64,129,192,256,300,544} --configs route \
+                 --shapes ${S45B_SHAPES:-4096x4096,14336x4096,8192x8192,4096x11008,11008x4096,4096x12288,8192x28672} \
+                 >> "$OUT/s45b.log" 2>&1
+               echo "s45b '$f' $r rc=$?"
+             done
+           done
+           grep -c " us" "$OUT/s45b.log";;
     s45a)  # PREPARED in session 44 (not run): the data for a cost model over all of M = 129-1024 (the table's rows route
            # M = 129-256 now): every tall tile whole and stream-K, the route and the route without tall tiles, at
            # M = 129-256 on 12 shapes. Then: python benchmarks/fit_tall_cost.py --all-m benchmarks/logs/s43d.log

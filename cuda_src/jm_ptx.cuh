@@ -285,6 +285,24 @@ JM_DEVICE void st_cluster_f32(uint32_t addr, uint32_t rank, float v) {
 #endif
 }
 
+// CTAs in this CTA's cluster (1 for a launch without clusters, and before sm_90)
+JM_DEVICE uint32_t cluster_nctarank() {
+  uint32_t r = 1;
+#if JM_HAS_BULK
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+// Store 16 bytes at this CTA's shared address `addr` as seen in cluster CTA `rank`.
+JM_DEVICE void st_cluster_v4(uint32_t addr, uint32_t rank, float x, float y, float z, float w) {
+#if JM_HAS_BULK
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(remote), "f"(x), "f"(y), "f"(z), "f"(w)
+               : "memory");
+#endif
+}
+
 // Diagnostics (-DJM_TIMELINE, benchmarks/probe_timeline.py): the GPU-wide nanosecond timer and
 // the SM a CTA runs on.
 JM_DEVICE uint64_t globaltimer() {

@@ -28,6 +28,8 @@
 // (../shared/PERF_NOTES.md section 3) names as the lever it leaves.
 #pragma once
 
+#include <type_traits>
+
 #include "jm_gemm.cuh"
 
 namespace jm {
@@ -1003,7 +1005,77 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     }
   }
   const WgPiece piece = piece_of();
+  // A dense K-split tile launched in clusters of its splits (gemm.wgmma_launch's `cluster`: one piece per
+  // CTA, CTA rank = split): reduce-scatter through distributed shared memory instead of the workspace. Each
+  // CTA owns 1/S of every thread's float4s of sums (u = j NT/8 + i: the cl_per consecutive u of owner
+  // u / cl_per); once every CTA of the cluster is past its main loop (phase A: the rings are free) each
+  // pushes the float4s it does not own into the owner's ring (thread-major: sender slot pos, u, thread),
+  // then (phase B) each owner adds all S partial sums in rank order, the workspace path's order of
+  // additions (the same bits), and writes its outputs. No partial sum goes through L2 (H200 session 45:
+  // the workspace fixup took 2-12 us of the K-split launches at M = 64-300, -DJM_WG_NO_FIXUP).
+  int cl_size = 1, cl_rank = 0, cl_per = FW * (NT / 8);
+  if constexpr (!MOE) cl_size = static_cast<int>(cluster_nctarank());
+  if (cl_size > 1) {
+    cl_rank = static_cast<int>(cluster_ctarank());
+    cl_per = FW * (NT / 8) / cl_size;
+    // the cluster's size as a constant (the host launches clusters of 2, 3 or 4: gemm.wgmma_cluster_sum), so
+    // that every index of d[] and of the receive space is one too
+    auto cluster_sum = [&](auto size_const) {
+      constexpr int CS = decltype(size_const)::value, kPer = FW * (NT / 8) / CS;
+      float4* recv = reinterpret_cast<float4*>(smem);  // [CS - 1 senders][kPer][kThreads]
+      cluster_arrive_release();
+      cluster_wait();  // phase A: no CTA of the cluster still reads its ring
+#pragma unroll
+      for (int j = 0; j < FW; j++) {
+#pragma unroll
+        for (int q = 0; q < NT / 8; q++) {
+          const int u = j * (NT / 8) + q, owner = u / kPer;
+          if (owner == cl_rank) continue;
+          const int pos = cl_rank < owner ? cl_rank : cl_rank - 1;
+          st_cluster_v4(smem_addr(recv + (pos * kPer + u - owner * kPer) * kThreads + tid), owner, d[j][4 * q],
+                        d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3]);
+        }
+      }
+      cluster_arrive_release();
+      cluster_wait();  // phase B: every share is in its owner's ring
+#pragma unroll
+      for (int own = 0; own < CS; own++) {
+        if (own != cl_rank) continue;
+#pragma unroll
+        for (int uu = 0; uu < kPer; uu++) {
+          const int u = own * kPer + uu, j = u / (NT / 8), q = u - j * (NT / 8);
+          float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int r = 0; r < CS; r++) {
+            const float4 v = r == own ? make_float4(d[j][4 * q], d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3])
+                                      : recv[((r < own ? r : r - 1) * kPer + uu) * kThreads + tid];
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
+          }
+          d[j][4 * q] = acc.x;
+          d[j][4 * q + 1] = acc.y;
+          d[j][4 * q + 2] = acc.z;
+          d[j][4 * q + 3] = acc.w;
+        }
+      }
+    };
+    if constexpr ((FW * (NT / 8)) % 4 == 0) {
+      if (cl_size == 4) cluster_sum(std::integral_constant<int, 4>{});
+    }
+    if constexpr ((FW * (NT / 8)) % 3 == 0) {
+      if (cl_size == 3) cluster_sum(std::integral_constant<int, 3>{});
+    }
+    if constexpr ((FW * (NT / 8)) % 2 == 0) {
+      if (cl_size == 2) cluster_sum(std::integral_constant<int, 2>{});
+    }
+  } else
+#if defined(JM_WG_NO_FIXUP)  // diagnostic (wrong results): every piece writes its partial sums out, no fixup
+  if (false) {
+#else
   if (piece.arrivals > 1) {
+#endif
     // Every piece stores its partial sums in a region of its own (thread-major float4s, so each
     // warp writes and reads 512 contiguous bytes); the last of the tile's pieces to arrive adds all
     // regions up in a fixed order: bit-identical results run to run, whoever arrives last.
@@ -1028,6 +1100,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     }
     __threadfence();
     if (tid == 0) p.counters[unit] = 0;  // all the tile's pieces have arrived: zero for the next launch
+#if defined(JM_WG_FIXUP_NOSUM)  // diagnostic (wrong results): the stores and the arrival, not the last piece's sum
+    if (false)
+#endif
 #pragma unroll
     for (int j = 0; j < FW; j++) {
       constexpr int kChunk = wg_sum_chunk(NT / 8);  // float4 loads in flight per region
@@ -1097,6 +1172,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     const float b_hi = bias != nullptr ? to_float<T>(bias[f_hi]) : 0.f;
 #pragma unroll
     for (int i = 0; i < NT / 8; i++) {
+      if (cl_size > 1 && (j * (NT / 8) + i) / cl_per != cl_rank) continue;  // another CTA's of the cluster
 #pragma unroll
       for (int c = 0; c < 2; c++) {
         int tok = atok0 + 8 * i + 2 * t4 + c;
@@ -1225,8 +1301,11 @@ JM_DEVICE void wgmma_pieces(const JmGemmParams p, const JmTensorMap* amap, WgRin
     } else {
       const int per_f = m_tiles * splits;
       f_tile = c / per_f;
-      const int rem = c - f_tile * per_f, split = rem / m_tiles;
-      m_tile = rem - split * m_tiles;
+      const int rem = c - f_tile * per_f;
+      // in clusters of the splits (wgmma_tile's cluster sum): split = the CTA's rank, the fastest index
+      const bool clustered = splits > 1 && cluster_nctarank() > 1;
+      const int split = clustered ? rem % splits : rem / m_tiles;
+      m_tile = clustered ? rem / splits : rem - split * m_tiles;
       kt0 = split * ks / splits;
       k_tiles = (split + 1) * ks / splits - kt0;
       u = u1;

@@ -1047,6 +1047,7 @@ class WgmmaLaunch:
     fw: int = 1  # 64-feature strips per warpgroup (of the two-warpgroup form)
     stages: int = 4
     prod: int = 0  # 1 the producer form (its activations by TMA at every token tile), 2 its two-compute-warpgroup form
+    cluster: int = 0  # > 1: launched in clusters of the K splits, summed through distributed shared memory
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1103,11 +1104,44 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     if wide and not prod and ((nt, fw, stages) not in K.WGMMA_WIDE_CONFIGS or fam.moe):
         raise ValueError(f"no wide (four-warpgroup) wgmma kernel for NT={nt}, FW={fw}, stages={stages} "
                          f"(built: {K.WGMMA_WIDE_CONFIGS}, dense only)")
-    return WgmmaLaunch(K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod),
-                       K.wgmma_smem_bytes(fam, nt, fw, stages), m_tiles, grid, splits,
-                       (max(floats, wgmma_split_bound(sms)), counters), use_pdl(_cc(index)), nt,
-                       K.WGMMA_PROD2_THREADS if prod == 2 else K.WGMMA_PROD_THREADS if prod else 512 if wide else 256,
-                       fw, stages, prod)
+    fn = K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod)
+    smem = K.wgmma_smem_bytes(fam, nt, fw, stages)
+    threads = K.WGMMA_PROD2_THREADS if prod == 2 else K.WGMMA_PROD_THREADS if prod else 512 if wide else 256
+    cluster = wgmma_cluster_sum(fn, fam, nt, fw, splits, threads, smem, prod, grid, sms * per_sm)
+    return WgmmaLaunch(fn, smem, m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
+                       use_pdl(_cc(index)), nt, threads, fw, stages, prod, cluster)
+
+
+# The K splits of a dense wgmma tile summed through distributed shared memory (jm_wgmma.cuh, wgmma_tile:
+# a cluster launch of the splits) instead of the workspace fixup. H200 session 45 (s45c, route, us,
+# workspace -> cluster): clusters of 2 gained 4-9% wherever the route splits K in two (8192^2 M = 129 / 256 /
+# 300 38.5 / 58.2 / 74.2 -> 36.8 / 54.1 / 68.4, 14336x4096 M = 544 113.6 -> 104.8, 4096x12288 M = 64 24.8 ->
+# 22.7); clusters of 4 ran up to 1.8x slower (14336x4096 M = 256 54.0 -> 93.5, 8192^2 M = 16 17.4 -> 29.0)
+# or level, so they are not launched (the kernel sums clusters of 2, 3 or 4: the GPU tests run all three).
+# Off (WGMMA_CLUSTER_SUM = False): the workspace (A/B probes, `+ws` configs of probe_configs.py).
+WGMMA_CLUSTER_SUM = True
+WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2, 3 or 4 and no other size)
+
+
+def wgmma_cluster_sum(fn, fam: Family, nt: int, fw: int, splits: int, threads: int, smem: int, prod: int,
+                      grid: int, slots: int) -> int:
+    """The cluster size of a wgmma launch (0: none): its K splits, where each CTA's share of the tile's
+    float4s of sums divides evenly (FW * NT / 8 float4s per compute thread), the S - 1 shares a CTA receives
+    fit in its ring (the shared memory less the 1 KB alignment), and the device runs enough such clusters
+    at once that the launch takes no more rounds than without them (`slots`: the CTAs it runs at once)."""
+    if not WGMMA_CLUSTER_SUM or fam.moe or not 2 <= splits <= min(WGMMA_CLUSTER_MAX, 4) or fn is None:
+        return 0
+    compute = threads - 128 if prod else threads
+    tile_bytes = nt * 128 * fw * 4  # fp32 sums of the CTA's tile (NT tokens x 128 FW features)
+    per_thread = tile_bytes // (16 * compute)  # float4s per compute thread
+    if tile_bytes % (16 * compute) or per_thread % splits:
+        return 0
+    if (splits - 1) * (tile_bytes // splits) > smem - 1024:
+        return 0
+    at_once = splits * fn.max_active_clusters(threads, smem, splits)
+    if at_once < splits or -(-grid // at_once) > -(-grid // slots):
+        return 0
+    return splits
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
@@ -1161,6 +1195,7 @@ def launch_wgmma(a, b, scales, zeros, bias, out, m: int, n: int, k: int, fam: Fa
         ws.ensure(*wl.ws)
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
     wl.fn.launch(wl.grid, wl.threads, wl.smem, K.current_stream_handle(a.device), p, pdl=wl.pdl and pdl,
+                 cluster=wl.cluster,
                  extra=wgmma_act_map(a, m, k, wl.nt, True if wl.prod else None))
 
 
@@ -1303,7 +1338,7 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
         p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)
         if wl.splits != 1:
             ws.ensure(*wl.ws)
-        return _FastEntry(wl.fn, wl.grid, wl.threads, wl.smem, p, wl.pdl, 0, wl.nt, wl.splits != 1,
+        return _FastEntry(wl.fn, wl.grid, wl.threads, wl.smem, p, wl.pdl, wl.cluster, wl.nt, wl.splits != 1,
                           True if wl.prod else None)
     if use_dequant_path(m, n, k):
         return None
@@ -1348,7 +1383,7 @@ def gemm_fast(cache: FastGemm, a: torch.Tensor, b, scales, zeros, bias) -> torch
         p.ws, p.counters = ws.ws.data_ptr(), ws.counters.data_ptr()
     stream = K.current_stream_handle(a.device)
     if entry.nt:
-        entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl,
+        entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl, cluster=entry.cluster,
                         extra=wgmma_act_map(a, m, k, entry.nt, entry.tma))
     else:
         entry.fn.launch(entry.grid, entry.threads, entry.smem, stream, p, pdl=entry.pdl, cluster=entry.cluster)

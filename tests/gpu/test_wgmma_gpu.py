@@ -1261,3 +1261,70 @@ def test_two_warpgroup_stream_k_route_in_a_cuda_graph():
     if G.wgmma_launch(m, n, k, fam, 0).prod != 2:
         pytest.skip(f"{sms} SMs: whole tiles fill them at M={m} N={n} K={k}")
     _graph_equals_eager(m, n, k, fam)
+
+
+@pytest.fixture
+def no_cluster_sum(monkeypatch):
+    """A callable that runs its argument with the K splits summed through the workspace (gemm.WGMMA_CLUSTER_SUM
+    off), launches recomputed before and after."""
+    def workspace_run(fn):
+        monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)
+        G.wgmma_launch.cache_clear()
+        try:
+            return fn()
+        finally:
+            monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", True)
+            G.wgmma_launch.cache_clear()
+    G.wgmma_launch.cache_clear()
+    yield workspace_run
+    G.wgmma_launch.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
+    """K splits launched in clusters of the splits and summed through distributed shared memory (session 45):
+    every dense form the family builds, clusters of 2, 3 and 4 (the route takes 2 only: gemm.WGMMA_CLUSTER_MAX is
+    raised here to run the kernel's other sizes; uneven runs of K: 80 stages in 3), partial token tiles, bias:
+    the NaN-poisoned output matches the reference and equals the workspace fixup's bit for bit (the same order of
+    additions); a launch takes its cluster exactly where the shares divide evenly and fit the ring (these grids
+    run in one round); counters stay zero. Then the default rule: a two-way K split of the route is clustered,
+    a four-way one is not."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_MAX", 4)
+    clustered = set()
+    for k, n, m, a, packed, bias, ref in _form_cases(fmt, ((5120, 1024, (16, 100, 257)),), seed=12):
+        for form in _built_dense_forms(bits):
+            nt, fw, st = form[:3]
+            if nt < m // 4 or (nt > 64 and m < 64):
+                continue
+            for splits in (2, 3, 4):
+                cfg = (nt, fw, st, splits) + form[4:]
+                wide, prod = (form[4] if len(form) > 4 else False), (form[5] if len(form) > 5 else 0)
+                G.wgmma_launch.cache_clear()
+                wl = G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, splits, wide, int(prod))
+                per_thread = nt * 128 * fw // (4 * (wl.threads - 128 if wl.prod else wl.threads))
+                fits = (splits - 1) * nt * 128 * fw * 4 // splits <= wl.smem - 1024
+                assert wl.cluster == (splits if per_thread % splits == 0 and fits else 0), (form, splits, wl)
+                got = run(a, packed, m, n, k, dtype, cfg, bias=bias)
+                label = f"K={k} N={n} M={m} config={cfg} cluster={wl.cluster}"
+                check_close(got, ref, tol, label)
+                if wl.cluster:
+                    clustered.add((nt, fw, splits))
+                    ws = no_cluster_sum(lambda: run(a, packed, m, n, k, dtype, cfg, bias=bias))
+                    assert torch.equal(got, ws), label
+    assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    assert {2, 3, 4} <= {s for _, _, s in clustered}, clustered
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_MAX", 2)
+    G.wgmma_launch.cache_clear()
+    # the route: 8192^2 at M = 256 splits K in two (one 256-token tile x 64 strips x 2), 4096^2 in four
+    wl = G.wgmma_launch(256, 8192, 8192, fam, 0)
+    assert wl.splits == 2 and wl.cluster == 2, wl
+    wl = G.wgmma_launch(256, 4096, 4096, fam, 0)
+    assert wl.splits == 4 and wl.cluster == 0, wl
+    m, k, n = 256, 8192, 8192
+    packed, w = random_weights(k, n, bits, group, zp, dtype, seed=13)
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    got = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros)
+    check_close(got, a.float() @ w, tol, "8192^2 M=256 through the op (a cluster of 2)")
