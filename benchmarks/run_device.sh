@@ -1144,6 +1144,20 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s45f)  # session 45: the GPU test files s45c-s45e did not run, on the final kernels (model, MoE, MoE utilities, tuning)
+           timeout ${S45F_TIMEOUT:-300} python3 -m pytest -q -rs tests/gpu/test_model_gpu.py tests/gpu/test_moe_gpu.py \
+             tests/gpu/test_moe_util_gpu.py tests/gpu/test_tuning_gpu.py > "$OUT/s45f.log" 2>&1
+           echo "s45f rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s45f.log" | tail -8;;
+    s45e)  # session 45: are two K splits in a cluster faster than the route's four (or eight) through the workspace?
+           # The route against its tile forced to two splits (clusters of 2), then the GPU test files that
+           # exercise the dense op (checkpoint, formats, gemm, linear)
+           timeout 150 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 --m ${S45E_M:-16,64,129,192,256,300} \
+             --configs route,wgmma-n64-f1-s6-k2,wgmma-n128-f1-s4-k2,wgmma-n144-f1-s6-k2-p2,wgmma-n192-f1-s6-k2-p2,wgmma-n256-f1-s4-k2-p2,wgmma-n160-f2-s4-k2-p2,route \
+             --shapes ${S45E_SHAPES:-4096x4096,14336x4096,11008x4096,4096x11008} > "$OUT/s45e.log" 2>&1
+           echo "s45e rc=$?"; grep -c " us" "$OUT/s45e.log"; grep -i "failed\|error" "$OUT/s45e.log" | head -5
+           timeout ${S45E_TESTS_TIMEOUT:-380} python3 -m pytest -q -rs tests/gpu/test_checkpoint_gpu.py tests/gpu/test_formats_gpu.py \
+             tests/gpu/test_gemm_gpu.py tests/gpu/test_linear_gpu.py > "$OUT/s45e_tests.log" 2>&1
+           echo "s45e tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s45e_tests.log" | tail -8;;
     s45d)  # session 45: clusters of 2 only (s45c: clusters of 4 lost up to 1.8x), launched only where they take no
            # more rounds: the cluster GPU tests (which also run clusters of 3 and 4), the route against the
            # workspace (+ws) on the K-split cells, two interleaved rounds, bf16 and 8-bit too, then bench_gemm at
