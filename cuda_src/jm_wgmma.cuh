@@ -1018,8 +1018,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   if (cl_size > 1) {
     cl_rank = static_cast<int>(cluster_ctarank());
     cl_per = FW * (NT / 8) / cl_size;
-    // the cluster's size as a constant (the host launches clusters of 2, 3 or 4: gemm.wgmma_cluster_sum), so
-    // that every index of d[] and of the receive space is one too
+    // the cluster's size as a constant, so that every index of d[] and of the receive space is one too. The
+    // host launches only sizes summed here (2, 3 or 4, dividing FW NT / 8: gemm.wgmma_cluster_sum, CPU-tested);
+    // a device-side check of it cost the 256-token tile 56 bytes of spills (ptxas, nvcc 13.0)
     auto cluster_sum = [&](auto size_const) {
       constexpr int CS = decltype(size_const)::value, kPer = FW * (NT / 8) / CS;
       float4* recv = reinterpret_cast<float4*>(smem);  // [CS - 1 senders][kPer][kThreads]

@@ -671,3 +671,52 @@ def test_wgmma_tall_cost_model(monkeypatch):
     assert tall(300, 12288, 4096) is not None and G.wgmma_route_tall(
         300, 12288, 4096, G.wgmma_route_config(300, 12288, 4096, 132), K.Family("f16", 4, False, 128, moe=True),
         132) is None  # not for MoE
+
+
+def test_wgmma_cluster_sum_rule(monkeypatch):
+    """Session 45: the wgmma K splits of a dense tile are summed in a cluster of the splits (jm_wgmma.cuh) only
+    where gemm.wgmma_cluster_sum says; the kernel sums clusters of 2, 3 and 4 whose size divides the FW * NT / 8
+    float4s of sums per compute thread, and nothing else, so this rule is the guard: over every built config,
+    form and split count it returns 0 or such a size, never above WGMMA_CLUSTER_MAX (2 by default: clusters of
+    4 lost on the H200), never for MoE, never where the shares would not fit the ring or where the clusters the
+    device runs at once would need more rounds than the plain launch."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+
+    class Fn:
+        def __init__(self, clusters):
+            self.clusters = clusters
+
+        def max_active_clusters(self, threads, smem, cluster):
+            return self.clusters
+
+    f16 = K.Family("f16", 4, False, 128)
+    forms = [(c, 0, 256) for c in K.WGMMA_CONFIGS] + [(c, 0, 512) for c in K.WGMMA_WIDE_CONFIGS]
+    forms += [(c, 1, K.WGMMA_PROD_THREADS) for c in K.dense_prod_configs(4)]
+    forms += [(c, 2, K.WGMMA_PROD2_THREADS) for c in K.WGMMA_PROD2_CONFIGS]
+    for cap in (2, 4, 8):
+        monkeypatch.setattr(G, "WGMMA_CLUSTER_MAX", cap)
+        seen = set()
+        for (nt, fw, st), prod, threads in forms:
+            smem = K.wgmma_smem_bytes(f16, nt, fw, st)
+            wgs = (threads - 128) // 128 if prod else threads // 128
+            per_thread = nt * 128 * fw // 4 // (128 * wgs)  # d[FW][NT / 2] of the kernel's compute threads
+            for splits in range(-1, 9):
+                got = G.wgmma_cluster_sum(Fn(64), f16, nt, fw, splits, threads, smem, prod, 64, 264)
+                assert got in (0, splits), (nt, fw, prod, splits, got)
+                if got:
+                    seen.add(got)
+                    assert got in (2, 3, 4) and got <= cap and per_thread % got == 0, (nt, fw, prod, splits)
+                    assert (got - 1) * nt * 128 * fw * 4 // got <= smem - 1024
+                assert G.wgmma_cluster_sum(Fn(64), K.Family("f16", 4, False, 128, moe=True), nt, fw, splits, threads,
+                                           smem, prod, 64, 264) == 0
+        assert seen == ({2} if cap == 2 else {2, 3, 4}), (cap, seen)
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_MAX", 2)
+    smem = K.wgmma_smem_bytes(f16, 256, 1, 4)
+    assert G.wgmma_cluster_sum(Fn(66), f16, 256, 1, 2, 384, smem, 2, 128, 132) == 2  # 8192^2 M = 256: one round
+    assert G.wgmma_cluster_sum(Fn(60), f16, 256, 1, 2, 384, smem, 2, 128, 132) == 0  # 120 at once: two rounds
+    assert G.wgmma_cluster_sum(Fn(0), f16, 256, 1, 2, 384, smem, 2, 128, 132) == 0  # the driver cannot tell
+    assert G.wgmma_cluster_sum(None, f16, 256, 1, 2, 384, smem, 2, 128, 132) == 0
+    assert G.wgmma_cluster_sum(Fn(66), f16, 256, 1, 4, 384, smem, 2, 128, 132) == 0  # above the cap
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)
+    assert G.wgmma_cluster_sum(Fn(66), f16, 256, 1, 2, 384, smem, 2, 128, 132) == 0
