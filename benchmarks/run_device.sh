@@ -1144,6 +1144,36 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s45h)  # session 45: the workspace fixup's region loads in batches (-DJM_WG_SUM_BATCH: 2-4 regions per round trip for
+           # 16- and 32-token tiles) against one region per round trip, two interleaved rounds; then the split and
+           # stream-K GPU tests on the flagged build
+           for r in 1 2; do
+             for f in "" -DJM_WG_SUM_BATCH; do
+               JITMARLIN_NVCC_FLAGS="$f" timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 \
+                 --m 9,16,24,32,48,64 --configs route \
+                 --shapes 4096x4096,8192x8192,4096x12288,4096x11008,11008x4096,8192x28672 >> "$OUT/s45h.log" 2>&1
+               echo "s45h '$f' $r rc=$?"
+             done
+           done
+           grep -c " us" "$OUT/s45h.log"
+           JITMARLIN_NVCC_FLAGS=-DJM_WG_SUM_BATCH timeout ${S45H_TEST_TIMEOUT:-110} python3 -m pytest -q -x -rs tests/gpu/test_wgmma_gpu.py \
+             -k "k_splits or stream_k or cluster_sum or moe_stream_k or moe_down_splits" > "$OUT/s45h_test.log" 2>&1
+           echo "s45h test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s45h_test.log" | tail -6;;
+    s45g)  # session 45: how many clusters of 2 / 3 / 4 the H200 runs at once for the routed K-split forms, and clusters
+           # of 4 under the one-round rule (+c4) against 2 (route) and the workspace (+ws) where the route splits in four
+           python3 - > "$OUT/s45g.log" 2>&1 <<'PY'
+from jitmarlin.ops import _kernels as K, gemm as G
+fam = K.Family("f16", 4, False, 128)
+for (nt, fw, st, prod, thr) in ((16, 1, 8, 1, 256), (64, 1, 6, 0, 256), (128, 1, 4, 0, 256), (144, 1, 6, 2, 384),
+                                (192, 1, 6, 2, 384), (256, 1, 4, 2, 384), (160, 2, 4, 2, 384)):
+    fn = K.get_wgmma_kernel(fam, nt, fw, st, 0, False, prod)
+    smem = K.wgmma_smem_bytes(fam, nt, fw, st)
+    print("max_active_clusters", (nt, fw, st, prod), "smem", smem, {c: fn.max_active_clusters(thr, smem, c) for c in (1, 2, 3, 4)}, flush=True)
+PY
+           echo "s45g clusters rc=$?"; cat "$OUT/s45g.log"
+           timeout 100 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 --m 16,64,192,256,300 \
+             --configs route,route+c4,route+ws,route+c4,route --shapes 4096x4096,14336x4096,8192x8192 >> "$OUT/s45g.log" 2>&1
+           echo "s45g probe rc=$?"; grep -c " us" "$OUT/s45g.log";;
     s45f)  # session 45: the GPU test files s45c-s45e did not run, on the final kernels (model, MoE, MoE utilities, tuning)
            timeout ${S45F_TIMEOUT:-300} python3 -m pytest -q -rs tests/gpu/test_model_gpu.py tests/gpu/test_moe_gpu.py \
              tests/gpu/test_moe_util_gpu.py tests/gpu/test_tuning_gpu.py > "$OUT/s45f.log" 2>&1

@@ -1102,28 +1102,75 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     __threadfence();
     if (tid == 0) p.counters[unit] = 0;  // all the tile's pieces have arrived: zero for the next launch
 #if defined(JM_WG_FIXUP_NOSUM)  // diagnostic (wrong results): the stores and the arrival, not the last piece's sum
-    if (false)
+    constexpr bool kSum = false;
+#else
+    constexpr bool kSum = true;
 #endif
+    // 16-token tiles (two CTAs per SM): the regions' loads in batches of four, issued together, then added in
+    // region order (the same additions in the same order as one region at a time: the same bits). Such a tile
+    // holds two float4s of sums per thread and strip, so each region was one short round trip after another.
+    // H200 session 45 (s45h, route, two rounds, us, one region -> batches): 4096x11008 M = 9 / 16 13.8 / 13.9 ->
+    // 12.9 / 13.0, 11008x4096 M = 16 17.2 -> 17.4, 8192^2 / 4096^2 / 4096x12288 level; batches of two for the
+    // 32-token tiles lost (4096^2 M = 24 / 32 9.5 / 9.6 -> 10.0 / 10.1), and three CTAs per SM spill with them.
+    constexpr int kChunk = wg_sum_chunk(NT / 8);  // float4 loads in flight per region
+    constexpr int kBatch = NT == 16 && MINB < 3 ? 8 / kChunk : 1;  // regions per round trip
+    if constexpr (!kSum) {
+    } else if constexpr (kBatch > 1) {
 #pragma unroll
-    for (int j = 0; j < FW; j++) {
-      constexpr int kChunk = wg_sum_chunk(NT / 8);  // float4 loads in flight per region
+      for (int j = 0; j < FW; j++) {
 #pragma unroll
-      for (int q0 = 0; q0 < NT / 8; q0 += kChunk) {
+        for (int q0 = 0; q0 < NT / 8; q0 += kChunk) {
 #pragma unroll
-        for (int q = q0; q < q0 + kChunk; q++) d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
-        for (int sp = 0; sp < piece.arrivals; sp++) {
-          const int region = piece.first + sp * piece.stride + (sp == 0 ? piece.first_extra : 0);
-          const float* src =
-              p.ws + static_cast<int64_t>(region) * kRegion + tid * 4 + (j * (NT / 8) + q0) * 4 * kThreads;
-          float4 v[kChunk];
+          for (int q = q0; q < q0 + kChunk; q++) d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
+          for (int sp0 = 0; sp0 < piece.arrivals; sp0 += kBatch) {
+            float4 v[kBatch][kChunk];
 #pragma unroll
-          for (int q = 0; q < kChunk; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + q * 4 * kThreads));
+            for (int b = 0; b < kBatch; b++) {
+              const int sp = sp0 + b;
+              if (sp < piece.arrivals) {
+                const int region = piece.first + sp * piece.stride + (sp == 0 ? piece.first_extra : 0);
+                const float* src =
+                    p.ws + static_cast<int64_t>(region) * kRegion + tid * 4 + (j * (NT / 8) + q0) * 4 * kThreads;
 #pragma unroll
-          for (int q = 0; q < kChunk; q++) {
-            d[j][4 * (q0 + q)] += v[q].x;
-            d[j][4 * (q0 + q) + 1] += v[q].y;
-            d[j][4 * (q0 + q) + 2] += v[q].z;
-            d[j][4 * (q0 + q) + 3] += v[q].w;
+                for (int q = 0; q < kChunk; q++) v[b][q] = __ldcg(reinterpret_cast<const float4*>(src + q * 4 * kThreads));
+              }
+            }
+#pragma unroll
+            for (int b = 0; b < kBatch; b++) {
+              if (sp0 + b < piece.arrivals) {
+#pragma unroll
+                for (int q = 0; q < kChunk; q++) {
+                  d[j][4 * (q0 + q)] += v[b][q].x;
+                  d[j][4 * (q0 + q) + 1] += v[b][q].y;
+                  d[j][4 * (q0 + q) + 2] += v[b][q].z;
+                  d[j][4 * (q0 + q) + 3] += v[b][q].w;
+                }
+              }
+            }
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < FW; j++) {
+#pragma unroll
+        for (int q0 = 0; q0 < NT / 8; q0 += kChunk) {
+#pragma unroll
+          for (int q = q0; q < q0 + kChunk; q++) d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
+          for (int sp = 0; sp < piece.arrivals; sp++) {
+            const int region = piece.first + sp * piece.stride + (sp == 0 ? piece.first_extra : 0);
+            const float* src =
+                p.ws + static_cast<int64_t>(region) * kRegion + tid * 4 + (j * (NT / 8) + q0) * 4 * kThreads;
+            float4 v[kChunk];
+#pragma unroll
+            for (int q = 0; q < kChunk; q++) v[q] = __ldcg(reinterpret_cast<const float4*>(src + q * 4 * kThreads));
+#pragma unroll
+            for (int q = 0; q < kChunk; q++) {
+              d[j][4 * (q0 + q)] += v[q].x;
+              d[j][4 * (q0 + q) + 1] += v[q].y;
+              d[j][4 * (q0 + q) + 2] += v[q].z;
+              d[j][4 * (q0 + q) + 3] += v[q].w;
+            }
           }
         }
       }
