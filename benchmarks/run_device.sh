@@ -1144,6 +1144,16 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s46a)  # PREPARED in session 45 (not run): the data for pricing a K split in two as a cluster (session 45's cluster
+           # sum) in the cost model and the table: the tall tiles and the 64- / 128-token plain tiles forced to two
+           # splits (clustered where gemm.wgmma_cluster_sum takes it) and to one, the route, and the route with the
+           # workspace (+ws), M = 129-544 on 8 shapes. Then extend benchmarks/fit_tall_cost.py with a cluster term
+           # (its launches need the H200's max active clusters: s45g) and refit.
+           timeout ${S46A_TIMEOUT:-300} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.3 --m ${S46A_M:-129,160,192,256,300,384,544} \
+             --configs route,route+ws,wgmma-n128-f1-s4-k2,wgmma-n144-f1-s6-k2-p2,wgmma-n192-f1-s6-k2-p2,wgmma-n256-f1-s4-k2-p2,wgmma-n160-f2-s4-k2-p2,wgmma-n192-f1-s6-k1-p2,wgmma-n256-f1-s4-k1-p2,route \
+             --shapes ${S46A_SHAPES:-4096x4096,8192x8192,14336x4096,11008x4096,4096x12288,13824x5120,5120x13824,28672x8192} \
+             > "$OUT/s46a.log" 2>&1
+           echo "s46a rc=$?"; grep -c " us" "$OUT/s46a.log"; grep -i "failed\|error" "$OUT/s46a.log" | head -5;;
     s45h)  # session 45: the workspace fixup's region loads in batches (-DJM_WG_SUM_BATCH: 2-4 regions per round trip for
            # 16- and 32-token tiles) against one region per round trip, two interleaved rounds; then the split and
            # stream-K GPU tests on the flagged build
