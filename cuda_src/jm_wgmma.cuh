@@ -1012,7 +1012,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
   // pushes the float4s it does not own into the owner's ring (thread-major: sender slot pos, u, thread),
   // then (phase B) each owner adds all S partial sums in rank order, the workspace path's order of
   // additions (the same bits), and writes its outputs. No partial sum goes through L2 (H200 session 45:
-  // the workspace fixup took 2-12 us of the K-split launches at M = 64-300, -DJM_WG_NO_FIXUP).
+  // the workspace fixup took 2-12 us of the K-split launches at M = 16-300, -DJM_WG_NO_FIXUP).
   int cl_size = 1, cl_rank = 0, cl_per = FW * (NT / 8);
   if constexpr (!MOE) cl_size = static_cast<int>(cluster_nctarank());
   if (cl_size > 1) {
