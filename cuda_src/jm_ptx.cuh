@@ -250,13 +250,23 @@ JM_DEVICE int ld_acquire_gpu(const int* ptr) {
 }
 
 // ---- thread-block clusters (sm_90; PTX ISA: "barrier.cluster", "mapa", distributed shared memory) ----
-JM_DEVICE uint32_t cluster_ctarank() {
-  uint32_t r = 0;
+// NAME(): the special register REG (a cluster-ctarank kind of register), DEFAULT before sm_90
+#define JM_CLUSTER_SREG(NAME, REG, DEFAULT)                     \
+  JM_DEVICE uint32_t NAME() {                                   \
+    uint32_t r = DEFAULT;                                       \
+    JM_CLUSTER_SREG_READ(REG)                                   \
+    return r;                                                   \
+  }
 #if JM_HAS_BULK
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#define JM_CLUSTER_SREG_READ(REG) asm volatile("mov.u32 %0, %%" REG ";\n" : "=r"(r));
+#else
+#define JM_CLUSTER_SREG_READ(REG)
 #endif
-  return r;
-}
+JM_CLUSTER_SREG(cluster_ctarank, "cluster_ctarank", 0)    // this CTA's rank in its cluster
+JM_CLUSTER_SREG(cluster_nctarank, "cluster_nctarank", 1)  // CTAs in its cluster (1 without a cluster launch)
+#undef JM_CLUSTER_SREG_READ
+#undef JM_CLUSTER_SREG
+
 // Arrive on the cluster barrier without ordering memory (every non-exited thread of the cluster
 // arrives once per phase; a thread may exit after arriving).
 JM_DEVICE void cluster_arrive_relaxed() {
@@ -276,29 +286,25 @@ JM_DEVICE void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
-// Store v at this CTA's shared address `addr` as seen in cluster CTA `rank` (its shared memory).
+// This CTA's shared address `addr` as seen in cluster CTA `rank` (its shared memory), for st.shared::cluster
+JM_DEVICE uint32_t cluster_map(uint32_t addr, uint32_t rank) {
+  uint32_t remote = addr;
+#if JM_HAS_BULK
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+#endif
+  return remote;
+}
+// Store v at this CTA's shared address `addr` as seen in cluster CTA `rank`.
 JM_DEVICE void st_cluster_f32(uint32_t addr, uint32_t rank, float v) {
 #if JM_HAS_BULK
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(cluster_map(addr, rank)), "f"(v) : "memory");
 #endif
-}
-
-// CTAs in this CTA's cluster (1 for a launch without clusters, and before sm_90)
-JM_DEVICE uint32_t cluster_nctarank() {
-  uint32_t r = 1;
-#if JM_HAS_BULK
-  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
-#endif
-  return r;
 }
 // Store 16 bytes at this CTA's shared address `addr` as seen in cluster CTA `rank`.
 JM_DEVICE void st_cluster_v4(uint32_t addr, uint32_t rank, float x, float y, float z, float w) {
 #if JM_HAS_BULK
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(remote), "f"(x), "f"(y), "f"(z), "f"(w)
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(cluster_map(addr, rank)), "f"(x), "f"(y),
+               "f"(z), "f"(w)
                : "memory");
 #endif
 }
