@@ -4,7 +4,13 @@ per (shape, M), e.g. stages s43d and s44a (the fit in gemm.py):
 
     python benchmarks/fit_tall_cost.py benchmarks/logs/s43d.log benchmarks/logs/s44a.log
 
-(--all-m: also the cells at M <= 256, e.g. s44c's or a future s45a log, for a model over all of M = 129-1024.)
+(--all-m: also the cells at M <= 256, e.g. s44c's or s45a's, for a model over all of M = 129-1024.)
+
+--clustered LOG: a log measured with session 45's cluster sum (K splits of two launched as clusters, e.g. s45d or
+the prepared s46a; not s45c, whose route took clusters of every size): its launches get the cluster the rule
+(gemm.wgmma_cluster_sum, with the H200's max active clusters measured in s45g) gives them, `NAME+ws` configs none,
+and the fit gains a `cluster` term (the clustered split's fix-up against the workspace one). Explicit K splits in
+config names (wgmma-n192-f1-s6-k2-p2) are read.
 
 Route names in the logs: routeT0 the route without tall tiles; routeCM the cost model (s44a, session 43's
 coefficients); route in a cell that also has routeCM (s44a) the table's rows; other `route` timings (s43d) are
@@ -29,33 +35,50 @@ class _Dev:
 
 driver.device = lambda index: _Dev()
 G._cc = functools.lru_cache(None)(lambda index: (9, 0))
-K.get_wgmma_kernel = lambda *a, **k: None
-K.wgmma_smem_bytes = lambda *a, **k: 0
+class _Fn:  # the H200's clusters at once (s45g): 2 / 3 / 4 CTAs, forms of two CTAs per SM (256 threads) or one
+    def max_active_clusters(self, threads, smem, cluster):
+        return {2: 132, 3: 79, 4: 62}[cluster] if threads == 256 else {2: 66, 3: 39, 4: 30}[cluster]
+
+
+K.get_wgmma_kernel = lambda *a, **k: _Fn()
 fam = K.Family("f16", 4, False, 128)
 pat = re.compile(r"^\[(\S+)\] (\S+) u(\d+) (\d+x\d+) M=(\d+) (\S+): ([\d.]+) us")
 ALL_M = "--all-m" in sys.argv  # also fit the cells below M = 257 (where the table's rows route)
 MIN_M = 257
-sys.argv = [a for a in sys.argv if a != "--all-m"]
+args = [a for a in sys.argv[1:] if a != "--all-m"]
+clustered_logs = {args[i + 1] for i, a in enumerate(args) if a == "--clustered"}
+logs = [a for i, a in enumerate(args) if a != "--clustered" and (i == 0 or args[i - 1] != "--clustered")]
 data = collections.defaultdict(list)
-for path in sys.argv[1:] or ["benchmarks/logs/s43d.log"]:
+for path in logs + sorted(clustered_logs) if logs or clustered_logs else ["benchmarks/logs/s43d.log"]:
+    tag = "@cl" if path in clustered_logs else ""  # launches of a clustered log: names NAME@cl
     for line in open(path):
         m = pat.match(line.strip())
         if m:
             _, dt, b, shape, M, cfg, us = m.groups(); k, n = map(int, shape.split("x"))
-            data[(k, n, int(M), cfg)].append(float(us))
+            data[(k, n, int(M), cfg + tag)].append(float(us))
 SMS = 132
 # the coefficients s44a's routeCM ran with (session 43, fitted to s43d alone)
 S43_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.813, (128, 2, "w"): 0.864,
                  (160, 2, "p2"): 0.965, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
 S43_TERMS = {"a": 1.359, "split": 2.148, "per_split": 3.526, "sk": 14.961, "sk_stage": 0.049}
 def launch_of(m, n, k, cfg):
+    clustered = cfg.endswith("@cl")
+    cfg = cfg[:-3] if clustered else cfg
+    ws = cfg.endswith("+ws")
+    cfg = cfg[:-3] if ws else cfg
+    G.WGMMA_CLUSTER_SUM = clustered and not ws  # the launches of logs before session 45 had no clusters
+    G.wgmma_launch.cache_clear()
     if cfg.startswith("wgmma"):
-        p = cfg.split("-"); nt, fw = int(p[1][1:]), int(p[2][1:]); sk = "sk" in p
-        if (nt, fw, int(p[3][1:])) not in K.WGMMA_PROD2_CONFIGS:
-            return None  # an extra ring depth (e.g. s44c's): not a form the route can take
+        p = cfg.split("-"); nt, fw, st = int(p[1][1:]), int(p[2][1:]), int(p[3][1:]); sk = "sk" in p
+        if (nt, fw, st) not in K.WGMMA_PROD2_CONFIGS or not cfg.endswith("-p2"):
+            return None  # an extra ring depth (e.g. s44c's) or a plain 128-token config: not in the fit
         cls = (nt, fw, "p2")
         per_sm = 1
-        splits = -1 if sk else G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, SMS, 1)
+        given = [int(x[1:]) for x in p[4:] if x[0] == "k" and x[1:].isdigit()]
+        splits = -1 if sk else given[0] if given else G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, SMS, 1)
+        grid = -(-m // nt) * (n // (128 * fw)) * splits
+        cluster = G.wgmma_cluster_sum(_Fn(), fam, nt, fw, splits, K.WGMMA_PROD2_THREADS,
+                                      K.wgmma_smem_bytes(fam, nt, fw, st), 2, grid, SMS) if splits > 1 else 0
     else:
         # routeT0: the route without tall tiles; route (s44a) / routeTab: the table's tall tiles; routeCM: the model
         # with session 43's coefficients
@@ -67,30 +90,33 @@ def launch_of(m, n, k, cfg):
         G.WGMMA_COST_PER_STAGE.update(saved[0]); G.WGMMA_COST_TERMS.update(saved[1])
         G.WGMMA_TALL_MAX_M, G.WGMMA_TALL_MODEL = 1024, True
         G.wgmma_launch.cache_clear()
-        nt, fw, splits = wl.nt, wl.fw, wl.splits
+        nt, fw, splits, cluster = wl.nt, wl.fw, wl.splits, wl.cluster
         wide = wl.threads == 512
         cls = (nt, fw, "p2" if wl.prod == 2 else "p" if wl.prod else "w" if wide else "plain")
         per_sm = 1 if wl.prod == 2 else G.wgmma_ctas_per_sm(fw, (nt, fw, wl.stages) if wl.prod else None, 4)
         if wide: fw = 2  # four warpgroups of one strip: a 256-feature tile
-    return cls, G.wgmma_cost_stages(m, n, k, (nt, fw, cls[2]), splits, SMS * per_sm), splits
+    return cls, G.wgmma_cost_stages(m, n, k, (nt, fw, cls[2]), splits, SMS * per_sm), splits, 1 if cluster else 0
 rows = []
 for (k, n, M, cfg), v in data.items():
     if cfg == "route" and (k, n, M, "routeCM") not in data: continue  # s43d's / a later log's route: not read
     launch = launch_of(M, n, k, cfg)
     if launch is None or (M < MIN_M and not ALL_M):
         continue
-    cls, st, sp = launch
-    rows.append(((k, n, M), cfg, cls, st, sp, min(v)))
+    cls, st, sp, cl = launch
+    rows.append(((k, n, M), cfg, cls, st, sp, cl, min(v)))
 classes = sorted({r[2] for r in rows}, key=str)
-print(classes)
-def feats(cls, st, sp):
+with_cluster = any(r[5] for r in rows)  # the cluster term only where some launch took a cluster
+print(classes, "clustered launches:", sum(r[5] for r in rows))
+def feats(cls, st, sp, cl):
     f = [0.0] * len(classes); f[classes.index(cls)] = st
-    return f + [1.0, 1.0 if sp > 1 else 0.0, sp if sp > 1 else 0.0, 1.0 if sp == -1 else 0.0, st if sp == -1 else 0.0]
-X = np.array([feats(*r[2:5]) for r in rows]); y = np.array([r[5] for r in rows]); w = 1 / y
+    f += [1.0, 1.0 if sp > 1 else 0.0, sp if sp > 1 else 0.0, 1.0 if sp == -1 else 0.0, st if sp == -1 else 0.0]
+    return f + ([float(cl)] if with_cluster else [])
+X = np.array([feats(*r[2:6]) for r in rows]); y = np.array([r[6] for r in rows]); w = 1 / y
 def fit(idx):
     cf, *_ = np.linalg.lstsq(X[idx] * w[idx, None], y[idx] * w[idx], rcond=None); return cf
 cf = fit(np.arange(len(rows)))
-print({str(c): round(v, 3) for c, v in zip(classes + ["a", "split", "per_split", "sk", "sk*st"], cf)})
+print({str(c): round(v, 3) for c, v in zip(classes + ["a", "split", "per_split", "sk", "sk*st"]
+                                            + (["cluster"] if with_cluster else []), cf)})
 rel = X @ cf / y - 1
 print("in-sample rel err median %.3f 90%% %.3f" % (np.median(abs(rel)), np.quantile(abs(rel), .9)))
 shapes = sorted({r[0][:2] for r in rows})
@@ -100,10 +126,10 @@ for hold in shapes:
     c2 = fit(tr); pr = X @ c2
     cells = collections.defaultdict(list)
     for i, r in enumerate(rows):
-        if r[0][:2] == hold: cells[r[0]].append((pr[i], r[5], r[1]))
+        if r[0][:2] == hold: cells[r[0]].append((pr[i], r[6], r[1]))
     for key, lst in cells.items():
         best = min(x[1] for x in lst); pick = min(lst)
-        route = min(data.get(key + ("routeTab",)) or data[key + ("route",)])
+        route = min(data.get(key + ("routeTab",)) or data.get(key + ("route",)) or data[key + ("route@cl",)])
         out.append((pick[1] / best - 1, route / best - 1, pick[1] / route, key, pick[2]))
 a = np.array([o[:3] for o in out])
 print("held-out: model loss mean %.3f (>5%%: %d), route loss mean %.3f (>5%%: %d); model/route geo %.3f; worse>5%% %d better>5%% %d of %d" % (
