@@ -75,10 +75,9 @@ def launch_of(m, n, k, cfg):
         cls = (nt, fw, "p2")
         per_sm = 1
         given = [int(x[1:]) for x in p[4:] if x[0] == "k" and x[1:].isdigit()]
-        splits = -1 if sk else given[0] if given else G.wgmma_splits(-(-m // nt) * (n // (128 * fw)), k, nt, fw, SMS, 1)
-        grid = -(-m // nt) * (n // (128 * fw)) * splits
-        cluster = G.wgmma_cluster_sum(_Fn(), fam, nt, fw, splits, K.WGMMA_PROD2_THREADS,
-                                      K.wgmma_smem_bytes(fam, nt, fw, st), 2, grid, SMS) if splits > 1 else 0
+        # the launch probe_configs made of it (its K splits, stream-K where it says, its cluster)
+        wl = G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, -1 if sk else given[0] if given else None, False, 2)
+        splits, cluster = wl.splits, wl.cluster
     else:
         # routeT0: the route without tall tiles; route (s44a) / routeTab: the table's tall tiles; routeCM: the model
         # with session 43's coefficients
