@@ -1144,6 +1144,25 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s46b)  # session 46 (prepared in session 45): four or more K splits in clusters of 2, the pairs' shares summed
+           # through the workspace (gemm.WGMMA_CLUSTER_PAIRS, off): its GPU tests, then route vs route+pairs vs
+           # route+ws on the cells where the route splits K in four or more, interleaved with the route built with
+           # -DJM_WG_NO_PAIRS (the pair path compiled out = main's machine code, cubin md5) to price the small
+           # spills the path adds to three kernels (8 B in the plain 32-token tile, 32 / 44 B in its producer form)
+           timeout 200 python3 -m pytest -q -x -rs tests/gpu/test_wgmma_gpu.py -k "cluster_pairs or cluster_sum or k_splits" \
+             > "$OUT/s46b_test.log" 2>&1
+           echo "s46b test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/s46b_test.log" | tail -8
+           for r in 1 2; do
+             timeout 110 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 16,32,64,129,192,256,300 \
+               --configs route,route+pairs,route+ws --shapes 4096x4096,14336x4096,11008x4096,8192x8192,4096x28672 \
+               >> "$OUT/s46b.log" 2>&1
+             echo "s46b probe $r rc=$?"
+             JITMARLIN_NVCC_FLAGS=-DJM_WG_NO_PAIRS timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 \
+               --m 16,32,64,129,192,256,300 --configs route --shapes 4096x4096,14336x4096,11008x4096,8192x8192,4096x28672 \
+               >> "$OUT/s46b_nopairs.log" 2>&1
+             echo "s46b nopairs $r rc=$?"
+           done
+           grep -c " us" "$OUT/s46b.log" "$OUT/s46b_nopairs.log";;
     s46a)  # PREPARED in session 45 (not run): the data for pricing a K split in two as a cluster (session 45's cluster
            # sum) in the cost model and the table: the tall tiles and the 64- / 128-token plain tiles forced to two
            # splits (clustered where gemm.wgmma_cluster_sum takes it) and to one, the route, and the route with the

@@ -1328,3 +1328,41 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     got = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros)
     check_close(got, a.float() @ w, tol, "8192^2 M=256 through the op (a cluster of 2)")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
+def test_cluster_pairs(fmt, monkeypatch):
+    """Four, six and eight K splits in clusters of 2 (gemm.WGMMA_CLUSTER_PAIRS, prepared in session 45): each pair
+    sums through distributed shared memory, the pairs' share sums through the workspace. Every dense form the
+    family builds, partial token tiles, bias: the NaN-poisoned output matches the reference and repeats bit for
+    bit (its own fixed order of additions), the launch takes the clusters exactly where a share divides evenly
+    and fits the ring, and the counters (one per share of a tile) are all zero afterwards."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_PAIRS", True)
+    paired = set()
+    try:
+        for k, n, m, a, packed, bias, ref in _form_cases(fmt, ((5120, 1024, (16, 100, 257)),), seed=14):
+            for form in _built_dense_forms(bits):
+                nt, fw, st = form[:3]
+                if nt < m // 4 or (nt > 64 and m < 64):
+                    continue
+                for splits in (4, 6, 8):
+                    cfg = (nt, fw, st, splits) + form[4:]
+                    wide, prod = (form[4] if len(form) > 4 else False), (form[5] if len(form) > 5 else 0)
+                    G.wgmma_launch.cache_clear()
+                    wl = G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, splits, wide, int(prod))
+                    per_thread = nt * 128 * fw // (4 * (wl.threads - 128 if wl.prod else wl.threads))
+                    fits = nt * 128 * fw * 4 // 2 <= wl.smem - 1024
+                    assert wl.cluster == (2 if per_thread % 2 == 0 and fits else 0), (form, splits, wl)
+                    label = f"K={k} N={n} M={m} config={cfg} cluster={wl.cluster}"
+                    got = run(a, packed, m, n, k, dtype, cfg, bias=bias)
+                    check_close(got, ref, tol, label)
+                    assert torch.equal(got, run(a, packed, m, n, k, dtype, cfg, bias=bias)), label
+                    if wl.cluster:
+                        paired.add((nt, fw, splits))
+        assert {4, 6, 8} <= {s for _, _, s in paired}, paired
+        assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    finally:
+        G.wgmma_launch.cache_clear()
