@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
-                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model; a +ws suffix: wgmma K splits summed through the workspace instead of a cluster, +c4: in clusters of up to 4, +pairs: four or more splits in clusters of 2; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
+                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model; a +ws suffix: wgmma K splits summed through the workspace instead of a cluster, +c4: in clusters of up to 4; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
                     "stream-K, -w its wide form (four warpgroups of one strip; FW = 2 configs added by --extra-wgmma "
                     "NT-2-S-w)) "
                     "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
@@ -89,11 +89,9 @@ def main() -> None:
         for name in args.configs.split(","):
             # NAME+ws: the wgmma K splits summed through the workspace, not in clusters (gemm.WGMMA_CLUSTER_SUM);
             # NAME+c4: in clusters of up to 4 (gemm.WGMMA_CLUSTER_MAX; the route's default: 2)
-            # NAME+pairs: an even number of splits above 2 in clusters of 2 (gemm.WGMMA_CLUSTER_PAIRS)
-            cfg = name.rsplit("+", 1)[0] if name.endswith(("+ws", "+c4", "+pairs")) else name
+            cfg = name[:-3] if name.endswith(("+ws", "+c4")) else name
             G.WGMMA_CLUSTER_SUM = not name.endswith("+ws")
             G.WGMMA_CLUSTER_MAX = 4 if name.endswith("+c4") else cluster_max
-            G.WGMMA_CLUSTER_PAIRS = name.endswith("+pairs")
             # what the heuristic picks; route0: without the two-compute-warpgroup stream-K rule (session 39)
             G.WGMMA_STREAM2_MAX_FILL = 0.0 if cfg == "route0" else stream2_fill
             G.WGMMA_TALL_MAX_M = 0 if cfg == "routeT0" else tall_max_m  # routeT0: without the tall-tile rule

@@ -1144,7 +1144,8 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
-    s46b)  # session 46 (prepared in session 45): four or more K splits in clusters of 2, the pairs' shares summed
+    s46b)  # session 46 (ran; DROPPED, the code is benchmarks/prepared/s46b_cluster_pairs.patch plus a -DJM_WG_NO_PAIRS
+           # guard around its pair block): four or more K splits in clusters of 2, the pairs' shares summed
            # through the workspace (gemm.WGMMA_CLUSTER_PAIRS, off): its GPU tests, then route vs route+pairs vs
            # route+ws on the cells where the route splits K in four or more, interleaved with the route built with
            # -DJM_WG_NO_PAIRS (the pair path compiled out = main's machine code, cubin md5) to price the small

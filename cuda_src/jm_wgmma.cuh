@@ -1021,10 +1021,7 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
     // the cluster's size as a constant, so that every index of d[] and of the receive space is one too. The
     // host launches only sizes summed here (2, 3 or 4, dividing FW NT / 8: gemm.wgmma_cluster_sum, CPU-tested);
     // a device-side check of it cost the 256-token tile 56 bytes of spills (ptxas, nvcc 13.0)
-#if !defined(JM_WG_NO_PAIRS)
-    __shared__ int s_pair_last;
-#endif
-    auto cluster_sum = [&](auto size_const) -> bool {
+    auto cluster_sum = [&](auto size_const) {
       constexpr int CS = decltype(size_const)::value, kPer = FW * (NT / 8) / CS;
       float4* recv = reinterpret_cast<float4*>(smem);  // [CS - 1 senders][kPer][kThreads]
       cluster_arrive_release();
@@ -1064,80 +1061,15 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
           d[j][4 * q + 3] = acc.w;
         }
       }
-      // More splits than the cluster holds (p.k_splits = G clusters of CS: gemm.wgmma_cluster_sum with
-      // WGMMA_CLUSTER_PAIRS): each cluster's share sums go on through the workspace. The CTA stores its share
-      // (kPer float4s per thread) in its own region; the last of the G CTAs that own the same share of the tile
-      // adds the G regions in cluster order and writes the share. Tile order of additions: the CS splits of
-      // each cluster first (above), then the clusters: deterministic, not the one-level paths' bits.
-#if defined(JM_WG_NO_PAIRS)  // A/B probe flag: the pair path compiled out (session 45's machine code)
-      return true;
-#else
-      const int groups = p.k_splits / CS;
-      if (groups <= 1) return true;
-      constexpr int kRegion = kThreads * FW * (NT / 2);  // floats per CTA, as the workspace path's
-      const int c = static_cast<int>(blockIdx.x), base = c - c % p.k_splits;  // the tile's first CTA (split 0)
-#pragma unroll
-      for (int own = 0; own < CS; own++) {
-        if (own != cl_rank) continue;
-        float* mine = p.ws + static_cast<int64_t>(c) * kRegion + tid * 4;
-#pragma unroll
-        for (int uu = 0; uu < kPer; uu++) {
-          const int u = own * kPer + uu, j = u / (NT / 8), q = u - j * (NT / 8);
-          __stcg(reinterpret_cast<float4*>(mine + uu * 4 * kThreads),
-                 make_float4(d[j][4 * q], d[j][4 * q + 1], d[j][4 * q + 2], d[j][4 * q + 3]));
-        }
-      }
-      __threadfence();
-      if constexpr (PROD) compute_sync<kThreads>(); else __syncthreads();
-      const int unit = (f_tile * p.grid + m_tile) * CS + cl_rank;  // one counter per share of a tile
-      if (tid == 0) s_pair_last = atomicAdd(p.counters + unit, 1) == groups - 1;
-      if constexpr (PROD) compute_sync<kThreads>(); else __syncthreads();
-      if (!s_pair_last) return false;
-      __threadfence();
-      if (tid == 0) p.counters[unit] = 0;  // every cluster's share has arrived: zero for the next launch
-#pragma unroll
-      for (int own = 0; own < CS; own++) {
-        if (own != cl_rank) continue;
-        constexpr int kChunk = wg_sum_chunk(kPer);  // float4 loads in flight per region (a divisor of kPer)
-#pragma unroll
-        for (int uu0 = 0; uu0 < kPer; uu0 += kChunk) {  // the sums in d (this CTA's share is in its region too)
-#pragma unroll
-          for (int x = 0; x < kChunk; x++) {
-            const int u = own * kPer + uu0 + x, j = u / (NT / 8), q = u - j * (NT / 8);
-            d[j][4 * q] = d[j][4 * q + 1] = d[j][4 * q + 2] = d[j][4 * q + 3] = 0.f;
-          }
-          for (int g = 0; g < groups; g++) {
-            const float* src = p.ws + static_cast<int64_t>(base + g * CS + own) * kRegion + tid * 4 + uu0 * 4 * kThreads;
-            float4 v[kChunk];
-#pragma unroll
-            for (int x = 0; x < kChunk; x++) v[x] = __ldcg(reinterpret_cast<const float4*>(src + x * 4 * kThreads));
-#pragma unroll
-            for (int x = 0; x < kChunk; x++) {
-              const int u = own * kPer + uu0 + x, j = u / (NT / 8), q = u - j * (NT / 8);
-              d[j][4 * q] += v[x].x;
-              d[j][4 * q + 1] += v[x].y;
-              d[j][4 * q + 2] += v[x].z;
-              d[j][4 * q + 3] += v[x].w;
-            }
-          }
-        }
-      }
-      return true;
-#endif
     };
-    bool write = true;  // false: another cluster of the tile writes this CTA's share
     if constexpr ((FW * (NT / 8)) % 4 == 0) {
-      if (cl_size == 4) write = cluster_sum(std::integral_constant<int, 4>{});
+      if (cl_size == 4) cluster_sum(std::integral_constant<int, 4>{});
     }
     if constexpr ((FW * (NT / 8)) % 3 == 0) {
-      if (cl_size == 3) write = cluster_sum(std::integral_constant<int, 3>{});
+      if (cl_size == 3) cluster_sum(std::integral_constant<int, 3>{});
     }
     if constexpr ((FW * (NT / 8)) % 2 == 0) {
-      if (cl_size == 2) write = cluster_sum(std::integral_constant<int, 2>{});
-    }
-    if (!write) {
-      tl_end();
-      return;
+      if (cl_size == 2) cluster_sum(std::integral_constant<int, 2>{});
     }
   } else
 #if defined(JM_WG_NO_FIXUP)  // diagnostic (wrong results): every piece writes its partial sums out, no fixup

@@ -718,11 +718,5 @@ def test_wgmma_cluster_sum_rule(monkeypatch):
     assert G.wgmma_cluster_sum(Fn(0), f16, 256, 1, 2, 384, smem, 2, 128, 132) == 0  # the driver cannot tell
     assert G.wgmma_cluster_sum(None, f16, 256, 1, 2, 384, smem, 2, 128, 132) == 0
     assert G.wgmma_cluster_sum(Fn(66), f16, 256, 1, 4, 384, smem, 2, 128, 132) == 0  # above the cap
-    # prepared (off): an even number of splits above the cap in clusters of 2, then the workspace among the pairs
-    assert G.WGMMA_CLUSTER_PAIRS is False
-    monkeypatch.setattr(G, "WGMMA_CLUSTER_PAIRS", True)
-    for splits, want in ((4, 2), (6, 2), (8, 2), (3, 0), (5, 0)):
-        assert G.wgmma_cluster_sum(Fn(66), f16, 256, 1, splits, 384, smem, 2, 128, 132) == want, splits
-    monkeypatch.setattr(G, "WGMMA_CLUSTER_PAIRS", False)
     monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)
     assert G.wgmma_cluster_sum(Fn(66), f16, 256, 1, 2, 384, smem, 2, 128, 132) == 0

@@ -1108,8 +1108,6 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     smem = K.wgmma_smem_bytes(fam, nt, fw, stages)
     threads = K.WGMMA_PROD2_THREADS if prod == 2 else K.WGMMA_PROD_THREADS if prod else 512 if wide else 256
     cluster = wgmma_cluster_sum(fn, fam, nt, fw, splits, threads, smem, prod, grid, sms * per_sm)
-    if 0 < cluster < splits:  # pairs of splits: one arrival counter per share of a tile
-        counters = m_tiles * f_tiles * cluster
     return WgmmaLaunch(fn, smem, m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
                        use_pdl(_cc(index)), nt, threads, fw, stages, prod, cluster)
 
@@ -1123,10 +1121,6 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
 # Off (WGMMA_CLUSTER_SUM = False): the workspace (A/B probes, `+ws` configs of probe_configs.py).
 WGMMA_CLUSTER_SUM = True
 WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2, 3 or 4 and no other size)
-# Prepared in session 45, NOT measured: an even number of splits above WGMMA_CLUSTER_MAX in clusters of 2, each
-# cluster's share sums then summed through the workspace among the tile's clusters (half the bytes stored and a
-# 1/S share read per CTA, instead of every split's whole tile read by one CTA). Off until measured (probe `+pairs`).
-WGMMA_CLUSTER_PAIRS = False
 
 
 def wgmma_cluster_sum(fn, fam: Family, nt: int, fw: int, splits: int, threads: int, smem: int, prod: int,
@@ -1135,25 +1129,19 @@ def wgmma_cluster_sum(fn, fam: Family, nt: int, fw: int, splits: int, threads: i
     float4s of sums divides evenly (FW * NT / 8 float4s per compute thread), the S - 1 shares a CTA receives
     fit in its ring (the shared memory less the 1 KB alignment), and the device runs enough such clusters
     at once that the launch takes no more rounds than without them (`slots`: the CTAs it runs at once)."""
-    if not WGMMA_CLUSTER_SUM or fam.moe or fn is None:
-        return 0
-    if 2 <= splits <= min(WGMMA_CLUSTER_MAX, 4):
-        size = splits
-    elif WGMMA_CLUSTER_PAIRS and splits > 2 and splits % 2 == 0:
-        size = 2  # pairs of splits, then the workspace among the pairs
-    else:
+    if not WGMMA_CLUSTER_SUM or fam.moe or not 2 <= splits <= min(WGMMA_CLUSTER_MAX, 4) or fn is None:
         return 0
     compute = threads - 128 if prod else threads
     tile_bytes = nt * 128 * fw * 4  # fp32 sums of the CTA's tile (NT tokens x 128 FW features)
     per_thread = tile_bytes // (16 * compute)  # float4s per compute thread
-    if tile_bytes % (16 * compute) or per_thread % size:
+    if tile_bytes % (16 * compute) or per_thread % splits:
         return 0
-    if (size - 1) * (tile_bytes // size) > smem - 1024:
+    if (splits - 1) * (tile_bytes // splits) > smem - 1024:
         return 0
-    at_once = size * fn.max_active_clusters(threads, smem, size)
-    if at_once < size or -(-grid // at_once) > -(-grid // slots):
+    at_once = splits * fn.max_active_clusters(threads, smem, splits)
+    if at_once < splits or -(-grid // at_once) > -(-grid // slots):
         return 0
-    return size
+    return splits
 
 
 _ACT_MAPS: dict = {}  # (address, M, K, NT, dtype) -> TensorMap: eager calls reuse their descriptor
