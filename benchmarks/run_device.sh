@@ -1144,6 +1144,19 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s46c)  # session 46: the plain 128-token tile's three / four K splits as two clustered ones where two per tile give
+           # every SM one CTA (gemm.wgmma_halve_splits): route vs routeH0 (the rule off), two interleaved rounds, on
+           # the cells it changes (N = 8192 at M = 65-128, N = 4096 at M = 193-256) and unchanged neighbours; then
+           # the wgmma GPU tests
+           for r in 1 2; do
+             timeout 80 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m ${S46C_M:-72,96,128,200,224,256} \
+               --configs route,routeH0 --shapes ${S46C_SHAPES:-4096x4096,3072x4096,4096x8192,8192x8192,3072x8192,14336x8192,28672x8192,11008x8192} \
+               >> "$OUT/s46c.log" 2>&1
+             echo "s46c probe $r rc=$?"
+           done
+           grep -c " us" "$OUT/s46c.log"
+           timeout ${S46C_TEST_TIMEOUT:-300} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s46c_test.log" 2>&1
+           echo "s46c test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s46c_test.log" | tail -12;;
     s46b)  # session 46 (ran; DROPPED, the code is benchmarks/prepared/s46b_cluster_pairs.patch plus a -DJM_WG_NO_PAIRS
            # guard around its pair block): four or more K splits in clusters of 2, the pairs' shares summed
            # through the workspace (gemm.WGMMA_CLUSTER_PAIRS, off): its GPU tests, then route vs route+pairs vs

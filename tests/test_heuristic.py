@@ -720,3 +720,62 @@ def test_wgmma_cluster_sum_rule(monkeypatch):
     assert G.wgmma_cluster_sum(Fn(66), f16, 256, 1, 4, 384, smem, 2, 128, 132) == 0  # above the cap
     monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)
     assert G.wgmma_cluster_sum(Fn(66), f16, 256, 1, 2, 384, smem, 2, 128, 132) == 0
+
+
+def test_wgmma_halve_splits_rule(monkeypatch):
+    """Session 46: the plain 128-token form's three or four K splits become two clustered ones only where the two
+    splits give every SM of the device one CTA (90-100% of the SMs), only as a cluster, and only on the automatic
+    route (a caller's explicit splits stay)."""
+    import functools
+    from jitmarlin.jit import driver
+    from jitmarlin.ops import gemm as G
+
+    class Dev:
+        sm_count = 132
+
+    class Fn:
+        clusters = 66
+
+        def max_active_clusters(self, threads, smem, cluster):
+            return self.clusters
+
+    fn = Fn()
+    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: (9, 0)))
+    monkeypatch.setattr(driver, "device", lambda index: Dev())
+    monkeypatch.setattr(K, "get_wgmma_kernel", lambda *a, **k: fn)
+    f16 = K.Family("f16", 4, False, 128)
+
+    def launch(m, n, k, **kw):
+        G.wgmma_launch.cache_clear()
+        return G.wgmma_launch(m, n, k, f16, 0, **kw)
+
+    try:
+        # the rule in isolation: 64 tiles (128 CTAs of two splits on 132 SMs) yes; 86 or 48 tiles no
+        assert G.wgmma_halve_splits(64, 4, 128, 1, 0, False, 132)
+        assert G.wgmma_halve_splits(64, 3, 128, 1, 0, False, 132)
+        assert not G.wgmma_halve_splits(64, 2, 128, 1, 0, False, 132)  # already two
+        assert not G.wgmma_halve_splits(86, 3, 128, 1, 0, False, 132)  # 172 CTAs: 40 SMs would run two
+        assert not G.wgmma_halve_splits(48, 4, 128, 1, 0, False, 132)  # 96 CTAs leave 27% of the SMs idle
+        for nt, fw, prod, wide in ((64, 1, 0, False), (128, 2, 0, False), (128, 1, 1, False), (128, 1, 2, False),
+                                   (128, 1, 0, True), (192, 1, 2, False)):
+            assert not G.wgmma_halve_splits(64, 4, nt, fw, prod, wide, 132), (nt, fw, prod, wide)
+        # through the route: 4096^2 M = 256 (2 x 32 tiles of the plain 128-token form, four splits before)
+        wl = launch(256, 4096, 4096)
+        assert (wl.nt, wl.fw, wl.prod, wl.threads, wl.splits, wl.cluster, wl.grid) == (128, 1, 0, 256, 2, 2, 128)
+        wl = launch(96, 8192, 8192)  # 64 tiles at M = 65-128 on N = 8192
+        assert (wl.nt, wl.splits, wl.cluster, wl.grid) == (128, 2, 2, 128)
+        wl = launch(96, 11008, 8192)  # 86 tiles: three splits through the workspace stay
+        assert (wl.nt, wl.splits, wl.cluster) == (128, 3, 0)
+        assert launch(256, 4096, 4096, nt=128, fw=1, stages=4, splits=4).splits == 4  # explicit splits stay
+        monkeypatch.setattr(G, "WGMMA_CLUSTER_HALVE", False)
+        wl = launch(256, 4096, 4096)
+        assert (wl.splits, wl.cluster, wl.grid) == (4, 0, 256)
+        monkeypatch.setattr(G, "WGMMA_CLUSTER_HALVE", True)
+        fn.clusters = 60  # 120 clusters of 2 at once: a second round, so no cluster and the four splits stay
+        wl = launch(256, 4096, 4096)
+        assert (wl.splits, wl.cluster, wl.grid) == (4, 0, 256)
+        fn.clusters = 66
+        monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)  # no clusters at all: the workspace's four splits
+        assert launch(256, 4096, 4096).splits == 4
+    finally:
+        G.wgmma_launch.cache_clear()

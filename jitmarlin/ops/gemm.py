@@ -1083,6 +1083,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         raise ValueError(f"no producer-form wgmma kernel for NT={nt}, FW={fw}, stages={stages}, wide={wide} "
                          f"(built for {fam.bits}-bit weights: {K.dense_prod_configs(fam.bits)}, dense, never wide)")
     per_sm = 1 if prod == 2 else wgmma_ctas_per_sm(fw, (nt, fw, stages) if prod else None, fam.bits)
+    auto_splits = splits is None
     if splits is None:
         splits = wgmma_splits(m_tiles * f_tiles, k, nt, fw, sms, per_sm)
         if splits == 1 and wgmma_stream_grid(m_tiles * f_tiles, k, nt, fw, sms, per_sm):
@@ -1108,6 +1109,11 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     smem = K.wgmma_smem_bytes(fam, nt, fw, stages)
     threads = K.WGMMA_PROD2_THREADS if prod == 2 else K.WGMMA_PROD_THREADS if prod else 512 if wide else 256
     cluster = wgmma_cluster_sum(fn, fam, nt, fw, splits, threads, smem, prod, grid, sms * per_sm)
+    if auto_splits and wgmma_halve_splits(m_tiles * f_tiles, splits, nt, fw, prod, wide, sms):
+        paired = wgmma_cluster_sum(fn, fam, nt, fw, 2, threads, smem, prod, f_tiles * m_tiles * 2, sms * per_sm)
+        if paired:  # only as a cluster: two splits through the workspace were not measured faster
+            splits, grid, cluster = 2, f_tiles * m_tiles * 2, paired
+            floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
     return WgmmaLaunch(fn, smem, m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
                        use_pdl(_cc(index)), nt, threads, fw, stages, prod, cluster)
 
@@ -1121,6 +1127,24 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
 # Off (WGMMA_CLUSTER_SUM = False): the workspace (A/B probes, `+ws` configs of probe_configs.py).
 WGMMA_CLUSTER_SUM = True
 WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2, 3 or 4 and no other size)
+
+
+# Two clustered K splits instead of the plain 128-token form's three or four through the workspace, where two per
+# tile give every SM one CTA (WGMMA_HALVE_MIN_FILL x SMs <= 2 x tiles <= SMs): the form runs two CTAs per SM, so the
+# halved launch streams the same K per SM with one CTA and drops the last CTA's read of three or four whole tiles of
+# partial sums (past one CTA per SM some SMs would stream twice the K of the split launch's busiest SM). H200, session 46 (s46a, probe_configs, us, route / two clustered splits): 4096^2 M = 256 25.2 / 20.5,
+# M = 193-256 the route's plain 128-token tile with four splits there (M = 192 and 129 run other tiles).
+WGMMA_CLUSTER_HALVE = True
+WGMMA_HALVE_MIN_FILL = 0.9
+
+
+def wgmma_halve_splits(tiles: int, splits: int, nt: int, fw: int, prod: int, wide: bool, sms: int) -> bool:
+    """Whether an automatic launch of `tiles` output tiles with `splits` K splits runs two clustered splits instead
+    (the plain 128-token form with one strip per warpgroup, three or more splits, and 2 x tiles CTAs fill
+    WGMMA_HALVE_MIN_FILL of the SMs, at most one per SM; the caller keeps the splits where the cluster of 2 is
+    refused)."""
+    return (WGMMA_CLUSTER_HALVE and WGMMA_CLUSTER_SUM and WGMMA_CLUSTER_MAX >= 2 and nt == 128 and fw == 1
+            and not prod and not wide and splits >= 3 and WGMMA_HALVE_MIN_FILL * sms <= 2 * tiles <= sms)
 
 
 def wgmma_cluster_sum(fn, fam: Family, nt: int, fw: int, splits: int, threads: int, smem: int, prod: int,

@@ -1288,7 +1288,8 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
     the NaN-poisoned output matches the reference and equals the workspace fixup's bit for bit (the same order of
     additions); a launch takes its cluster exactly where the shares divide evenly and fit the ring (these grids
     run in one round); counters stay zero. Then the default rule: a two-way K split of the route is clustered,
-    a four-way one is not."""
+    a four-way one is not, and the plain 128-token tile's four splits of 4096^2 M = 256 become two clustered ones
+    (gemm.wgmma_halve_splits, session 46); the op's results on those routes."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
@@ -1318,13 +1319,24 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
     assert {2, 3, 4} <= {s for _, _, s in clustered}, clustered
     monkeypatch.setattr(G, "WGMMA_CLUSTER_MAX", 2)
     G.wgmma_launch.cache_clear()
-    # the route: 8192^2 at M = 256 splits K in two (one 256-token tile x 64 strips x 2), 4096^2 in four
+    # the route: 8192^2 at M = 256 splits K in two (one 256-token tile x 64 strips x 2); 4096^2 (the plain 128-token
+    # tile, 2 x 32 tiles) in two clusters of 2 by the halving rule (session 46), four through the workspace without it
     wl = G.wgmma_launch(256, 8192, 8192, fam, 0)
     assert wl.splits == 2 and wl.cluster == 2, wl
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wl = G.wgmma_launch(256, 4096, 4096, fam, 0)
+    halved = G.wgmma_halve_splits(64, 4, 128, 1, 0, False, sms) and G.wgmma_cluster_sum(
+        wl.fn, fam, 128, 1, 2, wl.threads, wl.smem, 0, 128, 2 * sms) == 2  # (the device runs 64 clusters of 2 at once)
+    assert (wl.nt, wl.prod, wl.splits, wl.cluster) == ((128, 0, 2, 2) if halved else (128, 0, 4, 0)), (sms, wl)
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_HALVE", False)
+    G.wgmma_launch.cache_clear()
     wl = G.wgmma_launch(256, 4096, 4096, fam, 0)
     assert wl.splits == 4 and wl.cluster == 0, wl
-    m, k, n = 256, 8192, 8192
-    packed, w = random_weights(k, n, bits, group, zp, dtype, seed=13)
-    a = torch.randn(m, k, device="cuda", dtype=dtype)
-    got = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros)
-    check_close(got, a.float() @ w, tol, "8192^2 M=256 through the op (a cluster of 2)")
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_HALVE", True)
+    G.wgmma_launch.cache_clear()
+    for m, k, n in ((256, 8192, 8192), (256, 4096, 4096), (100, 8192, 8192)):
+        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=13)
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        wl = G.wgmma_launch(m, n, k, fam, 0)
+        got = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros)
+        check_close(got, a.float() @ w, tol, f"{k}x{n} M={m} through the op ({wl.splits} splits, cluster {wl.cluster})")
