@@ -1144,6 +1144,21 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s46d)  # session 46: the halving rule (two clustered K splits for the plain 128-token tile, K <= 8192) on bf16 and
+           # 8-bit weights, route vs routeH0, two rounds; bench_gemm at M = 64 / 256 (README rows); then the GEMM,
+           # formats and linear GPU tests (routes through the op)
+           for v in "--dtype bf16" "--dtype f16 --bits 8" "--dtype bf16 --bits 8"; do
+             timeout 60 python3 benchmarks/probe_configs.py $v --settle 0.2 --m 96,128,224,256 --configs route,routeH0,route,routeH0 \
+               --shapes 4096x4096,3072x4096,4096x8192,8192x8192 >> "$OUT/s46d.log" 2>&1
+             echo "s46d $v rc=$?"
+           done
+           grep -c " us" "$OUT/s46d.log"
+           timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_gemm.py --json "$OUT/s46d_bench.json" --m 64,256 --variants none \
+             > "$OUT/s46d_bench.log" 2>&1
+           echo "s46d bench rc=$?"; grep -E "^\| [0-9]" "$OUT/s46d_bench.log" | head -40
+           timeout ${S46D_TESTS_TIMEOUT:-250} python3 -m pytest -q -rs tests/gpu/test_gemm_gpu.py tests/gpu/test_formats_gpu.py \
+             tests/gpu/test_linear_gpu.py > "$OUT/s46d_test.log" 2>&1
+           echo "s46d test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s46d_test.log" | tail -12;;
     s46c)  # session 46: the plain 128-token tile's three / four K splits as two clustered ones where two per tile give
            # every SM one CTA (gemm.wgmma_halve_splits): route vs routeH0 (the rule off), two interleaved rounds, on
            # the cells it changes (N = 8192 at M = 65-128, N = 4096 at M = 193-256) and unchanged neighbours; then

@@ -724,8 +724,8 @@ def test_wgmma_cluster_sum_rule(monkeypatch):
 
 def test_wgmma_halve_splits_rule(monkeypatch):
     """Session 46: the plain 128-token form's three or four K splits become two clustered ones only where the two
-    splits give every SM of the device one CTA (90-100% of the SMs), only as a cluster, and only on the automatic
-    route (a caller's explicit splits stay)."""
+    splits give every SM of the device one CTA (90-100% of the SMs) and K <= 8192, only as a cluster, and only on
+    the automatic route (a caller's explicit splits stay)."""
     import functools
     from jitmarlin.jit import driver
     from jitmarlin.ops import gemm as G
@@ -751,19 +751,22 @@ def test_wgmma_halve_splits_rule(monkeypatch):
 
     try:
         # the rule in isolation: 64 tiles (128 CTAs of two splits on 132 SMs) yes; 86 or 48 tiles no
-        assert G.wgmma_halve_splits(64, 4, 128, 1, 0, False, 132)
-        assert G.wgmma_halve_splits(64, 3, 128, 1, 0, False, 132)
-        assert not G.wgmma_halve_splits(64, 2, 128, 1, 0, False, 132)  # already two
-        assert not G.wgmma_halve_splits(86, 3, 128, 1, 0, False, 132)  # 172 CTAs: 40 SMs would run two
-        assert not G.wgmma_halve_splits(48, 4, 128, 1, 0, False, 132)  # 96 CTAs leave 27% of the SMs idle
+        assert G.wgmma_halve_splits(64, 4, 128, 1, 0, False, 132, 4096)
+        assert G.wgmma_halve_splits(64, 3, 128, 1, 0, False, 132, 8192)
+        assert not G.wgmma_halve_splits(64, 2, 128, 1, 0, False, 132, 4096)  # already two
+        assert not G.wgmma_halve_splits(86, 3, 128, 1, 0, False, 132, 4096)  # 172 CTAs: 40 SMs would run two
+        assert not G.wgmma_halve_splits(48, 4, 128, 1, 0, False, 132, 4096)  # 96 CTAs leave 27% of the SMs idle
+        assert not G.wgmma_halve_splits(64, 4, 128, 1, 0, False, 132, 11008)  # longer K: one CTA per SM too slow
         for nt, fw, prod, wide in ((64, 1, 0, False), (128, 2, 0, False), (128, 1, 1, False), (128, 1, 2, False),
                                    (128, 1, 0, True), (192, 1, 2, False)):
-            assert not G.wgmma_halve_splits(64, 4, nt, fw, prod, wide, 132), (nt, fw, prod, wide)
+            assert not G.wgmma_halve_splits(64, 4, nt, fw, prod, wide, 132, 4096), (nt, fw, prod, wide)
         # through the route: 4096^2 M = 256 (2 x 32 tiles of the plain 128-token form, four splits before)
         wl = launch(256, 4096, 4096)
         assert (wl.nt, wl.fw, wl.prod, wl.threads, wl.splits, wl.cluster, wl.grid) == (128, 1, 0, 256, 2, 2, 128)
         wl = launch(96, 8192, 8192)  # 64 tiles at M = 65-128 on N = 8192
         assert (wl.nt, wl.splits, wl.cluster, wl.grid) == (128, 2, 2, 128)
+        wl = launch(96, 8192, 14336)  # 64 tiles, K = 14336 > WGMMA_HALVE_MAX_K: four splits stay
+        assert (wl.nt, wl.splits, wl.cluster) == (128, 4, 0)
         wl = launch(96, 11008, 8192)  # 86 tiles: three splits through the workspace stay
         assert (wl.nt, wl.splits, wl.cluster) == (128, 3, 0)
         assert launch(256, 4096, 4096, nt=128, fw=1, stages=4, splits=4).splits == 4  # explicit splits stay

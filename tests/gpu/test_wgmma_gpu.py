@@ -1325,7 +1325,7 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
     assert wl.splits == 2 and wl.cluster == 2, wl
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     wl = G.wgmma_launch(256, 4096, 4096, fam, 0)
-    halved = G.wgmma_halve_splits(64, 4, 128, 1, 0, False, sms) and G.wgmma_cluster_sum(
+    halved = G.wgmma_halve_splits(64, 4, 128, 1, 0, False, sms, 4096) and G.wgmma_cluster_sum(
         wl.fn, fam, 128, 1, 2, wl.threads, wl.smem, 0, 128, 2 * sms) == 2  # (the device runs 64 clusters of 2 at once)
     assert (wl.nt, wl.prod, wl.splits, wl.cluster) == ((128, 0, 2, 2) if halved else (128, 0, 4, 0)), (sms, wl)
     monkeypatch.setattr(G, "WGMMA_CLUSTER_HALVE", False)
