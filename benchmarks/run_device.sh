@@ -1144,6 +1144,20 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s46f)  # session 46: #3's 8192^2 M = 16 cell (route: the (16, 1, 8) producer form, four K splits through the
+           # workspace at two CTAs per SM) and M = 24-32 ((32, 1, 6) producer form, six splits at three per SM) with two
+           # clustered splits instead (one CTA per SM, as the plain 128-token halving rule), producer and plain forms,
+           # two interleaved rounds; bf16 once
+           for r in 1 2; do
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 9,16,24,32 \
+               --configs route,wgmma-n16-f1-s8-k2-p,wgmma-n16-f1-s8-k2,wgmma-n32-f1-s6-k2-p,wgmma-n32-f1-s8-k2,wgmma-n16-f1-s8-k4-p \
+               --shapes 8192x8192 >> "$OUT/s46f.log" 2>&1
+             echo "s46f $r rc=$?"
+           done
+           timeout 60 python3 benchmarks/probe_configs.py --dtype bf16 --settle 0.2 --m 9,16,24,32 \
+             --configs route,wgmma-n16-f1-s8-k2-p,wgmma-n16-f1-s8-k2,wgmma-n16-f1-s8-k4-p,wgmma-n32-f1-s6-k2-p \
+             --shapes 8192x8192 >> "$OUT/s46f.log" 2>&1
+           echo "s46f bf16 rc=$?"; grep -c " us" "$OUT/s46f.log"; grep -i "failed\|error" "$OUT/s46f.log" | head -5;;
     s46d)  # session 46: the halving rule (two clustered K splits for the plain 128-token tile, K <= 8192) on bf16 and
            # 8-bit weights, route vs routeH0, two rounds; bench_gemm at M = 64 / 256 (README rows); then the GEMM,
            # formats and linear GPU tests (routes through the op)
