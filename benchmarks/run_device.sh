@@ -1144,6 +1144,19 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s46g)  # session 46: the halving idea at M = 33-64 (the plain 64-token tile's four splits at two CTAs per SM on
+           # N = 8192, 64 tiles: two clustered splits of it, or of the 128-token tile) and at M = 160-192 on N = 4096
+           # (the table's tall tile vs the 128-token tile's two clustered splits), two interleaved rounds
+           for r in 1 2; do
+             timeout 50 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 40,64 \
+               --configs route,wgmma-n64-f1-s6-k2,wgmma-n128-f1-s4-k2 --shapes 4096x8192,8192x8192,3072x8192,5120x8192 \
+               >> "$OUT/s46g.log" 2>&1
+             echo "s46g a $r rc=$?"
+             timeout 40 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 160,176,192 \
+               --configs route,wgmma-n128-f1-s4-k2 --shapes 4096x4096,3072x4096 >> "$OUT/s46g.log" 2>&1
+             echo "s46g b $r rc=$?"
+           done
+           grep -c " us" "$OUT/s46g.log"; grep -i "failed\|error" "$OUT/s46g.log" | head -5;;
     s46f)  # session 46: #3's 8192^2 M = 16 cell (route: the (16, 1, 8) producer form, four K splits through the
            # workspace at two CTAs per SM) and M = 24-32 ((32, 1, 6) producer form, six splits at three per SM) with two
            # clustered splits instead (one CTA per SM, as the plain 128-token halving rule), producer and plain forms,
