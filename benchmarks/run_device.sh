@@ -1144,6 +1144,16 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s46h)  # session 46: the halving rule on the 64-token tile (K <= 4096): route vs routeH0 at M = 40 / 64 in three
+           # formats, then the cluster / split GPU tests on it
+           for v in "--dtype f16" "--dtype bf16" "--dtype f16 --bits 8"; do
+             timeout 40 python3 benchmarks/probe_configs.py $v --settle 0.2 --m 40,64 --configs route,routeH0,route,routeH0 \
+               --shapes 3072x8192,4096x8192,5120x8192 >> "$OUT/s46h.log" 2>&1
+             echo "s46h $v rc=$?"
+           done
+           timeout ${S46H_TEST_TIMEOUT:-110} python3 -m pytest -q -x -rs tests/gpu/test_wgmma_gpu.py -k "cluster_sum or k_splits" \
+             > "$OUT/s46h_test.log" 2>&1
+           echo "s46h test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s46h_test.log" | tail -6;;
     s46g)  # session 46: the halving idea at M = 33-64 (the plain 64-token tile's four splits at two CTAs per SM on
            # N = 8192, 64 tiles: two clustered splits of it, or of the 128-token tile) and at M = 160-192 on N = 4096
            # (the table's tall tile vs the 128-token tile's two clustered splits), two interleaved rounds

@@ -724,8 +724,8 @@ def test_wgmma_cluster_sum_rule(monkeypatch):
 
 def test_wgmma_halve_splits_rule(monkeypatch):
     """Session 46: the plain 128-token form's three or four K splits become two clustered ones only where the two
-    splits give every SM of the device one CTA (90-100% of the SMs) and K <= 8192, only as a cluster, and only on
-    the automatic route (a caller's explicit splits stay)."""
+    splits give every SM of the device one CTA (90-100% of the SMs) and K <= 8192 (the 64-token form's: K <= 4096),
+    only as a cluster, and only on the automatic route (a caller's explicit splits stay)."""
     import functools
     from jitmarlin.jit import driver
     from jitmarlin.ops import gemm as G
@@ -757,12 +757,17 @@ def test_wgmma_halve_splits_rule(monkeypatch):
         assert not G.wgmma_halve_splits(86, 3, 128, 1, 0, False, 132, 4096)  # 172 CTAs: 40 SMs would run two
         assert not G.wgmma_halve_splits(48, 4, 128, 1, 0, False, 132, 4096)  # 96 CTAs leave 27% of the SMs idle
         assert not G.wgmma_halve_splits(64, 4, 128, 1, 0, False, 132, 11008)  # longer K: one CTA per SM too slow
-        for nt, fw, prod, wide in ((64, 1, 0, False), (128, 2, 0, False), (128, 1, 1, False), (128, 1, 2, False),
-                                   (128, 1, 0, True), (192, 1, 2, False)):
+        assert G.wgmma_halve_splits(64, 4, 64, 1, 0, False, 132, 4096)  # the 64-token tile: K up to 4096
+        assert not G.wgmma_halve_splits(64, 4, 64, 1, 0, False, 132, 5120)
+        for nt, fw, prod, wide in ((32, 1, 0, False), (16, 1, 0, False), (64, 1, 1, False), (128, 2, 0, False),
+                                   (128, 1, 1, False), (128, 1, 2, False), (128, 1, 0, True), (192, 1, 2, False)):
             assert not G.wgmma_halve_splits(64, 4, nt, fw, prod, wide, 132, 4096), (nt, fw, prod, wide)
         # through the route: 4096^2 M = 256 (2 x 32 tiles of the plain 128-token form, four splits before)
         wl = launch(256, 4096, 4096)
         assert (wl.nt, wl.fw, wl.prod, wl.threads, wl.splits, wl.cluster, wl.grid) == (128, 1, 0, 256, 2, 2, 128)
+        wl = launch(64, 8192, 4096)  # the 64-token tile's 64 tiles on N = 8192, K = 4096
+        assert (wl.nt, wl.prod, wl.splits, wl.cluster, wl.grid) == (64, 0, 2, 2, 128)
+        assert launch(64, 8192, 8192).splits == 4  # K = 8192 > 4096 for 64-token tiles
         wl = launch(96, 8192, 8192)  # 64 tiles at M = 65-128 on N = 8192
         assert (wl.nt, wl.splits, wl.cluster, wl.grid) == (128, 2, 2, 128)
         wl = launch(96, 8192, 14336)  # 64 tiles, K = 14336 > WGMMA_HALVE_MAX_K: four splits stay
