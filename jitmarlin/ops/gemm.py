@@ -1133,13 +1133,16 @@ WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2
 # per tile give every SM one CTA (WGMMA_HALVE_MIN_FILL x SMs <= 2 x tiles <= SMs) and K <= WGMMA_HALVE_MAX_K x NT /
 # 128 (the fixup saved scales with the token tile, the one-CTA stream's loss with K): the form runs two CTAs per SM,
 # so the halved launch streams the same K per SM with one CTA and drops the last CTA's read of three or four whole
-# tiles of partial sums (past one CTA per SM some SMs would stream twice the K of the split launch's busiest SM). H200, session 46 (s46c, probe_configs, us, two rounds, rule off -> on): 4096^2 M = 200 /
-# 256 24.7 / 25.2 -> 20.1 / 20.1, 3072x4096 M = 256 22.9 -> 16.6, 4096x8192 M = 72 / 128 26.3 / 25.5 -> 21.1 /
-# 20.2, 3072x8192 M = 96 22.1 -> 16.4, 8192^2 M = 96 / 128 35.8 / 37.5 -> 34.3 / 34.6 (M = 72 35.1 -> 35.4); with
+# tiles of partial sums (past one CTA per SM some SMs would stream twice the K of the split launch's busiest SM).
+# H200, session 46 (s46c, probe_configs, us, two rounds, rule off -> on): 4096^2 M = 200 / 256 24.7 / 25.2 -> 20.1 /
+# 20.1, 3072x4096 M = 256 22.9 -> 16.6, 4096x8192 M = 72 / 128 26.3 / 25.5 -> 21.1 / 20.2, 3072x8192 M = 96 22.1 ->
+# 16.4, 8192^2 M = 96 / 128 35.8 / 37.5 -> 34.3 / 34.6 (M = 72 35.1 -> 35.4); bf16 and 8-bit alike (s46d); with
 # longer K one CTA per SM streams too slowly: 28672x8192 M = 72 / 96 99.1 / 95.0 -> 112.3 / 105.3, 14336x8192
 # M = 96 53.0 -> 55.6, 11008x8192 M = 72 / 96 43.0 / 43.8 -> 44.5 / 44.7, hence the K bound. The 64-token tile
 # (s46g, M = 40 / 64, route -> two clustered splits): 3072x8192 15.1 / 15.7 -> 13.1 / 13.3, 4096x8192 16.4 / 17.1 ->
-# 16.3 / 16.4; 5120x8192 18.7 / 19.2 -> 19.4 / 19.5 and 8192^2 25.4 / 25.8 -> 28.8 / 29.1 (so K <= 4096 there).
+# 16.3 / 16.4; 5120x8192 18.7 / 19.2 -> 19.4 / 19.5 and 8192^2 25.4 / 25.8 -> 28.8 / 29.1 (so K <= 4096 there);
+# the rule on it, s46h (f16 / bf16 / fp16 8-bit, rule off -> on, M = 64): 3072x8192 15.8 / 16.0 / 17.1 -> 13.4 /
+# 13.5 / 14.2, 4096x8192 17.2 / 17.3 / 19.1 -> 16.6 / 16.6 / 17.6.
 WGMMA_CLUSTER_HALVE = True
 WGMMA_HALVE_MIN_FILL = 0.9
 WGMMA_HALVE_MAX_K = 8192

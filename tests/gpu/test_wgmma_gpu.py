@@ -1289,7 +1289,8 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
     additions); a launch takes its cluster exactly where the shares divide evenly and fit the ring (these grids
     run in one round); counters stay zero. Then the default rule: a two-way K split of the route is clustered,
     a four-way one is not, and the plain 128-token tile's four splits of 4096^2 M = 256 become two clustered ones
-    (gemm.wgmma_halve_splits, session 46); the op's results on those routes."""
+    (gemm.wgmma_halve_splits, session 46); the op's results on those routes and on the 64-token tile's halved one
+    (4096x8192 M = 64)."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
@@ -1334,7 +1335,7 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
     assert wl.splits == 4 and wl.cluster == 0, wl
     monkeypatch.setattr(G, "WGMMA_CLUSTER_HALVE", True)
     G.wgmma_launch.cache_clear()
-    for m, k, n in ((256, 8192, 8192), (256, 4096, 4096), (100, 8192, 8192)):
+    for m, k, n in ((256, 8192, 8192), (256, 4096, 4096), (100, 8192, 8192), (64, 4096, 8192)):
         packed, w = random_weights(k, n, bits, group, zp, dtype, seed=13)
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         wl = G.wgmma_launch(m, n, k, fam, 0)
