@@ -1144,6 +1144,24 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s47a)  # PREPARED in session 46 (not run): first the GPU tests session 46 left (test_cluster_sum's new op check of the
+           # 64-token halved route; the model / MoE / MoE-utility / tuning files on session 46's route), then the
+           # prepared gemm.WGMMA_HALVE_OVER_TALL (probe `routeHT`): the plain 128-token tile's two clustered splits
+           # instead of the table's 192- / 256-token tile at M = 145-256 on N = 4096, K = 3072-8192 (the K bound is to
+           # be set from this), f16 two rounds and bf16 once. Flip the flag only with the data, then test_wgmma_gpu.py
+           timeout 120 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "cluster_sum" > "$OUT/s47a_test.log" 2>&1
+           echo "s47a test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s47a_test.log" | tail -6
+           timeout ${S47A_TESTS_TIMEOUT:-240} python3 -m pytest -q -rs tests/gpu/test_model_gpu.py tests/gpu/test_moe_gpu.py \
+             tests/gpu/test_moe_util_gpu.py tests/gpu/test_tuning_gpu.py > "$OUT/s47a_tests2.log" 2>&1
+           echo "s47a tests2 rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s47a_tests2.log" | tail -6
+           for r in 1 2; do
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 145,160,192,224,256 --configs route,routeHT \
+               --shapes 3072x4096,4096x4096,5120x4096,6144x4096,8192x4096 >> "$OUT/s47a.log" 2>&1
+             echo "s47a f16 $r rc=$?"
+           done
+           timeout 40 python3 benchmarks/probe_configs.py --dtype bf16 --settle 0.2 --m 160,192,256 --configs route,routeHT \
+             --shapes 3072x4096,4096x4096,8192x4096 >> "$OUT/s47a.log" 2>&1
+           echo "s47a bf16 rc=$?"; grep -c " us" "$OUT/s47a.log";;
     s46h)  # session 46: the halving rule on the 64-token tile (K <= 4096): route vs routeH0 at M = 40 / 64 in three
            # formats, then the cluster / split GPU tests on it
            for v in "--dtype f16" "--dtype bf16" "--dtype f16 --bits 8"; do

@@ -787,3 +787,45 @@ def test_wgmma_halve_splits_rule(monkeypatch):
         assert launch(256, 4096, 4096).splits == 4
     finally:
         G.wgmma_launch.cache_clear()
+
+
+def test_wgmma_halve_over_tall_rule(monkeypatch):
+    """Prepared in session 46 (off): with gemm.WGMMA_HALVE_OVER_TALL the route keeps the plain 128-token tile at
+    M = 145-256 where its K splits would be halved into a cluster of 2 (N = 4096 on 132 SMs, K <= 8192), instead of
+    the table's 192- / 256-token tile; off, or at M <= 144, or at longer K, the tall tile stays."""
+    import functools
+    from jitmarlin.jit import driver
+    from jitmarlin.ops import gemm as G
+
+    class Dev:
+        sm_count = 132
+
+    class Fn:
+        def max_active_clusters(self, threads, smem, cluster):
+            return 66
+
+    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: (9, 0)))
+    monkeypatch.setattr(driver, "device", lambda index: Dev())
+    monkeypatch.setattr(K, "get_wgmma_kernel", lambda *a, **k: Fn())
+    f16 = K.Family("f16", 4, False, 128)
+
+    def launch(m, n, k):
+        G.wgmma_launch.cache_clear()
+        w = G.wgmma_launch(m, n, k, f16, 0)
+        return w.nt, w.prod, w.splits, w.cluster
+
+    try:
+        assert G.WGMMA_HALVE_OVER_TALL is False
+        assert launch(160, 4096, 3072) == (192, 2, 3, 0)  # the table's tall tile (96 CTAs)
+        assert launch(256, 4096, 5120) == (256, 2, 4, 0)
+        monkeypatch.setattr(G, "WGMMA_HALVE_OVER_TALL", True)
+        for m, k in ((145, 3072), (160, 3072), (192, 4096), (224, 5120), (256, 8192)):
+            assert launch(m, 4096, k) == (128, 0, 2, 2), (m, k)
+        assert launch(129, 4096, 4096)[0] == 144  # below WGMMA_HALVE_TALL_MIN_M: the 144-token tile
+        assert launch(192, 4096, 11008)[:2] == (192, 2)  # K above the bound
+        assert launch(192, 8192, 4096)[:3] != (128, 0, 2)  # 2 x 64 tiles would leave no SM a single CTA: no halving
+        assert not G.wgmma_halve_over_tall(192, 4096, 4096, (128, 1, 4, False), K.Family("f16", 4, False, 128, moe=True),
+                                           132)
+        assert not G.wgmma_halve_over_tall(192, 4096, 4096, (128, 2, 4, True), f16, 132)
+    finally:
+        G.wgmma_launch.cache_clear()

@@ -1066,6 +1066,8 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         routed = wgmma_route_prod(n, k, (nt, fw, stages, wide), fam)
         tall = None if routed is not None or splits is not None else wgmma_route_tall(
             m, n, k, (nt, fw, stages, wide), fam, sms)
+        if tall is not None and wgmma_halve_over_tall(m, n, k, (nt, fw, stages, wide), fam, sms):
+            tall = None  # the plain 128-token tile, whose K splits wgmma_halve_splits then clusters in two
         if routed is not None:
             (nt, fw, stages), wide, prod = routed, False, 1
         elif tall is not None:
@@ -1146,6 +1148,32 @@ WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2
 WGMMA_CLUSTER_HALVE = True
 WGMMA_HALVE_MIN_FILL = 0.9
 WGMMA_HALVE_MAX_K = 8192
+
+
+# PREPARED in session 46, NOT measured on the route (off): at M = 145-256 the plain 128-token tile's two clustered
+# splits instead of the table's tall tile where the halving rule would take them and K <= WGMMA_HALVE_TALL_MAX_K.
+# Forced launches (s46g, us, route's (192, 1, 6) tile with 3-4 splits -> (128, 1, 4) two clustered splits): 3072x4096
+# M = 160 / 176 / 192 18.1 / 18.2 / 18.3 -> 16.2 / 16.2 / 16.2, 4096^2 20.0 / 20.1 / 20.2 -> 19.8 / 19.8 / 19.8
+# (s46a: 4096^2 M = 129 16.8 on the 144-token tile vs 20.4, hence M > 144). Probe config `routeHT` turns it on; the K
+# bound is the halving rule's until measured (3072x4096 at M = 145-192 runs 96 CTAs of the 192-token tile, so the
+# 128 of the halved launch fill more SMs; 5120x4096 M = 193-256 runs the 256-token tile with four splits).
+WGMMA_HALVE_OVER_TALL = False
+WGMMA_HALVE_TALL_MIN_M = 145
+WGMMA_HALVE_TALL_MAX_K = 8192
+
+
+def wgmma_halve_over_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family, sms: int) -> bool:
+    """Whether the route keeps `cfg` (wgmma_route_config's plain 128-token tile) instead of the tall tile at
+    WGMMA_HALVE_TALL_MIN_M <= M <= 256, K <= WGMMA_HALVE_TALL_MAX_K, where wgmma_halve_splits takes its K splits
+    (the caller's cluster check still applies; WGMMA_HALVE_OVER_TALL off: never)."""
+    nt, fw, _, wide = cfg
+    if not WGMMA_HALVE_OVER_TALL or fam.moe or (nt, fw, wide) != (128, 1, False):
+        return False
+    if not WGMMA_HALVE_TALL_MIN_M <= m <= 256 or k > WGMMA_HALVE_TALL_MAX_K:
+        return False
+    tiles = -(-m // nt) * (n // 128)
+    return wgmma_halve_splits(tiles, wgmma_splits(tiles, k, nt, fw, sms, wgmma_ctas_per_sm(fw)), nt, fw, 0, False,
+                              sms, k)
 
 
 def wgmma_halve_splits(tiles: int, splits: int, nt: int, fw: int, prod: int, wide: bool, sms: int,
