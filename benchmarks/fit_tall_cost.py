@@ -41,6 +41,7 @@ class _Fn:  # the H200's clusters at once (s45g): 2 / 3 / 4 CTAs, forms of two C
 
 
 K.get_wgmma_kernel = lambda *a, **k: _Fn()
+G.WGMMA_CLUSTER_HALVE = False  # the routes in these logs ran before session 46's halving rule
 fam = K.Family("f16", 4, False, 128)
 pat = re.compile(r"^\[(\S+)\] (\S+) u(\d+) (\d+x\d+) M=(\d+) (\S+): ([\d.]+) us")
 ALL_M = "--all-m" in sys.argv  # also fit the cells below M = 257 (where the table's rows route)

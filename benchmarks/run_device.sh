@@ -1144,6 +1144,18 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s47b)  # PREPARED in session 46 (not run): the cost model above M = 256 refitted with the clustered two-way split's
+           # term and the 144-token tile (probe config routeCL, probe_configs.S46_FIT_*) against the shipped model
+           # (route), two interleaved rounds, on the cells where its pick differs (11 of 135 checked on the CPU: 144-token
+           # tiles at M = 257 on N = 4096 / 6144, 3584x4608 M = 257 / 300 on the 128-token tile's two clustered splits,
+           # 5120x5120 M = 448 / 1024, 28672x8192 / 5120x13824 M = 544) and their neighbours. Adopt the refit only if it
+           # wins there (then gemm.WGMMA_COST_PER_STAGE / _TERMS take S46_FIT_*, and the GPU tests of the route)
+           for r in 1 2; do
+             timeout 90 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 257,300,448,544,1024 --configs route,routeCL \
+               --shapes 4096x4096,14336x4096,11008x4096,5120x13824,28672x8192,5120x5120,3584x4608,4096x6144 >> "$OUT/s47b.log" 2>&1
+             echo "s47b $r rc=$?"
+           done
+           grep -c " us" "$OUT/s47b.log"; grep -i "failed\|error" "$OUT/s47b.log" | head -5;;
     s47a)  # PREPARED in session 46 (not run): first the GPU tests session 46 left (test_cluster_sum's new op check of the
            # 64-token halved route; the model / MoE / MoE-utility / tuning files on session 46's route), then the
            # prepared gemm.WGMMA_HALVE_OVER_TALL (probe `routeHT`): the plain 128-token tile's two clustered splits

@@ -829,3 +829,22 @@ def test_wgmma_halve_over_tall_rule(monkeypatch):
         assert not G.wgmma_halve_over_tall(192, 4096, 4096, (128, 2, 4, True), f16, 132)
     finally:
         G.wgmma_launch.cache_clear()
+
+
+def test_wgmma_cost_cluster_term(monkeypatch):
+    """Prepared in session 46: the cost model's `cluster` term (0 as shipped) is added to a two-way K split's fix-up
+    only where the split can sum as a cluster of 2 (gemm.wgmma_cost_clusterable) and clusters are on; other split
+    counts, stream-K and whole tiles are priced as before."""
+    from jitmarlin.ops import gemm as G
+
+    assert G.WGMMA_COST_TERMS["cluster"] == 0.0
+    forms = [f for f in G.WGMMA_COST_PER_STAGE]
+    before = {(f, sp): G.wgmma_cost_us(300, 8192, 8192, f, sp, 1, 132) for f in forms for sp in (-1, 1, 2, 3, 4)}
+    assert all(G.wgmma_cost_clusterable(f) for f in forms)  # every tall / 128-token form splits its sums evenly
+    assert not G.wgmma_cost_clusterable((24, 1, "plain"))  # 3 float4s per thread: no even halves
+    monkeypatch.setitem(G.WGMMA_COST_TERMS, "cluster", -2.0)
+    for (f, sp), us in before.items():
+        got = G.wgmma_cost_us(300, 8192, 8192, f, sp, 1, 132)
+        assert abs(got - (us - 2.0 if sp == 2 else us)) < 1e-9, (f, sp, us, got)
+    monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)  # no clusters: no cluster term
+    assert all(abs(G.wgmma_cost_us(300, 8192, 8192, f, 2, 1, 132) - before[(f, 2)]) < 1e-9 for f in forms)

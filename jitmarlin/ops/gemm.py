@@ -809,7 +809,11 @@ WGMMA_TALL_MODEL = True
 WGMMA_TALL_MODEL_MIN_M = 257  # the table's rows (and its 144-token tiles) below
 WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.820, (128, 2, "w"): 0.857,
                         (160, 2, "p2"): 0.971, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
-WGMMA_COST_TERMS = {"a": 0.785, "split": 4.571, "per_split": 2.157, "sk": 15.248, "sk_stage": 0.048}
+WGMMA_COST_TERMS = {"a": 0.785, "split": 4.571, "per_split": 2.157, "sk": 15.248, "sk_stage": 0.048,
+                    "cluster": 0.0}
+# "cluster": added to a two-way K split's fix-up where its CTAs sum as a cluster (wgmma_cost_clusterable; session
+# 45's cluster sum). 0 (off) as shipped; session 46's refit over s43d + s44a + s45d + s46a put it at -1.97 us (probe
+# config `routeCL` of probe_configs.py, stage s47b: PREPARED, not measured as a route).
 
 
 def wgmma_cost_stages(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, slots: int) -> float:
@@ -828,6 +832,15 @@ def wgmma_cost_stages(m: int, n: int, k: int, form: tuple[int, int, str], splits
     return dp * ks + (tiles - dp * slots) * ks / slots
 
 
+def wgmma_cost_clusterable(form: tuple[int, int, str]) -> bool:
+    """Whether a two-way K split of `form` can sum as a cluster of 2 by the arithmetic of wgmma_cluster_sum (each
+    compute thread's float4s of the tile's sums split evenly in two; 256 compute threads, 512 in the wide form). The
+    launch itself asks the device too (its one-round rule); the cost model does not."""
+    nt, fw, kind = form
+    per_thread, rest = divmod(nt * 128 * fw * 4, 16 * (512 if kind == "w" else 256))
+    return rest == 0 and per_thread % 2 == 0
+
+
 def wgmma_cost_us(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, per_sm: int, sms: int) -> float:
     """The cost model's time (us, H200 fp16 4-bit) of a wgmma launch of `form` with `splits` (-1: stream-K)."""
     t = WGMMA_COST_TERMS
@@ -836,6 +849,8 @@ def wgmma_cost_us(m: int, n: int, k: int, form: tuple[int, int, str], splits: in
         fix = t["sk"] + t["sk_stage"] * stages
     else:
         fix = t["split"] + t["per_split"] * splits if splits > 1 else 0.0
+        if splits == 2 and t.get("cluster", 0.0) and WGMMA_CLUSTER_SUM and wgmma_cost_clusterable(form):
+            fix += t["cluster"]
     return t["a"] + WGMMA_COST_PER_STAGE[form] * stages + fix
 
 
