@@ -833,12 +833,11 @@ def wgmma_cost_stages(m: int, n: int, k: int, form: tuple[int, int, str], splits
 
 
 def wgmma_cost_clusterable(form: tuple[int, int, str]) -> bool:
-    """Whether a two-way K split of `form` can sum as a cluster of 2 by the arithmetic of wgmma_cluster_sum (each
-    compute thread's float4s of the tile's sums split evenly in two; 256 compute threads, 512 in the wide form). The
-    launch itself asks the device too (its one-round rule); the cost model does not."""
+    """Whether a two-way K split of `form` can sum as a cluster of 2 by wgmma_cluster_sum's share rule (256 compute
+    threads, 512 in the wide form). The launch itself asks the device too (its one-round rule); the cost model
+    does not."""
     nt, fw, kind = form
-    per_thread, rest = divmod(nt * 128 * fw * 4, 16 * (512 if kind == "w" else 256))
-    return rest == 0 and per_thread % 2 == 0
+    return wgmma_cluster_shares_even(nt, fw, 512 if kind == "w" else 256, 2)
 
 
 def wgmma_cost_us(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, per_sm: int, sms: int) -> float:
@@ -849,7 +848,7 @@ def wgmma_cost_us(m: int, n: int, k: int, form: tuple[int, int, str], splits: in
         fix = t["sk"] + t["sk_stage"] * stages
     else:
         fix = t["split"] + t["per_split"] * splits if splits > 1 else 0.0
-        if splits == 2 and t.get("cluster", 0.0) and WGMMA_CLUSTER_SUM and wgmma_cost_clusterable(form):
+        if splits == 2 and t["cluster"] and WGMMA_CLUSTER_SUM and wgmma_cost_clusterable(form):
             fix += t["cluster"]
     return t["a"] + WGMMA_COST_PER_STAGE[form] * stages + fix
 
@@ -1125,12 +1124,14 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
     fn = K.get_wgmma_kernel(fam, nt, fw, stages, index, wide, prod)
     smem = K.wgmma_smem_bytes(fam, nt, fw, stages)
     threads = K.WGMMA_PROD2_THREADS if prod == 2 else K.WGMMA_PROD_THREADS if prod else 512 if wide else 256
-    cluster = wgmma_cluster_sum(fn, fam, nt, fw, splits, threads, smem, prod, grid, sms * per_sm)
+    paired = 0
     if auto_splits and wgmma_halve_splits(m_tiles * f_tiles, splits, nt, fw, prod, wide, sms, k):
         paired = wgmma_cluster_sum(fn, fam, nt, fw, 2, threads, smem, prod, f_tiles * m_tiles * 2, sms * per_sm)
-        if paired:  # only as a cluster: two splits through the workspace were not measured faster
-            splits, grid, cluster = 2, f_tiles * m_tiles * 2, paired
-            floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
+    if paired:  # only as a cluster: two splits through the workspace were not measured faster
+        splits, grid, cluster = 2, f_tiles * m_tiles * 2, paired
+        floats, counters = wgmma_split_workspace(m_tiles, f_tiles, splits, nt, fw)
+    else:
+        cluster = wgmma_cluster_sum(fn, fam, nt, fw, splits, threads, smem, prod, grid, sms * per_sm)
     return WgmmaLaunch(fn, smem, m_tiles, grid, splits, (max(floats, wgmma_split_bound(sms)), counters),
                        use_pdl(_cc(index)), nt, threads, fw, stages, prod, cluster)
 
@@ -1202,6 +1203,13 @@ def wgmma_halve_splits(tiles: int, splits: int, nt: int, fw: int, prod: int, wid
             and k * 128 <= WGMMA_HALVE_MAX_K * nt)
 
 
+def wgmma_cluster_shares_even(nt: int, fw: int, compute: int, size: int) -> bool:
+    """Whether each of `compute` threads' float4s of an NT x 128 FW tile's fp32 sums split into `size` equal shares
+    (jm_wgmma.cuh's cluster sum: FW * NT / 8 float4s per compute thread)."""
+    per_thread, rest = divmod(nt * 128 * fw * 4, 16 * compute)
+    return rest == 0 and per_thread % size == 0
+
+
 def wgmma_cluster_sum(fn, fam: Family, nt: int, fw: int, splits: int, threads: int, smem: int, prod: int,
                       grid: int, slots: int) -> int:
     """The cluster size of a wgmma launch (0: none): its K splits, where each CTA's share of the tile's
@@ -1210,11 +1218,9 @@ def wgmma_cluster_sum(fn, fam: Family, nt: int, fw: int, splits: int, threads: i
     at once that the launch takes no more rounds than without them (`slots`: the CTAs it runs at once)."""
     if not WGMMA_CLUSTER_SUM or fam.moe or not 2 <= splits <= min(WGMMA_CLUSTER_MAX, 4) or fn is None:
         return 0
-    compute = threads - 128 if prod else threads
-    tile_bytes = nt * 128 * fw * 4  # fp32 sums of the CTA's tile (NT tokens x 128 FW features)
-    per_thread = tile_bytes // (16 * compute)  # float4s per compute thread
-    if tile_bytes % (16 * compute) or per_thread % splits:
+    if not wgmma_cluster_shares_even(nt, fw, threads - 128 if prod else threads, splits):
         return 0
+    tile_bytes = nt * 128 * fw * 4  # fp32 sums of the CTA's tile (NT tokens x 128 FW features)
     if (splits - 1) * (tile_bytes // splits) > smem - 1024:
         return 0
     at_once = splits * fn.max_active_clusters(threads, smem, splits)
