@@ -26,11 +26,11 @@ from jitmarlin.ops import _kernels as K  # noqa: E402
 from jitmarlin.ops import gemm as G  # noqa: E402
 
 
-# The tall-tile cost model refitted in session 46 (benchmarks/fit_tall_cost.py s43d s44a --clustered s45d --clustered
-# s46a: 205 cells, median error 4.9%), with the two-way clustered split's term and the 144-token tile: config routeCL
-S46_FIT_PER_STAGE = {(128, 1, "plain"): 0.768, (128, 2, "p2"): 0.808, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.533,
-                     (160, 2, "p2"): 0.957, (192, 1, "p2"): 0.581, (256, 1, "p2"): 0.752}
-S46_FIT_TERMS = {"a": 0.682, "split": 4.31, "per_split": 2.316, "sk": 15.253, "sk_stage": 0.054, "cluster": -1.972}
+# The tall-tile cost model of sessions 44-46 (gemm.WGMMA_COST_* before session 47 took session 46's refit with the
+# cluster term and the 144-token tile): config routeC0
+S44_FIT_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.820, (128, 2, "w"): 0.857,
+                     (160, 2, "p2"): 0.971, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
+S44_FIT_TERMS = {"a": 0.785, "split": 4.571, "per_split": 2.157, "sk": 15.248, "sk_stage": 0.048, "cluster": 0.0}
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
-                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model, routeH0: without the rule that halves the plain 128- / 64-token tile's K splits into a cluster of 2 (gemm.WGMMA_CLUSTER_HALVE), routeHT: with it taking M = 145-256 from the table's tall tiles too (gemm.WGMMA_HALVE_OVER_TALL), routeCL: the cost model above M = 256 refitted in session 46 with a cluster term (S46_FIT_*); a +ws suffix: wgmma K splits summed through the workspace instead of a cluster, +c4: in clusters of up to 4; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
+                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model, routeH0: without the rule that halves the plain 128- / 64-token tile's K splits into a cluster of 2 (gemm.WGMMA_CLUSTER_HALVE), routeHT0: without it taking M = 145-256 from the table's tall tiles (gemm.WGMMA_HALVE_OVER_TALL, session 47), routeHTK: with it at any K (WGMMA_HALVE_MAX_K, and WGMMA_HALVE_TALL_MAX_K for the 256-token tile), routeC0: the cost model above M = 256 of sessions 44-46 (S44_FIT_*, before session 47's refit); a +ws suffix: wgmma K splits summed through the workspace instead of a cluster, +c4: in clusters of up to 4; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
                     "stream-K, -w its wide form (four warpgroups of one strip; FW = 2 configs added by --extra-wgmma "
                     "NT-2-S-w)) "
                     "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
@@ -90,7 +90,8 @@ def main() -> None:
     bw = common.copy_bandwidth()
     flags = os.environ.get("JITMARLIN_NVCC_FLAGS", "")
     stream2_fill, tall_max_m, cluster_max = G.WGMMA_STREAM2_MAX_FILL, G.WGMMA_TALL_MAX_M, G.WGMMA_CLUSTER_MAX
-    cost = dict(G.WGMMA_COST_PER_STAGE), dict(G.WGMMA_COST_TERMS)  # the shipped cost model (routeCL swaps it)
+    cost = dict(G.WGMMA_COST_PER_STAGE), dict(G.WGMMA_COST_TERMS)  # the shipped cost model (routeC0 swaps it)
+    halve_k, tall_k = G.WGMMA_HALVE_MAX_K, dict(G.WGMMA_HALVE_TALL_MAX_K)
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n, bits=args.bits)
@@ -105,13 +106,17 @@ def main() -> None:
             G.WGMMA_TALL_MAX_M = 0 if cfg == "routeT0" else tall_max_m  # routeT0: without the tall-tile rule
             G.WGMMA_TALL_MODEL = cfg != "routeTab"  # routeTab: tall tiles from the table's rows above M = 256 too
             G.WGMMA_CLUSTER_HALVE = cfg != "routeH0"  # routeH0: without the two-clustered-splits rule (session 46)
-            G.WGMMA_HALVE_OVER_TALL = cfg == "routeHT"  # routeHT: that rule also over the table's tall tiles
+            G.WGMMA_HALVE_OVER_TALL = cfg != "routeHT0"  # routeHT0: that rule not over the table's tall tiles
+            # routeHTK: the halving rule without its K bounds (over the 256-token tall tile too; not the 192-token one)
+            G.WGMMA_HALVE_MAX_K = 1 << 20 if cfg == "routeHTK" else halve_k
+            G.WGMMA_HALVE_TALL_MAX_K.clear()
+            G.WGMMA_HALVE_TALL_MAX_K.update({192: tall_k[192], 256: 1 << 20} if cfg == "routeHTK" else tall_k)
             G.WGMMA_COST_PER_STAGE.clear(); G.WGMMA_COST_TERMS.clear()
-            G.WGMMA_COST_PER_STAGE.update(S46_FIT_PER_STAGE if cfg == "routeCL" else cost[0])
-            G.WGMMA_COST_TERMS.update(S46_FIT_TERMS if cfg == "routeCL" else cost[1])
+            G.WGMMA_COST_PER_STAGE.update(S44_FIT_PER_STAGE if cfg == "routeC0" else cost[0])
+            G.WGMMA_COST_TERMS.update(S44_FIT_TERMS if cfg == "routeC0" else cost[1])
             G.wgmma_launch.cache_clear()
             G.prepare_launch.cache_clear()
-            if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT", "routeCL"):
+            if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT0", "routeHTK", "routeC0"):
                 override = None
             elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w][-p]
                 parts = cfg.split("-")[1:]

@@ -1144,6 +1144,36 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s47d)  # session 47: the refitted cost model (shipped: session 46's fit with the 144-token tile and the cluster
+           # term) against session 44's (routeC0) on cells outside the fit where their picks differ (small N / K shapes:
+           # 2048x2048 / 2048x2560 the 144-token tile, 3584 / 5632 / 8192x2048 / 37888 / 22016 others), two rounds;
+           # then test_wgmma_gpu.py on the new route (TALL_CASES updated to the refit's picks)
+           for r in 1 2; do
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 257,300,384,448,512,640,768,896,1024 \
+               --configs route,routeC0 --shapes 2048x2560,2048x2048 >> "$OUT/s47d.log" 2>&1
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 257,448,640 --configs route,routeC0 \
+               --shapes 3584x3584,5632x2048,8192x2048 >> "$OUT/s47d.log" 2>&1
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 384,640,896 --configs route,routeC0 \
+               --shapes 4096x22016,3584x37888,18944x3584 >> "$OUT/s47d.log" 2>&1
+             echo "s47d $r rc=$?"
+           done
+           grep -c " us" "$OUT/s47d.log"; grep -i "failed\|error" "$OUT/s47d.log" | head -5
+           timeout ${S47D_TEST_TIMEOUT:-260} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s47d_test.log" 2>&1
+           echo "s47d test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s47d_test.log" | tail -6;;
+    s47c)  # session 47 (run as "s47c s47b"): test_wgmma_gpu.py on the route with WGMMA_HALVE_OVER_TALL on (s47a's
+           # data, K bounds 4096 / 8192 under the 192- / 256-token tiles), then the halving rule past those bounds
+           # (routeHTK) against the route at M = 200-256 on N = 4096 with K = 9216-14336 (where the route runs the
+           # 256-token tile's four splits), two rounds, and the new route against routeHT0 once on s47a's shapes
+           timeout ${S47C_TEST_TIMEOUT:-240} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s47c_test.log" 2>&1
+           echo "s47c test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s47c_test.log" | tail -6
+           for r in 1 2; do
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 200,224,256 --configs route,routeHTK \
+               --shapes 9216x4096,11008x4096,12288x4096,14336x4096 >> "$OUT/s47c.log" 2>&1
+             echo "s47c htk $r rc=$?"
+           done
+           timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 160,192,224,256 --configs route,routeHT0 \
+             --shapes 3072x4096,5120x4096,8192x4096 >> "$OUT/s47c.log" 2>&1
+           echo "s47c ht0 rc=$?"; grep -c " us" "$OUT/s47c.log";;
     s47b)  # PREPARED in session 46 (not run): the cost model above M = 256 refitted with the clustered two-way split's
            # term and the 144-token tile (probe config routeCL, probe_configs.S46_FIT_*) against the shipped model
            # (route), two interleaved rounds, on the cells where its pick differs (11 of 135 checked on the CPU: 144-token

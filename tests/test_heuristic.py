@@ -633,7 +633,7 @@ def test_cluster_choice():
 
 def test_wgmma_tall_cost_model(monkeypatch):
     """Session 44: from M = 257 the tall tile comes from the cost model (G.wgmma_route_cost; fitted to s43d + s44a by
-    benchmarks/fit_tall_cost.py). Its picks in cells measured on the H200, stream-K only where every CTA gets 16
+    benchmarks/fit_tall_cost.py, refitted with s45d + s46a in session 46, shipped in session 47). Its picks in cells measured on the H200, stream-K only where every CTA gets 16
     stages, the route without tall tiles where the model prices it lowest, the table's rows at M <= 256."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
@@ -653,7 +653,9 @@ def test_wgmma_tall_cost_model(monkeypatch):
     # (160, 2) 114.3, 4096x11008 M = 544 (192, 1) whole 78.7, 4096^2 M = 544 (192, 1) 36.3, 8192x28672 M = 800
     # (160, 2) stream-K 601.3
     assert tall(640, 8192, 28672) == (160, 2, 1) and tall(544, 8192, 8192)[:2] == (160, 2)
-    assert tall(544, 11008, 4096) == (192, 1, 1) and tall(544, 4096, 4096) == (192, 1, 1)
+    assert tall(544, 11008, 4096) == (192, 1, 1)
+    # session 47's refit (the 144-token tile priced): 4096^2 M = 544 on it, s47b 36.3 (192, 1) -> 33.6 us
+    assert tall(544, 4096, 4096) == (144, 1, 1)
     assert tall(800, 28672, 8192) == (160, 2, "sk")
     assert tall(544, 12288, 4096) is None  # the 128-token route priced lowest there
     # s44a (shapes the s43d fit never saw; table route -> model route, us): 4096x6144 M = 300 49.7 -> 36.9 (192, 1);
@@ -790,9 +792,9 @@ def test_wgmma_halve_splits_rule(monkeypatch):
 
 
 def test_wgmma_halve_over_tall_rule(monkeypatch):
-    """Prepared in session 46 (off): with gemm.WGMMA_HALVE_OVER_TALL the route keeps the plain 128-token tile at
-    M = 145-256 where its K splits would be halved into a cluster of 2 (N = 4096 on 132 SMs, K <= 8192), instead of
-    the table's 192- / 256-token tile; off, or at M <= 144, or at longer K, the tall tile stays."""
+    """Session 47 (s47a): the route keeps the plain 128-token tile at M = 145-256 where its K splits are halved into
+    a cluster of 2 (N = 4096 on 132 SMs) instead of the table's tall tile: under the 256-token tile for K <= 8192,
+    under the 192-token tile for K <= 4096; off, or at M <= 144, or at longer K, the tall tile stays."""
     import functools
     from jitmarlin.jit import driver
     from jitmarlin.ops import gemm as G
@@ -815,29 +817,36 @@ def test_wgmma_halve_over_tall_rule(monkeypatch):
         return w.nt, w.prod, w.splits, w.cluster
 
     try:
-        assert G.WGMMA_HALVE_OVER_TALL is False
-        assert launch(160, 4096, 3072) == (192, 2, 3, 0)  # the table's tall tile (96 CTAs)
-        assert launch(256, 4096, 5120) == (256, 2, 4, 0)
-        monkeypatch.setattr(G, "WGMMA_HALVE_OVER_TALL", True)
-        for m, k in ((145, 3072), (160, 3072), (192, 4096), (224, 5120), (256, 8192)):
-            assert launch(m, 4096, k) == (128, 0, 2, 2), (m, k)
+        assert G.WGMMA_HALVE_OVER_TALL is True
+        halved = (128, 0, 2, 2)
+        for m, k in ((145, 3072), (160, 3072), (192, 4096), (224, 5120), (256, 8192), (193, 6144)):
+            assert launch(m, 4096, k) == halved, (m, k)
+        for m, k in ((145, 5120), (192, 8192)):  # the 192-token tile beyond K = 4096 stays
+            assert launch(m, 4096, k)[:2] == (192, 2), (m, k)
         assert launch(129, 4096, 4096)[0] == 144  # below WGMMA_HALVE_TALL_MIN_M: the 144-token tile
-        assert launch(192, 4096, 11008)[:2] == (192, 2)  # K above the bound
-        assert launch(192, 8192, 4096)[:3] != (128, 0, 2)  # 2 x 64 tiles would leave no SM a single CTA: no halving
-        assert not G.wgmma_halve_over_tall(192, 4096, 4096, (128, 1, 4, False), K.Family("f16", 4, False, 128, moe=True),
-                                           132)
-        assert not G.wgmma_halve_over_tall(192, 4096, 4096, (128, 2, 4, True), f16, 132)
+        assert launch(256, 4096, 11008)[:3] != halved[:3]  # K above the bound
+        assert launch(192, 8192, 4096)[:3] != halved[:3]  # 2 x 64 tiles would leave no SM a single CTA: no halving
+        assert not G.wgmma_halve_over_tall(192, 4096, 4096, (128, 1, 4, False), 192,
+                                           K.Family("f16", 4, False, 128, moe=True), 132)
+        assert not G.wgmma_halve_over_tall(192, 4096, 4096, (128, 2, 4, True), 192, f16, 132)
+        assert not G.wgmma_halve_over_tall(192, 4096, 4096, (128, 1, 4, False), 144, f16, 132)  # tile without a bound
+        monkeypatch.setattr(G, "WGMMA_HALVE_OVER_TALL", False)
+        assert launch(160, 4096, 3072) == (192, 2, 3, 0)  # off: the table's tall tile (96 CTAs)
+        assert launch(256, 4096, 5120) == (256, 2, 4, 0)
     finally:
         G.wgmma_launch.cache_clear()
 
 
 def test_wgmma_cost_cluster_term(monkeypatch):
-    """Prepared in session 46: the cost model's `cluster` term (0 as shipped) is added to a two-way K split's fix-up
-    only where the split can sum as a cluster of 2 (gemm.wgmma_cost_clusterable) and clusters are on; other split
-    counts, stream-K and whole tiles are priced as before."""
+    """The cost model's `cluster` term (session 46's refit, shipped in session 47: negative, the cluster sum's fix-up
+    is cheaper than the workspace's) is added to a two-way K split's fix-up only where the split can sum as a cluster
+    of 2 (gemm.wgmma_cost_clusterable) and clusters are on; other split counts, stream-K and whole tiles are priced
+    without it."""
     from jitmarlin.ops import gemm as G
 
-    assert G.WGMMA_COST_TERMS["cluster"] == 0.0
+    assert G.WGMMA_COST_TERMS["cluster"] < 0
+    assert (144, 1, "p2") in G.WGMMA_COST_PER_STAGE and (144, 1, 6) in K.WGMMA_PROD2_CONFIGS
+    monkeypatch.setitem(G.WGMMA_COST_TERMS, "cluster", 0.0)
     forms = [f for f in G.WGMMA_COST_PER_STAGE]
     before = {(f, sp): G.wgmma_cost_us(300, 8192, 8192, f, sp, 1, 132) for f in forms for sp in (-1, 1, 2, 3, 4)}
     assert all(G.wgmma_cost_clusterable(f) for f in forms)  # every tall / 128-token form splits its sums evenly

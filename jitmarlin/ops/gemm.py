@@ -807,13 +807,19 @@ def wgmma_tall_splits(m: int, n: int, k: int, c: tuple[int, int, int], sms: int)
 # Forms: (NT, FW, "p2") the two-compute-warpgroup producer form, "plain" / "w" (wide) the 128-token plain forms.
 WGMMA_TALL_MODEL = True
 WGMMA_TALL_MODEL_MIN_M = 257  # the table's rows (and its 144-token tiles) below
-WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.820, (128, 2, "w"): 0.857,
-                        (160, 2, "p2"): 0.971, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
-WGMMA_COST_TERMS = {"a": 0.785, "split": 4.571, "per_split": 2.157, "sk": 15.248, "sk_stage": 0.048,
-                    "cluster": 0.0}
+# Session 47 (s47b, probe_configs, two interleaved rounds, 8 shapes x M = 257 / 300 / 448 / 544 / 1024, H200): the
+# model refitted in session 46 (benchmarks/fit_tall_cost.py s43d s44a --clustered s45d --clustered s46a, 205 cells,
+# median error 4.9%) with the 144-token tile and the clustered two-way split's term, against session 44's fit (kept in
+# probe_configs as config `routeC0`): geometric mean 0.97 over the 40 cells, > 3% faster in 9 (us, old -> new: 4096^2
+# M = 257 28.7 -> 22.1 and M = 544 36.3 -> 33.6, 3584x4608 M = 257 / 300 34.4 / 34.6 -> 27.5 / 27.5, 11008x4096 M = 257
+# 54.7 -> 47.4, 14336x4096 M = 257 65.5 -> 59.4, 4096x6144 M = 257 37.4 -> 33.9, 5120^2 M = 448 47.9 -> 44.7,
+# 28672x8192 M = 544 443.1 -> 424.6), > 3% slower in one: 5120x13824 M = 544 133.9 -> 143.5 (the 192-token tile's
+# 324 whole tiles instead of its stream-K, priced within 0.2 us of each other).
+WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.768, (128, 2, "p2"): 0.808, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.533,
+                        (160, 2, "p2"): 0.957, (192, 1, "p2"): 0.581, (256, 1, "p2"): 0.752}
+WGMMA_COST_TERMS = {"a": 0.682, "split": 4.31, "per_split": 2.316, "sk": 15.253, "sk_stage": 0.054, "cluster": -1.972}
 # "cluster": added to a two-way K split's fix-up where its CTAs sum as a cluster (wgmma_cost_clusterable; session
-# 45's cluster sum). 0 (off) as shipped; session 46's refit over s43d + s44a + s45d + s46a put it at -1.97 us (probe
-# config `routeCL` of probe_configs.py, stage s47b: PREPARED, not measured as a route).
+# 45's cluster sum against the workspace fix-up).
 
 
 def wgmma_cost_stages(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, slots: int) -> float:
@@ -1080,7 +1086,7 @@ def wgmma_launch(m: int, n: int, k: int, fam: Family, index: int, nt: int | None
         routed = wgmma_route_prod(n, k, (nt, fw, stages, wide), fam)
         tall = None if routed is not None or splits is not None else wgmma_route_tall(
             m, n, k, (nt, fw, stages, wide), fam, sms)
-        if tall is not None and wgmma_halve_over_tall(m, n, k, (nt, fw, stages, wide), fam, sms):
+        if tall is not None and wgmma_halve_over_tall(m, n, k, (nt, fw, stages, wide), tall[0][0], fam, sms):
             tall = None  # the plain 128-token tile, whose K splits wgmma_halve_splits then clusters in two
         if routed is not None:
             (nt, fw, stages), wide, prod = routed, False, 1
@@ -1166,26 +1172,29 @@ WGMMA_HALVE_MIN_FILL = 0.9
 WGMMA_HALVE_MAX_K = 8192
 
 
-# PREPARED in session 46, NOT measured on the route (off): at M = 145-256 the plain 128-token tile's two clustered
-# splits instead of the table's tall tile where the halving rule would take them and K <= WGMMA_HALVE_TALL_MAX_K.
-# Forced launches (s46g, us, route's (192, 1, 6) tile with 3-4 splits -> (128, 1, 4) two clustered splits): 3072x4096
-# M = 160 / 176 / 192 18.1 / 18.2 / 18.3 -> 16.2 / 16.2 / 16.2, 4096^2 20.0 / 20.1 / 20.2 -> 19.8 / 19.8 / 19.8
-# (s46a: 4096^2 M = 129 16.8 on the 144-token tile vs 20.4, hence M > 144). Probe config `routeHT` turns it on; the K
-# bound is the halving rule's until measured (3072x4096 at M = 145-192 runs 96 CTAs of the 192-token tile, so the
-# 128 of the halved launch fill more SMs; 5120x4096 M = 193-256 runs the 256-token tile with four splits).
-WGMMA_HALVE_OVER_TALL = False
+# At M = 145-256 on N = 4096 the plain 128-token tile's two clustered splits (the halving rule above) instead of the
+# table's tall tile, where K <= WGMMA_HALVE_TALL_MAX_K[the tall tile's token count]. H200, session 47 (s47a,
+# probe_configs, us, two f16 rounds, route -> rule): under the 256-token tile (M = 224 / 256; four K splits) 5120x4096
+# 28.2 / 28.8 -> 23.5 / 23.5, 6144x4096 31.0 / 31.4 -> 26.9 / 27.1, 8192x4096 36.2 / 37.0 -> 33.9 / 34.1 (bf16 8192x4096
+# M = 256 36.6 -> 34.4); under the 192-token tile (M = 145-192; 96-128 CTAs) only at short K: 3072x4096 18.1-18.4 ->
+# 16.2-16.4, 4096^2 20.0-20.4 -> 19.8-20.0, but 5120x4096 22.2-22.7 -> 23.3-23.5, 6144x4096 24.1-24.7 -> 26.9,
+# 8192x4096 28.3-29.2 -> 34.0 (one CTA per SM streams K too slowly against the tall tile's single pass over the
+# weights). s46a: 4096^2 M = 129 16.8 on the 144-token tile vs 20.4 halved, hence M > 144. Probe config `routeH0`
+# turns this off with the halving rule; gemm.WGMMA_HALVE_OVER_TALL alone in A/B runs.
+WGMMA_HALVE_OVER_TALL = True
 WGMMA_HALVE_TALL_MIN_M = 145
-WGMMA_HALVE_TALL_MAX_K = 8192
+WGMMA_HALVE_TALL_MAX_K = {192: 4096, 256: 8192}  # the tall tile's token count -> the K bound (other tiles: never)
 
 
-def wgmma_halve_over_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], fam: Family, sms: int) -> bool:
-    """Whether the route keeps `cfg` (wgmma_route_config's plain 128-token tile) instead of the tall tile at
-    WGMMA_HALVE_TALL_MIN_M <= M <= 256, K <= WGMMA_HALVE_TALL_MAX_K, where wgmma_halve_splits takes its K splits
-    (the caller's cluster check still applies; WGMMA_HALVE_OVER_TALL off: never)."""
+def wgmma_halve_over_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], tall_nt: int, fam: Family,
+                          sms: int) -> bool:
+    """Whether the route keeps `cfg` (wgmma_route_config's plain 128-token tile) instead of the `tall_nt`-token tall
+    tile at WGMMA_HALVE_TALL_MIN_M <= M <= 256, K <= WGMMA_HALVE_TALL_MAX_K[tall_nt], where wgmma_halve_splits takes
+    its K splits (the caller's cluster check still applies; WGMMA_HALVE_OVER_TALL off: never)."""
     nt, fw, _, wide = cfg
     if not WGMMA_HALVE_OVER_TALL or fam.moe or (nt, fw, wide) != (128, 1, False):
         return False
-    if not WGMMA_HALVE_TALL_MIN_M <= m <= 256 or k > WGMMA_HALVE_TALL_MAX_K:
+    if not WGMMA_HALVE_TALL_MIN_M <= m <= 256 or k > WGMMA_HALVE_TALL_MAX_K.get(tall_nt, 0):
         return False
     tiles = -(-m // nt) * (n // 128)
     return wgmma_halve_splits(tiles, wgmma_splits(tiles, k, nt, fw, sms, wgmma_ctas_per_sm(fw)), nt, fw, 0, False,

@@ -1192,9 +1192,9 @@ TALL_CASES = {
     (4096, 12288): {129: (144, 1), 144: (144, 1), 176: (192, 1), 192: (192, 1), 200: (256, 1), 256: (256, 1),
                     288: (160, 2), 512: (256, 1), 780: (160, 2), 850: (256, 1)},  # (from 257: the cost model)
     (4096, 4096): {300: (192, 1), 600: (192, 1), 700: (192, 1), 800: (256, 1)},
-    (8192, 2048): {257: (192, 1), 300: (192, 1), 384: (192, 1)},  # two 192-token tiles from K = 8192
-    (2048, 1024): {400: (192, 1), 700: (192, 1), 1000: (192, 1)},  # three to six 192-token tiles
-}
+    (8192, 2048): {257: (144, 1), 300: (192, 1), 384: (192, 1)},  # two 192-token tiles from K = 8192
+    (2048, 1024): {400: (144, 1), 700: (144, 1), 1000: (144, 1)},  # three to seven 144-token tiles
+}  # (session 47's refit of the cost model prices the 144-token tile: 8192x2048 M = 257 and 2048x1024 take it)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{str(f[0])[6:]}-u{f[1]}-g{f[2]}{'-zp' if f[3] else ''}")
@@ -1289,8 +1289,8 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
     additions); a launch takes its cluster exactly where the shares divide evenly and fit the ring (these grids
     run in one round); counters stay zero. Then the default rule: a two-way K split of the route is clustered,
     a four-way one is not, and the plain 128-token tile's four splits of 4096^2 M = 256 become two clustered ones
-    (gemm.wgmma_halve_splits, session 46); the op's results on those routes and on the 64-token tile's halved one
-    (4096x8192 M = 64)."""
+    (gemm.wgmma_halve_splits, session 46), as do 3072x4096 M = 160 and 8192x4096 M = 256 instead of the tall tiles
+    (session 47); the op's results on those routes and on the 64-token tile's halved one (4096x8192 M = 64)."""
     dtype, bits, group, zp = fmt
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     fam = K.Family(K.DTYPES[dtype], bits, zp, group)
@@ -1335,7 +1335,12 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
     assert wl.splits == 4 and wl.cluster == 0, wl
     monkeypatch.setattr(G, "WGMMA_CLUSTER_HALVE", True)
     G.wgmma_launch.cache_clear()
-    for m, k, n in ((256, 8192, 8192), (256, 4096, 4096), (100, 8192, 8192), (64, 4096, 8192)):
+    # the halving rule in place of the table's tall tiles (session 47): M = 145-192 at K <= 4096, M = 193-256 at K <= 8192
+    for m, k in ((160, 3072), (256, 8192)):
+        wl = G.wgmma_launch(m, 4096, k, fam, 0)
+        assert (wl.nt, wl.prod, wl.splits, wl.cluster) == ((128, 0, 2, 2) if halved else (wl.nt, 2, wl.splits, 0)), wl
+    for m, k, n in ((256, 8192, 8192), (256, 4096, 4096), (100, 8192, 8192), (64, 4096, 8192), (160, 3072, 4096),
+                    (256, 8192, 4096)):
         packed, w = random_weights(k, n, bits, group, zp, dtype, seed=13)
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         wl = G.wgmma_launch(m, n, k, fam, 0)
