@@ -1144,6 +1144,24 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s47e)  # session 47: the cost model's tall tile from M = 129 (probe routeM129) against the table's rows (route) on
+           # cells where they differ (small shapes: the 144-token tile instead of the 192-token one / the 128-token
+           # tile; large ones: (160, 2) stream-K instead of the 144-token tile's splits), two rounds; bench_gemm at
+           # M = 300 / 544 with the peers (README Status); then the GEMM, formats and linear GPU tests on the new route
+           for r in 1 2; do
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 160,192,224,256 --configs route,routeM129 \
+               --shapes 2048x2048,2048x2560,5632x2048,8192x2048,3584x3584 >> "$OUT/s47e.log" 2>&1
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 129,160 --configs route,routeM129 \
+               --shapes 11008x4096,14336x4096,13824x5120,8192x10240,18944x3584,4096x28672,28672x8192 >> "$OUT/s47e.log" 2>&1
+             echo "s47e $r rc=$?"
+           done
+           grep -c " us" "$OUT/s47e.log"; grep -i "failed\|error" "$OUT/s47e.log" | head -5
+           timeout 150 python3 benchmarks/bench_gemm.py --m 300,544 --variants none --settle 0.2 --json "$OUT/s47e_gemm.json" \
+             > "$OUT/s47e_gemm.log" 2>&1
+           echo "s47e bench rc=$?"; grep -E "^\| [0-9]" "$OUT/s47e_gemm.log" | head -40
+           timeout ${S47E_TEST_TIMEOUT:-300} python3 -m pytest -q -rs tests/gpu/test_gemm_gpu.py tests/gpu/test_formats_gpu.py \
+             tests/gpu/test_linear_gpu.py > "$OUT/s47e_test.log" 2>&1
+           echo "s47e test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s47e_test.log" | tail -6;;
     s47d)  # session 47: the refitted cost model (shipped: session 46's fit with the 144-token tile and the cluster
            # term) against session 44's (routeC0) on cells outside the fit where their picks differ (small N / K shapes:
            # 2048x2048 / 2048x2560 the 144-token tile, 3584 / 5632 / 8192x2048 / 37888 / 22016 others), two rounds;
