@@ -1144,6 +1144,15 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s47f)  # session 47: the (144, 1, 6) row at M = 145-192 on N <= 2560 (s47e's routeM129 launches there): the tall-tile
+           # GPU tests on it, then one probe round against the 192-token tile forced with the old row's splits
+           timeout ${S47F_TEST_TIMEOUT:-200} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "tall" > "$OUT/s47f_test.log" 2>&1
+           echo "s47f test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s47f_test.log" | tail -6
+           timeout 30 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 160,192 --configs route,wgmma-n192-f1-s6-k2-p2 \
+             --shapes 2048x2048,2048x2560 >> "$OUT/s47f.log" 2>&1
+           timeout 30 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 160,192 --configs route,wgmma-n192-f1-s6-k4-p2 \
+             --shapes 5632x2048,8192x2048 >> "$OUT/s47f.log" 2>&1
+           echo "s47f probe rc=$?"; grep -c " us" "$OUT/s47f.log";;
     s47e)  # session 47: the cost model's tall tile from M = 129 (probe routeM129) against the table's rows (route) on
            # cells where they differ (small shapes: the 144-token tile instead of the 192-token one / the 128-token
            # tile; large ones: (160, 2) stream-K instead of the 144-token tile's splits), two rounds; bench_gemm at

@@ -857,3 +857,24 @@ def test_wgmma_cost_cluster_term(monkeypatch):
         assert abs(got - (us - 2.0 if sp == 2 else us)) < 1e-9, (f, sp, us, got)
     monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)  # no clusters: no cluster term
     assert all(abs(G.wgmma_cost_us(300, 8192, 8192, f, 2, 1, 132) - before[(f, 2)]) < 1e-9 for f in forms)
+
+
+def test_wgmma_tall_row_144_small_n():
+    """Session 47 (s47e): at M = 145-192 on N <= 2560 with K*N <= 2^24 the table runs two 144-token tiles (twice the
+    CTAs of one 192-token tile) instead of the 192-token tile; N = 3584, K*N above 2^24 and M outside 145-192 keep
+    the rows they had."""
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+
+    f4 = K.Family("f16", 4, False, 128)
+
+    def tall(m, n, k, sms=132):
+        t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms), f4, sms)
+        return None if t is None else t[0]
+
+    for n, k in ((2048, 2048), (2560, 2048), (2048, 5632), (2048, 8192), (1024, 4096)):
+        for m in (145, 160, 192):
+            assert tall(m, n, k) == (144, 1, 6), (m, n, k)
+        assert tall(144, n, k) == (144, 1, 6) and tall(200, n, k) != (144, 1, 6), (n, k)
+    for m, n, k in ((160, 3584, 3584), (160, 2048, 11008), (192, 4096, 4096)):
+        assert tall(m, n, k) == (192, 1, 6), (m, n, k)

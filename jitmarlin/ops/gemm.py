@@ -737,6 +737,11 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
 #   4096x28672 371.6 -> 378.7). s43d (same probe, the stream-K hybrid built): four (192, 1, 6) tiles at M = 641-768 on
 #   K*N in (2^23, 2^24] (M = 700 / 768, (256, 1, 4) -> (192, 1, 6)): 4096^2 43.8 / 43.4 -> 38.8 / 39.1, 2048x8192
 #   50.0 / 50.6 -> 41.9 / 43.1 (the 256-token tiles lost to the route without the tall rule there, 43.1 / 44.1).
+# - session 47 (s47e, probe_configs, f16 4-bit, us, two rounds, the (192, 1, 6) row -> two 144-token tiles, their K
+#   splits as wgmma_tall_splits gives them) at M = 145-192 where N <= 2560 and K*N <= 2^24 (M = 160 / 192): 2048^2
+#   14.8 / 14.9 -> 12.8 / 12.7, 2048x2560 14.9 / 15.0 -> 13.7 / 13.6, 5632x2048 21.1 / 21.2 -> 20.6 / 19.9, 8192x2048
+#   25.9 / 26.0 -> 24.5 / 24.2 (the 192-token tile's 32-64 CTAs leave most SMs idle); not where N = 3584 (3584^2
+#   M = 160 20.6 -> 22.4) or on the large shapes (11008x4096 M = 160 34.2 -> 45.9 with the cost model's pick).
 # The first row holding M whose bounds hold and whose kernel is built (K.WGMMA_PROD2_CONFIGS) is taken. Since
 # session 44 the rows from M = 257 on are the A/B baseline only: the cost model below (wgmma_route_cost) routes there.
 # WGMMA_TALL_MAX_M: none above it (0: the rule off).
@@ -758,6 +763,7 @@ WGMMA_TALL_ROUTE: tuple[TallRow, ...] = (
     TallRow(129, 144, (144, 2, 4), min_kn=(1 << 26) + 1, min_n=24576),
     TallRow(145, 160, (160, 2, 4), min_kn=(1 << 26) + 1, min_n=24576),
     TallRow(129, 144, (144, 1, 6)),
+    TallRow(145, 192, (144, 1, 6), max_kn=1 << 24, max_n=2560),
     TallRow(145, 192, (192, 1, 6)),
     TallRow(193, 256, (256, 1, 4), min_kn=(1 << 24) + 1),
     TallRow(257, 320, (160, 2, 4), min_kn=3 << 24),
