@@ -4,7 +4,8 @@ per (shape, M), e.g. stages s43d and s44a (the fit in gemm.py):
 
     python benchmarks/fit_tall_cost.py benchmarks/logs/s43d.log benchmarks/logs/s44a.log
 
-(--all-m: also the cells at M <= 256, e.g. s44c's or s45a's, for a model over all of M = 129-1024.)
+(--all-m: also the cells at M <= 256, e.g. s44c's or s45a's, for a model over all of M = 129-1024. --extra-tiles
+176-1-6,208-1-6,...: tall tiles the log's probe built with --extra-wgmma NT-FW-S-p2, e.g. stage s48a's.)
 
 --clustered LOG: a log measured with session 45's cluster sum (K splits of two launched as clusters, e.g. s45d or
 the prepared s46a; not s45c, whose route took clusters of every size): its launches get the cluster the rule
@@ -47,6 +48,10 @@ pat = re.compile(r"^\[(\S+)\] (\S+) u(\d+) (\d+x\d+) M=(\d+) (\S+): ([\d.]+) us"
 ALL_M = "--all-m" in sys.argv  # also fit the cells below M = 257 (where the table's rows route)
 MIN_M = 257
 args = [a for a in sys.argv[1:] if a != "--all-m"]
+if "--extra-tiles" in args:  # tall tiles a log's probe built beyond K.WGMMA_PROD2_CONFIGS, e.g. 176-1-6,208-1-6
+    i = args.index("--extra-tiles")
+    K.WGMMA_PROD2_CONFIGS += tuple(tuple(int(x) for x in t.split("-")) for t in args[i + 1].split(","))
+    del args[i:i + 2]
 clustered_logs = {args[i + 1] for i, a in enumerate(args) if a == "--clustered"}
 logs = [a for i, a in enumerate(args) if a != "--clustered" and (i == 0 or args[i - 1] != "--clustered")]
 data = collections.defaultdict(list)
@@ -85,8 +90,11 @@ def launch_of(m, n, k, cfg):
         G.WGMMA_TALL_MAX_M = 0 if cfg == "routeT0" else 1024
         G.WGMMA_TALL_MODEL = cfg == "routeCM"; G.wgmma_launch.cache_clear()
         saved = dict(G.WGMMA_COST_PER_STAGE), dict(G.WGMMA_COST_TERMS)
-        G.WGMMA_COST_PER_STAGE.update(S43_PER_STAGE); G.WGMMA_COST_TERMS.update(S43_TERMS)
+        # (replaced, not updated: the shipped model prices tiles and terms session 43's had not)
+        G.WGMMA_COST_PER_STAGE.clear(); G.WGMMA_COST_TERMS.clear()
+        G.WGMMA_COST_PER_STAGE.update(S43_PER_STAGE); G.WGMMA_COST_TERMS.update(S43_TERMS, cluster=0.0)
         wl = G.wgmma_launch(m, n, k, fam, 0)
+        G.WGMMA_COST_PER_STAGE.clear(); G.WGMMA_COST_TERMS.clear()
         G.WGMMA_COST_PER_STAGE.update(saved[0]); G.WGMMA_COST_TERMS.update(saved[1])
         G.WGMMA_TALL_MAX_M, G.WGMMA_TALL_MODEL = 1024, True
         G.wgmma_launch.cache_clear()

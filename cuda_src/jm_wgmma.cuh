@@ -204,6 +204,15 @@ struct WgmmaRS;
       : JM_WG_D32(0), JM_WG_D32(32), JM_WG_D8(64), JM_WG_D8(72) \
       : JM_WG_RS_IN)
 
+#define JM_WGMMA_RS_N176(TY)                                                              \
+  asm volatile(                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %93, 0;\n"                                       \
+      "wgmma.mma_async.sync.aligned.m64n176k16.f32." TY "." TY " "                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, "  \
+      "{%88, %89, %90, %91}, %92, p, 1, 1, 0;\n}\n"                                  \
+      : JM_WG_D32(0), JM_WG_D32(32), JM_WG_D8(64), JM_WG_D8(72), JM_WG_D8(80) \
+      : JM_WG_RS_IN)
+
 #define JM_WGMMA_RS_N192(TY)                                                              \
   asm volatile(                                                                           \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"                                       \
@@ -222,9 +231,37 @@ struct WgmmaRS;
       : JM_WG_D32(0), JM_WG_D32(32), JM_WG_D32(64), JM_WG_D32(96) \
       : JM_WG_RS_IN)
 
+#define JM_WGMMA_RS_N208(TY)                                                              \
+  asm volatile(                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %109, 0;\n"                                       \
+      "wgmma.mma_async.sync.aligned.m64n208k16.f32." TY "." TY " "                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103}, "  \
+      "{%104, %105, %106, %107}, %108, p, 1, 1, 0;\n}\n"                                  \
+      : JM_WG_D32(0), JM_WG_D32(32), JM_WG_D32(64), JM_WG_D8(96) \
+      : JM_WG_RS_IN)
+
+#define JM_WGMMA_RS_N224(TY)                                                              \
+  asm volatile(                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %117, 0;\n"                                       \
+      "wgmma.mma_async.sync.aligned.m64n224k16.f32." TY "." TY " "                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}, "  \
+      "{%112, %113, %114, %115}, %116, p, 1, 1, 0;\n}\n"                                  \
+      : JM_WG_D32(0), JM_WG_D32(32), JM_WG_D32(64), JM_WG_D8(96), JM_WG_D8(104) \
+      : JM_WG_RS_IN)
+
+#define JM_WGMMA_RS_N240(TY)                                                              \
+  asm volatile(                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %125, 0;\n"                                       \
+      "wgmma.mma_async.sync.aligned.m64n240k16.f32." TY "." TY " "                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119}, "  \
+      "{%120, %121, %122, %123}, %124, p, 1, 1, 0;\n}\n"                                  \
+      : JM_WG_D32(0), JM_WG_D32(32), JM_WG_D32(64), JM_WG_D8(96), JM_WG_D8(104), JM_WG_D8(112) \
+      : JM_WG_RS_IN)
+
 // WgmmaRS<N>::run<T>: the m64nNk16 instruction of activation type T. Token tiles: 16 / 32 / 64 / 128 (dense and
 // MoE), 24 / 48 / 80 / 96 (MoE expert blocks on the producer form; 24: Humming's Mixtral 64-token gate/up blocks
-// are 24 x 512), 144 / 160 / 192 / 256 (dense, the two-compute-warpgroup producer form only).
+// are 24 x 512), 144 / 160 / 176 / 192 / 208 / 224 / 240 / 256 (dense, the two-compute-warpgroup producer form only;
+// 176-240 since session 47, built only by probes: `--extra-wgmma 176-1-6-p2`, tiles that pad M = 257-1024 less).
 #define JM_WGMMA_RS_SPEC(N)                                                                              \
   template <>                                                                                            \
   struct WgmmaRS<N> {                                                                                    \
@@ -244,7 +281,11 @@ JM_WGMMA_RS_SPEC(64)
 JM_WGMMA_RS_SPEC(128)
 JM_WGMMA_RS_SPEC(144)
 JM_WGMMA_RS_SPEC(160)
+JM_WGMMA_RS_SPEC(176)
 JM_WGMMA_RS_SPEC(192)
+JM_WGMMA_RS_SPEC(208)
+JM_WGMMA_RS_SPEC(224)
+JM_WGMMA_RS_SPEC(240)
 JM_WGMMA_RS_SPEC(256)
 
 // float4 loads in flight per partial-sum region in the stream-K fixup: the largest divisor of the
@@ -294,9 +335,10 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
                           const int k_tiles, const PieceOf& piece_of, const JmTensorMap* amap, WgRing& ring) {
   static_assert(NT == 16 || NT == 32 || NT == 64 || NT == 128 ||
                     ((NT == 24 || NT == 48 || NT == 80 || NT == 96) && MOE && PROD) ||
-                    ((NT == 144 || NT == 160 || NT == 192 || NT == 256) && !MOE && PROD && WGS == 2),
-                "token tile (24, 48, 80, 96: MoE expert blocks on the producer form only; 144, 160, 192, 256: dense, "
-                "the two-compute-warpgroup producer form only)");
+                    ((NT == 144 || NT == 160 || NT == 176 || NT == 192 || NT == 208 || NT == 224 || NT == 240 ||
+                      NT == 256) && !MOE && PROD && WGS == 2),
+                "token tile (24, 48, 80, 96: MoE expert blocks on the producer form only; 144-256 in steps of 16: "
+                "dense, the two-compute-warpgroup producer form only)");
   static_assert(FW == 1 || FW == 2 || (FW == 4 && WGS == 1 && PROD), "strips per warpgroup");
   static_assert(STAGES >= 3, "the stage boundary waits for all but STAGES - 3 copy groups");
   // WGS warpgroups per CTA (2; 4 in the "wide" form: 512 threads, one strip each, sharing the

@@ -1347,3 +1347,52 @@ def test_cluster_sum(fmt, no_cluster_sum, monkeypatch):
         wl = G.wgmma_launch(m, n, k, fam, 0)
         got = jitmarlin.marlin_gemm(a, packed.b, packed.scales, packed.zeros)
         check_close(got, a.float() @ w, tol, f"{k}x{n} M={m} through the op ({wl.splits} splits, cluster {wl.cluster})")
+
+
+# Token tiles of 176-240 rows (session 47): instantiable (jm_wgmma.cuh), built only when a probe adds them to
+# K.WGMMA_PROD2_CONFIGS; not routed yet (no cost-model coefficient)
+EXTRA_TALL = ((176, 1, 6), (208, 1, 6), (224, 1, 5), (240, 1, 5))
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[1]], ids=("float16-u4-g128", "bfloat16-u4-g128"))
+def test_extra_tall_token_tiles(fmt, monkeypatch):
+    """The two-compute-warpgroup producer form with 176- / 208- / 224- / 240-token tiles, built as a probe builds
+    them: NaN-poisoned outputs match the reference with bias for whole tiles, two clustered K splits, three through
+    the workspace and stream-K, at M with a partial last token tile (a few rows past one tile) and with exactly three
+    tiles; the clustered split equals the workspace one bit for bit and the counters end at zero."""
+    dtype, bits, group, zp = fmt
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    fam = K.Family(K.DTYPES[dtype], bits, zp, group)
+    monkeypatch.setattr(K, "WGMMA_PROD2_CONFIGS", K.WGMMA_PROD2_CONFIGS + EXTRA_TALL)
+    K.clear_kernel_caches()
+    try:
+        k, n = 2048, 1024
+        packed, w = random_weights(k, n, bits, group, zp, dtype, seed=47)
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        for nt, fw, st in EXTRA_TALL:
+            assert K.wgmma_smem_bytes(fam, nt, fw, st) <= 227 * 1024, (nt, st)
+            for m in (nt + 5, 3 * nt):
+                a = torch.randn(m, k, device="cuda", dtype=dtype)
+                ref = a.float() @ w + bias.float()
+                outs = {}
+                for splits in (1, 2, 3, -1):
+                    cfg = (nt, fw, st, splits, False, 2)
+                    wl = G.wgmma_launch(m, n, k, fam, 0, nt, fw, st, splits, False, 2)
+                    assert (wl.nt, wl.prod, wl.splits, wl.m_tiles) == (nt, 2, splits, -(-m // nt)), wl
+                    got = run(a, packed, m, n, k, dtype, cfg, bias=bias)
+                    check_close(got, ref, tol, f"K={k} N={n} M={m} tile {nt} splits {splits} cluster {wl.cluster}")
+                    outs[splits] = got
+                    if splits == 2:
+                        assert wl.cluster == 2, wl
+                        monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", False)
+                        G.wgmma_launch.cache_clear()
+                        try:
+                            assert torch.equal(run(a, packed, m, n, k, dtype, cfg, bias=bias), got), (nt, m)
+                        finally:
+                            monkeypatch.setattr(G, "WGMMA_CLUSTER_SUM", True)
+                            G.wgmma_launch.cache_clear()
+                assert torch.equal(outs[1], run(a, packed, m, n, k, dtype, (nt, fw, st, 1, False, 2), bias=bias))
+        assert int(K.default_workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    finally:
+        monkeypatch.undo()
+        K.clear_kernel_caches()
