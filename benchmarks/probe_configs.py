@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
-                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model, routeH0: without the rule that halves the plain 128- / 64-token tile's K splits into a cluster of 2 (gemm.WGMMA_CLUSTER_HALVE), routeHT0: without it taking M = 145-256 from the table's tall tiles (gemm.WGMMA_HALVE_OVER_TALL, session 47), routeHTK: with it at any K (WGMMA_HALVE_MAX_K, and WGMMA_HALVE_TALL_MAX_K for the 256-token tile), routeC0: the cost model above M = 256 of sessions 44-46 (S44_FIT_*, before session 47's refit), routeM129: the cost model's tall tile from M = 129 instead of the table's rows at M = 129-256 (gemm.WGMMA_TALL_MODEL_MIN_M); a +ws suffix: wgmma K splits summed through the workspace instead of a cluster, +c4: in clusters of up to 4; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
+                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model, routeH0: without the rule that halves the plain 128- / 64-token tile's K splits into a cluster of 2 (gemm.WGMMA_CLUSTER_HALVE), routeHT0: without it taking M = 145-256 from the table's tall tiles (gemm.WGMMA_HALVE_OVER_TALL, session 47), routeHTK: with it at any K (WGMMA_HALVE_MAX_K, and WGMMA_HALVE_TALL_MAX_K for the 256-token tile), routeC0: the cost model above M = 256 of sessions 44-46 (S44_FIT_*, before session 47's refit), routeM129: the cost model's tall tile from M = 129 instead of the table's rows at M = 129-256 (gemm.WGMMA_TALL_MODEL_MIN_M), routeHF8: the halving rule where two splits per tile fill 0.8 of the SMs (gemm.WGMMA_HALVE_MIN_FILL 0.9); a +ws suffix: wgmma K splits summed through the workspace instead of a cluster, +c4: in clusters of up to 4; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
                     "stream-K, -w its wide form (four warpgroups of one strip; FW = 2 configs added by --extra-wgmma "
                     "NT-2-S-w)) "
                     "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
@@ -92,7 +92,7 @@ def main() -> None:
     stream2_fill, tall_max_m, cluster_max = G.WGMMA_STREAM2_MAX_FILL, G.WGMMA_TALL_MAX_M, G.WGMMA_CLUSTER_MAX
     model_min_m = G.WGMMA_TALL_MODEL_MIN_M
     cost = dict(G.WGMMA_COST_PER_STAGE), dict(G.WGMMA_COST_TERMS)  # the shipped cost model (routeC0 swaps it)
-    halve_k, tall_k = G.WGMMA_HALVE_MAX_K, dict(G.WGMMA_HALVE_TALL_MAX_K)
+    halve_k, tall_k, halve_fill = G.WGMMA_HALVE_MAX_K, dict(G.WGMMA_HALVE_TALL_MAX_K), G.WGMMA_HALVE_MIN_FILL
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n, bits=args.bits)
@@ -111,6 +111,7 @@ def main() -> None:
             G.WGMMA_HALVE_OVER_TALL = cfg != "routeHT0"  # routeHT0: that rule not over the table's tall tiles
             # routeHTK: the halving rule without its K bounds (over the 256-token tall tile too; not the 192-token one)
             G.WGMMA_HALVE_MAX_K = 1 << 20 if cfg == "routeHTK" else halve_k
+            G.WGMMA_HALVE_MIN_FILL = 0.8 if cfg == "routeHF8" else halve_fill  # routeHF8: halving at 0.8 x SMs
             G.WGMMA_HALVE_TALL_MAX_K.clear()
             G.WGMMA_HALVE_TALL_MAX_K.update({192: tall_k[192], 256: 1 << 20} if cfg == "routeHTK" else tall_k)
             G.WGMMA_COST_PER_STAGE.clear(); G.WGMMA_COST_TERMS.clear()
@@ -118,7 +119,7 @@ def main() -> None:
             G.WGMMA_COST_TERMS.update(S44_FIT_TERMS if cfg == "routeC0" else cost[1])
             G.wgmma_launch.cache_clear()
             G.prepare_launch.cache_clear()
-            if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT0", "routeHTK", "routeC0", "routeM129"):
+            if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT0", "routeHTK", "routeC0", "routeM129", "routeHF8"):
                 override = None
             elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w][-p]
                 parts = cfg.split("-")[1:]

@@ -1144,6 +1144,17 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
+    s48c)  # PREPARED in session 47 (not run): the halving rule at 0.8 x SMs (routeHF8: 2 x 56 = 112 CTAs on N = 3584 at
+           # M = 129-256 and N = 7168 at M = 33-128) against the route, and the 144-token tile's two clustered splits
+           # (session 47's s47e: 3584^2 M = 224 / 256 25.2 -> 19.9 us on it), two rounds; Qwen2-7B's hidden 3584
+           for r in 1 2; do
+             timeout 80 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 160,192,224,256 \
+               --configs route,routeHF8,wgmma-n144-f1-s6-k2-p2 --shapes 3072x3584,3584x3584,4096x3584,8192x3584 >> "$OUT/s48c.log" 2>&1
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 40,64,96,128 --configs route,routeHF8 \
+               --shapes 3584x7168,4096x7168,7168x7168,8192x7168 >> "$OUT/s48c.log" 2>&1
+             echo "s48c $r rc=$?"
+           done
+           grep -c " us" "$OUT/s48c.log"; grep -ci "err nan\|failed" "$OUT/s48c.log";;
     s48a|s48b)  # PREPARED in session 47 (not run): token tiles of 176 / 208 / 224 / 240 rows (jm_wgmma.cuh, built only with
            # --extra-wgmma), which pad M = 257-1024 less than 144 / 160 / 192 / 256 (M = 352 = 2 x 176, 448 = 2 x 224, 528 =
            # 3 x 176, 624 = 3 x 208, 704 = 4 x 176, 960 = 4 x 240): first their GPU test (s48a), then every tall tile whole
