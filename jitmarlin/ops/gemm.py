@@ -1185,8 +1185,8 @@ WGMMA_HALVE_MAX_K = 8192
 # M = 256 36.6 -> 34.4); under the 192-token tile (M = 145-192; 96-128 CTAs) only at short K: 3072x4096 18.1-18.4 ->
 # 16.2-16.4, 4096^2 20.0-20.4 -> 19.8-20.0, but 5120x4096 22.2-22.7 -> 23.3-23.5, 6144x4096 24.1-24.7 -> 26.9,
 # 8192x4096 28.3-29.2 -> 34.0 (one CTA per SM streams K too slowly against the tall tile's single pass over the
-# weights). s46a: 4096^2 M = 129 16.8 on the 144-token tile vs 20.4 halved, hence M > 144. Probe config `routeH0`
-# turns this off with the halving rule; gemm.WGMMA_HALVE_OVER_TALL alone in A/B runs.
+# weights). s46a: 4096^2 M = 129 16.8 on the 144-token tile vs 20.4 halved, hence M > 144. Probe config `routeHT0`
+# turns only this off (`routeH0` the halving rule with it), `routeHTK` lifts its K bound under the 256-token tile.
 WGMMA_HALVE_OVER_TALL = True
 WGMMA_HALVE_TALL_MIN_M = 145
 WGMMA_HALVE_TALL_MAX_K = {192: 4096, 256: 8192}  # the tall tile's token count -> the K bound (other tiles: never)
