@@ -119,7 +119,8 @@ def main() -> None:
             G.WGMMA_COST_TERMS.update(S44_FIT_TERMS if cfg == "routeC0" else cost[1])
             G.wgmma_launch.cache_clear()
             G.prepare_launch.cache_clear()
-            if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT0", "routeHTK", "routeC0", "routeM129", "routeHF8"):
+            if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT0", "routeHTK", "routeC0", "routeM129",
+                       "routeHF8"):
                 override = None
             elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w][-p]
                 parts = cfg.split("-")[1:]

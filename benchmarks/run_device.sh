@@ -1157,12 +1157,13 @@ for st in $STAGES; do
            grep -c " us" "$OUT/s48c.log"; grep -ci "err nan\|failed" "$OUT/s48c.log";;
     s48a|s48b)  # PREPARED in session 47 (not run): token tiles of 176 / 208 / 224 / 240 rows (jm_wgmma.cuh, built only with
            # --extra-wgmma), which pad M = 257-1024 less than 144 / 160 / 192 / 256 (M = 352 = 2 x 176, 448 = 2 x 224, 528 =
-           # 3 x 176, 624 = 3 x 208, 704 = 4 x 176, 960 = 4 x 240): first their GPU test (s48a), then every tall tile whole
-           # (automatic K splits) and stream-K (-sk) against the route, data for fit_tall_cost.py --extra-tiles
+           # 3 x 176, 624 = 3 x 208, 704 = 4 x 176, 960 = 4 x 240; 300 / 416 / 800 / 1024 for the fit): first their GPU
+           # test (s48a), then every tall tile whole (automatic K splits) and stream-K (-sk), the route and the route
+           # without tall tiles (routeT0: the plain forms the model prices too), data for fit_tall_cost.py --extra-tiles
            # 176-1-6,208-1-6,224-1-5,240-1-5 --clustered s48a.log --clustered s48b.log. s48a: four shapes, s48b: the two
            # largest (28672 x 8192, 8192 x 28672). Look for "err nan" / "failed" first (outputs are NaN-poisoned).
            ex=176-1-6-p2,208-1-6-p2,224-1-5-p2,240-1-5-p2
-           cf=route; for t in n144-f1-s6 n160-f2-s4 n176-f1-s6 n192-f1-s6 n208-f1-s6 n224-f1-s5 n240-f1-s5 n256-f1-s4; do
+           cf=route,routeT0; for t in n144-f1-s6 n160-f2-s4 n176-f1-s6 n192-f1-s6 n208-f1-s6 n224-f1-s5 n240-f1-s5 n256-f1-s4; do
              cf=$cf,wgmma-$t-p2,wgmma-$t-sk-p2; done
            if [ "$st" = s48a ]; then
              timeout 200 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "extra_tall" > "$OUT/s48a_test.log" 2>&1
@@ -1172,7 +1173,7 @@ for st in $STAGES; do
              shapes=28672x8192,8192x28672
            fi
            timeout ${S48_PROBE_TIMEOUT:-380} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --extra-wgmma $ex \
-             --m 352,448,528,624,704,960 --configs $cf --shapes $shapes >> "$OUT/$st.log" 2>&1
+             --m 300,352,416,448,528,624,704,800,960,1024 --configs $cf --shapes $shapes >> "$OUT/$st.log" 2>&1
            echo "$st probe rc=$?"; grep -c " us" "$OUT/$st.log"; grep -ci "err nan\|failed" "$OUT/$st.log";;
     s47f)  # session 47: the (144, 1, 6) row at M = 145-192 on N <= 2560 (s47e's routeM129 launches there): the tall-tile
            # GPU tests on it, then one probe round against the 192-token tile forced with the old row's splits
