@@ -1232,19 +1232,21 @@ for st in $STAGES; do
            timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 160,192,224,256 --configs route,routeHT0 \
              --shapes 3072x4096,5120x4096,8192x4096 >> "$OUT/s47c.log" 2>&1
            echo "s47c ht0 rc=$?"; grep -c " us" "$OUT/s47c.log";;
-    s47b)  # PREPARED in session 46 (not run): the cost model above M = 256 refitted with the clustered two-way split's
-           # term and the 144-token tile (probe config routeCL, probe_configs.S46_FIT_*) against the shipped model
+    s47b)  # session 47 (ran as written then, with configs route,routeCL; since the refit shipped, the same launches are
+           # routeC0,route): the cost model above M = 256 refitted with the clustered two-way split's
+           # term and the 144-token tile (then probe config routeCL, probe_configs.S46_FIT_*) against the shipped model
            # (route), two interleaved rounds, on the cells where its pick differs (11 of 135 checked on the CPU: 144-token
            # tiles at M = 257 on N = 4096 / 6144, 3584x4608 M = 257 / 300 on the 128-token tile's two clustered splits,
            # 5120x5120 M = 448 / 1024, 28672x8192 / 5120x13824 M = 544) and their neighbours. Adopt the refit only if it
            # wins there (then gemm.WGMMA_COST_PER_STAGE / _TERMS take S46_FIT_*, and the GPU tests of the route)
            for r in 1 2; do
-             timeout 90 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 257,300,448,544,1024 --configs route,routeCL \
+             timeout 90 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 257,300,448,544,1024 --configs routeC0,route \
                --shapes 4096x4096,14336x4096,11008x4096,5120x13824,28672x8192,5120x5120,3584x4608,4096x6144 >> "$OUT/s47b.log" 2>&1
              echo "s47b $r rc=$?"
            done
            grep -c " us" "$OUT/s47b.log"; grep -i "failed\|error" "$OUT/s47b.log" | head -5;;
-    s47a)  # PREPARED in session 46 (not run): first the GPU tests session 46 left (test_cluster_sum's new op check of the
+    s47a)  # session 47 (ran with configs route,routeHT; since the rule shipped, the same launches are routeHT0,route
+           # up to its K bounds): first the GPU tests session 46 left (test_cluster_sum's new op check of the
            # 64-token halved route; the model / MoE / MoE-utility / tuning files on session 46's route), then the
            # prepared gemm.WGMMA_HALVE_OVER_TALL (probe `routeHT`): the plain 128-token tile's two clustered splits
            # instead of the table's 192- / 256-token tile at M = 145-256 on N = 4096, K = 3072-8192 (the K bound is to
@@ -1255,11 +1257,11 @@ for st in $STAGES; do
              tests/gpu/test_moe_util_gpu.py tests/gpu/test_tuning_gpu.py > "$OUT/s47a_tests2.log" 2>&1
            echo "s47a tests2 rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s47a_tests2.log" | tail -6
            for r in 1 2; do
-             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 145,160,192,224,256 --configs route,routeHT \
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 145,160,192,224,256 --configs routeHT0,route \
                --shapes 3072x4096,4096x4096,5120x4096,6144x4096,8192x4096 >> "$OUT/s47a.log" 2>&1
              echo "s47a f16 $r rc=$?"
            done
-           timeout 40 python3 benchmarks/probe_configs.py --dtype bf16 --settle 0.2 --m 160,192,256 --configs route,routeHT \
+           timeout 40 python3 benchmarks/probe_configs.py --dtype bf16 --settle 0.2 --m 160,192,256 --configs routeHT0,route \
              --shapes 3072x4096,4096x4096,8192x4096 >> "$OUT/s47a.log" 2>&1
            echo "s47a bf16 rc=$?"; grep -c " us" "$OUT/s47a.log";;
     s46h)  # session 46: the halving rule on the 64-token tile (K <= 4096): route vs routeH0 at M = 40 / 64 in three
