@@ -52,8 +52,10 @@ if "--extra-tiles" in args:  # tall tiles a log's probe built beyond K.WGMMA_PRO
     i = args.index("--extra-tiles")
     K.WGMMA_PROD2_CONFIGS += tuple(tuple(int(x) for x in t.split("-")) for t in args[i + 1].split(","))
     del args[i:i + 2]
-clustered_logs = {args[i + 1] for i, a in enumerate(args) if a == "--clustered"}
-logs = [a for i, a in enumerate(args) if a != "--clustered" and (i == 0 or args[i - 1] != "--clustered")]
+OPTS = ("--clustered", "--route48")
+clustered_logs = {args[i + 1] for i, a in enumerate(args) if a in OPTS}
+route48_logs = {args[i + 1] for i, a in enumerate(args) if a == "--route48"}
+logs = [a for i, a in enumerate(args) if a not in OPTS and (i == 0 or args[i - 1] not in OPTS)]
 data = collections.defaultdict(list)
 for path in logs + sorted(clustered_logs) if logs or clustered_logs else ["benchmarks/logs/s43d.log"]:
     tag = "@cl" if path in clustered_logs else ""  # launches of a clustered log: names NAME@cl
@@ -61,12 +63,26 @@ for path in logs + sorted(clustered_logs) if logs or clustered_logs else ["bench
         m = pat.match(line.strip())
         if m:
             _, dt, b, shape, M, cfg, us = m.groups(); k, n = map(int, shape.split("x"))
+            if dt != "f16" or b != "4":
+                continue  # (the model is fitted to fp16 4-bit g128 timings)
+            if cfg == "route" and path in route48_logs:
+                cfg = "routeC48"  # --route48 LOG (clustered): its route ran session 48's first fit (s48d)
             data[(k, n, int(M), cfg + tag)].append(float(us))
 SMS = 132
 # the coefficients s44a's routeCM ran with (session 43, fitted to s43d alone)
 S43_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.813, (128, 2, "w"): 0.864,
                  (160, 2, "p2"): 0.965, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
 S43_TERMS = {"a": 1.359, "split": 2.148, "per_split": 3.526, "sk": 14.961, "sk_stage": 0.049}
+# later models whose launches logs name: routeC47 (session 47's, probe_configs.S47_FIT_*), routeC48 (session 48's first
+# fit with the 176- / 208- / 224- / 240-token tiles: the route of --route48 logs)
+MODELS = {"routeCM": (S43_PER_STAGE, dict(S43_TERMS, cluster=0.0)),
+          "routeC47": ({(128, 1, "plain"): 0.768, (128, 2, "p2"): 0.808, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.533,
+                        (160, 2, "p2"): 0.957, (192, 1, "p2"): 0.581, (256, 1, "p2"): 0.752},
+                       {"a": 0.682, "split": 4.31, "per_split": 2.316, "sk": 15.253, "sk_stage": 0.054, "cluster": -1.972}),
+          "routeC48": ({(128, 1, "plain"): 0.777, (128, 2, "p2"): 0.826, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.504,
+                        (160, 2, "p2"): 0.962, (176, 1, "p2"): 0.566, (192, 1, "p2"): 0.589, (208, 1, "p2"): 0.637,
+                        (224, 1, "p2"): 0.659, (240, 1, "p2"): 0.705, (256, 1, "p2"): 0.762},
+                       {"a": -0.275, "split": 4.135, "per_split": 2.721, "sk": 15.476, "sk_stage": 0.04, "cluster": -2.259})}
 def launch_of(m, n, k, cfg):
     clustered = cfg.endswith("@cl")
     cfg = cfg[:-3] if clustered else cfg
@@ -88,11 +104,12 @@ def launch_of(m, n, k, cfg):
         # routeT0: the route without tall tiles; route (s44a) / routeTab: the table's tall tiles; routeCM: the model
         # with session 43's coefficients
         G.WGMMA_TALL_MAX_M = 0 if cfg == "routeT0" else 1024
-        G.WGMMA_TALL_MODEL = cfg == "routeCM"; G.wgmma_launch.cache_clear()
+        G.WGMMA_TALL_MODEL = cfg in MODELS; G.wgmma_launch.cache_clear()
         saved = dict(G.WGMMA_COST_PER_STAGE), dict(G.WGMMA_COST_TERMS)
         # (replaced, not updated: the shipped model prices tiles and terms session 43's had not)
         G.WGMMA_COST_PER_STAGE.clear(); G.WGMMA_COST_TERMS.clear()
-        G.WGMMA_COST_PER_STAGE.update(S43_PER_STAGE); G.WGMMA_COST_TERMS.update(S43_TERMS, cluster=0.0)
+        G.WGMMA_COST_PER_STAGE.update(MODELS.get(cfg, MODELS["routeCM"])[0])
+        G.WGMMA_COST_TERMS.update(MODELS.get(cfg, MODELS["routeCM"])[1])
         wl = G.wgmma_launch(m, n, k, fam, 0)
         G.WGMMA_COST_PER_STAGE.clear(); G.WGMMA_COST_TERMS.clear()
         G.WGMMA_COST_PER_STAGE.update(saved[0]); G.WGMMA_COST_TERMS.update(saved[1])
@@ -137,7 +154,8 @@ for hold in shapes:
         if r[0][:2] == hold: cells[r[0]].append((pr[i], r[6], r[1]))
     for key, lst in cells.items():
         best = min(x[1] for x in lst); pick = min(lst)
-        route = min(data.get(key + ("routeTab",)) or data.get(key + ("route",)) or data[key + ("route@cl",)])
+        route = min(data.get(key + ("routeTab",)) or data.get(key + ("route",)) or data.get(key + ("route@cl",))
+                    or data[key + ("routeC47@cl",)])  # (--route48 logs: session 47's route, the one replaced)
         out.append((pick[1] / best - 1, route / best - 1, pick[1] / route, key, pick[2]))
 a = np.array([o[:3] for o in out])
 print("held-out: model loss mean %.3f (>5%%: %d), route loss mean %.3f (>5%%: %d); model/route geo %.3f; worse>5%% %d better>5%% %d of %d" % (

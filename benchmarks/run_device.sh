@@ -1144,18 +1144,88 @@ for st in $STAGES; do
              --shapes ${S43A_SHAPES:-8192x28672,28672x8192,4096x28672,8192x8192,14336x4096,4096x12288,4096x11008,4096x4096} \
              > "$OUT/s43a.log" 2>&1
            echo "s43a rc=$?"; grep -c " us" "$OUT/s43a.log"; grep "failed\|Error" "$OUT/s43a.log" | head -5;;
-    s48c)  # PREPARED in session 47 (not run): the halving rule at 0.8 x SMs (routeHF8: 2 x 56 = 112 CTAs on N = 3584 at
-           # M = 129-256 and N = 7168 at M = 33-128) against the route, and the 144-token tile's two clustered splits
-           # (session 47's s47e: 3584^2 M = 224 / 256 25.2 -> 19.9 us on it), two rounds; Qwen2-7B's hidden 3584
+    s48c)  # session 48 (ran with configs route,routeHF8 when the route's fill was 0.9; the same launches are now
+           # routeHF9,route): the halving rule at 0.8 x SMs (2 x 56 = 112 CTAs on N = 3584 at M = 129-256 and N = 7168
+           # at M = 33-128) and the 144-token tile's two clustered splits, two rounds; Qwen2-7B's hidden 3584
            for r in 1 2; do
              timeout 80 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 160,192,224,256 \
-               --configs route,routeHF8,wgmma-n144-f1-s6-k2-p2 --shapes 3072x3584,3584x3584,4096x3584,8192x3584 >> "$OUT/s48c.log" 2>&1
-             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 40,64,96,128 --configs route,routeHF8 \
+               --configs routeHF9,route,wgmma-n144-f1-s6-k2-p2 --shapes 3072x3584,3584x3584,4096x3584,8192x3584 >> "$OUT/s48c.log" 2>&1
+             timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.2 --m 40,64,96,128 --configs routeHF9,route \
                --shapes 3584x7168,4096x7168,7168x7168,8192x7168 >> "$OUT/s48c.log" 2>&1
              echo "s48c $r rc=$?"
            done
            grep -c " us" "$OUT/s48c.log"; grep -ci "err nan\|failed" "$OUT/s48c.log";;
-    s48a|s48b)  # PREPARED in session 47 (not run): token tiles of 176 / 208 / 224 / 240 rows (jm_wgmma.cuh, built only with
+    s48d)  # session 48: the cost model with the 176- / 208- / 224- / 240-token tiles (refit to s43d-s48b) against
+           # session 47's (routeC47) on 12 shapes outside s48a/b's fit, M = 300-960 (67 of 108 cells differ on the CPU),
+           # two interleaved rounds; then bf16 and fp16 8-bit on three of s48a's shapes, one round
+           for r in 1 2; do
+             timeout 200 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 300,352,416,448,528,544,624,704,800,960 \
+               --configs routeC47,route --shapes 11008x4096,5120x13824,13824x5120,5120x5120,3584x4608,4096x6144,4096x22016,3584x37888,18944x3584,2048x2560,4096x12288,4096x11008 \
+               >> "$OUT/s48d.log" 2>&1
+             echo "s48d $r rc=$?"
+           done
+           timeout 60 python3 benchmarks/probe_configs.py --dtype bf16 --settle 0.1 --m 300,416,448,800 --configs routeC47,route \
+             --shapes 4096x4096,8192x8192,14336x4096 >> "$OUT/s48d.log" 2>&1
+           timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --bits 8 --settle 0.1 --m 300,416,448,800 --configs routeC47,route \
+             --shapes 4096x4096,8192x8192,14336x4096 >> "$OUT/s48d.log" 2>&1
+           grep -c " us" "$OUT/s48d.log"; grep -ci "err nan\|failed" "$OUT/s48d.log";;
+    s48e)  # session 48: the halving rule at lower fills (routeHF7 / 6 / 5: 2 x 48 / 40 / 33+ tiles) on N = 6144 /
+           # 5632 / 5120 / 4608 at M = 40-128 and N = 3072 / 2560 at M = 160-256, two rounds; then the new tall tiles
+           # whole (automatic K splits) at M = 176-240 (one tile of them, where the table's rows run 192 / 256) on five
+           # shapes, one round
+           for r in 1 2; do
+             timeout 70 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 40,64,96,128 --configs route,routeHF7,routeHF6,routeHF5 \
+               --shapes 4096x6144,2048x6144,5120x5120,2048x5632,3584x4608 >> "$OUT/s48e.log" 2>&1
+             timeout 70 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 160,192,224,256 --configs route,routeHF7,routeHF6,routeHF5 \
+               --shapes 3072x3072,4096x3072,8192x3072,2560x2560 >> "$OUT/s48e.log" 2>&1
+             echo "s48e $r rc=$?"
+           done
+           timeout 120 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 176,200,208,224,240 \
+             --configs route,wgmma-n176-f1-s6-p2,wgmma-n208-f1-s6-p2,wgmma-n224-f1-s5-p2,wgmma-n240-f1-s5-p2,wgmma-n256-f1-s4-p2 \
+             --shapes 4096x12288,4096x28672,8192x8192,14336x4096,28672x8192 >> "$OUT/s48e.log" 2>&1
+           grep -c " us" "$OUT/s48e.log"; grep -ci "err nan\|failed" "$OUT/s48e.log";;
+    s48g)  # session 48, the final route (the 208- / 224- / 240-token rows, fill 0.6 / 0.7, the refit cost model; kernels
+           # as in s48f's test run): the route-dependent tests of test_wgmma_gpu.py, then the GEMM, formats and linear files
+           timeout ${S48G_TEST_TIMEOUT:-150} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "tall or cluster or halve" \
+             > "$OUT/s48g_test.log" 2>&1
+           echo "s48g wgmma rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s48g_test.log" | tail -8
+           timeout ${S48G_TESTS_TIMEOUT:-330} python3 -m pytest -q -rs tests/gpu/test_gemm_gpu.py tests/gpu/test_formats_gpu.py \
+             tests/gpu/test_linear_gpu.py > "$OUT/s48g_tests.log" 2>&1
+           echo "s48g tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s48g_tests.log" | tail -8;;
+    s48h)  # session 48, the final route: test_tall_token_tile_route again (s48g: its last assertion, the set of tiles
+           # seen, did not know the model-only 176-token tile), the model, MoE, MoE-util and tuning GPU tests, then
+           # bench_gemm at M = 300 / 544 with the peers (session 47's s47e ran the same before the session's changes)
+           timeout 90 python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "tall_token_tile_route" > "$OUT/s48h_test.log" 2>&1
+           echo "s48h wgmma rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s48h_test.log" | tail -8
+           timeout ${S48H_TESTS_TIMEOUT:-260} python3 -m pytest -q -rs tests/gpu/test_model_gpu.py tests/gpu/test_moe_gpu.py \
+             tests/gpu/test_moe_util_gpu.py tests/gpu/test_tuning_gpu.py > "$OUT/s48h_tests.log" 2>&1
+           echo "s48h tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s48h_tests.log" | tail -8
+           timeout ${S48H_BENCH_TIMEOUT:-150} python3 benchmarks/bench_gemm.py --m 300,544 --variants none --settle 0.2 \
+             --json "$OUT/s48h_gemm.json" > "$OUT/s48h_gemm.log" 2>&1
+           echo "s48h bench rc=$?"; tail -30 "$OUT/s48h_gemm.log";;
+    s48f)  # session 48: the table's new rows at M = 145-256 (176 / 208 / 224 / 240 tokens where 192 / 256 ran; old rows:
+           # routeR47; the 176-token row lost on N = 5120 here and was dropped after, so M = 150 / 176 now match) and the
+           # halving rule at 0.6 x SMs (old: routeHF8; 0.7 for the 64-token tile after) on shapes s48e did not measure, f16 two
+           # interleaved rounds, then bf16 and fp16 8-bit one round; then test_wgmma_gpu.py on the new route
+           for r in 1 2; do
+             timeout 70 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 150,176,200,224,240 --configs routeR47,route \
+               --shapes 11008x4096,5120x13824,13824x5120,4096x22016,18944x3584,3584x37888,2048x11008,5120x5120,4096x6144 >> "$OUT/s48f.log" 2>&1
+             timeout 40 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 64,96,128 --configs routeHF8,route \
+               --shapes 6144x6144,8192x6144,3072x5120,4096x5120,3072x6144 >> "$OUT/s48f.log" 2>&1
+             timeout 40 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 160,200,256 --configs routeHF8,route \
+               --shapes 4096x2560,6144x3072,3072x2560,5120x2560 >> "$OUT/s48f.log" 2>&1
+             echo "s48f $r rc=$?"
+           done
+           for dt in "--dtype bf16" "--dtype f16 --bits 8"; do
+             timeout 40 python3 benchmarks/probe_configs.py $dt --settle 0.1 --m 176,208,224,240 --configs routeR47,route \
+               --shapes 4096x12288,8192x8192,14336x4096 >> "$OUT/s48f.log" 2>&1
+             timeout 40 python3 benchmarks/probe_configs.py $dt --settle 0.1 --m 128,224,256 --configs routeHF8,route \
+               --shapes 3072x3072,4096x6144,5120x5120,4096x3072 >> "$OUT/s48f.log" 2>&1
+           done
+           grep -c " us" "$OUT/s48f.log"; grep -ci "err nan\|failed" "$OUT/s48f.log"
+           timeout ${S48F_TEST_TIMEOUT:-300} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py > "$OUT/s48f_test.log" 2>&1
+           echo "s48f test rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/s48f_test.log" | tail -12;;
+    s48a|s48b)  # session 48 (prepared in session 47; the tiles are built by default since, --extra-wgmma then): token tiles of 176 / 208 / 224 / 240 rows (jm_wgmma.cuh, built only with
            # --extra-wgmma), which pad M = 257-1024 less than 144 / 160 / 192 / 256 (M = 352 = 2 x 176, 448 = 2 x 224, 528 =
            # 3 x 176, 624 = 3 x 208, 704 = 4 x 176, 960 = 4 x 240; 300 / 416 / 800 / 1024 for the fit): first their GPU
            # test (s48a), then every tall tile whole (automatic K splits) and stream-K (-sk), the route and the route

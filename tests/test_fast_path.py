@@ -89,10 +89,11 @@ def _weights(k, n, bits=4, group=128, zp=False, bias=False, dtype=torch.float16,
 def test_fast_path_makes_the_general_paths_launches(recorded, bits, group, zp, bias, dtype):
     log, ws = recorded
     kernels = set()
-    for k, n in ((4096, 4096), (4096, 28672), (14336, 4096)):
+    for k, n in ((4096, 4096), (4096, 28672), (14336, 4096), (4096, 22016)):
         b, s, z, bb = _weights(k, n, bits, group, zp, bias, dtype)
         cache = G.FastGemm()
-        for m in (1, 7, 9, 16, 17, 32, 33, 64, 100, 128, 256, 600, 850, 1024, 1):  # (850: 128-token tiles, wide)
+        # (4096x22016 M = 360: 128-token tiles, wide, by session 48's cost model)
+        for m in (1, 7, 9, 16, 17, 32, 33, 64, 100, 128, 256, 360, 600, 850, 1024, 1):
             a = torch.randn(m, k).to(dtype)
             log.clear()
             _, nn_, kk, fam = G.check_args(a, b, s, z, bb)

@@ -411,14 +411,17 @@ def test_wgmma_tall_token_tile_rule(monkeypatch):
         t = G.wgmma_route_tall(m, n, k, G.wgmma_route_config(m, n, k, sms, fam.moe), fam, sms)
         return None if t is None else (t[0][0], t[0][1], "sk" if t[1] == -1 else t[1])
 
-    big = {129: (144, 2), 144: (144, 2), 160: (160, 2), 176: (192, 1), 192: (192, 1), 256: (256, 1), 300: (160, 2),
+    # session 48 (s48e / s48f): the smallest of the 208- / 224- / 240- / 256-token tiles that holds M at M = 193-256
+    # where K*N > 2^24
+    big = {129: (144, 2), 144: (144, 2), 160: (160, 2), 176: (192, 1), 192: (192, 1), 200: (208, 1), 224: (224, 1),
+           240: (240, 1), 256: (256, 1), 300: (160, 2),
            320: (160, 2), 352: (192, 1), 384: (192, 1), 512: (256, 1), 513: (160, 2), 640: (160, 2), 768: (256, 1),
            800: (160, 2), 1024: (256, 1)}
     for k, n in ((8192, 28672), (28672, 8192)):
         assert {m: tall(m, n, k)[:2] for m in big} == big, (k, n)
     # session 43: M = 801-896 takes 256-token tiles where N <= 16384 only (N = 28672 measured slower)
     assert tall(896, 8192, 28672)[:2] == (256, 1) and tall(801, 28672, 8192) is None
-    mid = {129: (144, 1), 144: (144, 1), 160: (192, 1), 192: (192, 1), 224: (256, 1), 256: (256, 1),
+    mid = {129: (144, 1), 144: (144, 1), 160: (192, 1), 192: (192, 1), 208: (208, 1), 224: (224, 1), 256: (256, 1),
            512: (256, 1), 600: (160, 2), 768: (256, 1), 780: (160, 2), 1024: (256, 1)}
     for k, n in ((8192, 8192), (14336, 4096), (4096, 12288), (4096, 11008)):
         assert {m: tall(m, n, k)[:2] for m in mid} == mid, (k, n)
@@ -633,7 +636,8 @@ def test_cluster_choice():
 
 def test_wgmma_tall_cost_model(monkeypatch):
     """Session 44: from M = 257 the tall tile comes from the cost model (G.wgmma_route_cost; fitted to s43d + s44a by
-    benchmarks/fit_tall_cost.py, refitted with s45d + s46a in session 46, shipped in session 47). Its picks in cells measured on the H200, stream-K only where every CTA gets 16
+    benchmarks/fit_tall_cost.py, refitted with s45d + s46a in session 46, shipped in session 47; with s48a + s48b and
+    four more tiles in session 48). Its picks in cells measured on the H200, stream-K only where every CTA gets 16
     stages, the route without tall tiles where the model prices it lowest, the table's rows at M <= 256."""
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
@@ -657,11 +661,18 @@ def test_wgmma_tall_cost_model(monkeypatch):
     # session 47's refit (the 144-token tile priced): 4096^2 M = 544 on it, s47b 36.3 (192, 1) -> 33.6 us
     assert tall(544, 4096, 4096) == (144, 1, 1)
     assert tall(800, 28672, 8192) == (160, 2, "sk")
-    assert tall(544, 12288, 4096) is None  # the 128-token route priced lowest there
-    # s44a (shapes the s43d fit never saw; table route -> model route, us): 4096x6144 M = 300 49.7 -> 36.9 (192, 1);
-    # 3584x4608 M = 896 61.9 -> 48.0 (no tall tile); 14336x4096 M = 300 K split in four 67.9, stream-K 73.3 (the
-    # refit keeps the split)
-    assert tall(300, 6144, 4096) == (192, 1, 1) and tall(896, 4608, 3584) is None
+    # session 48's refit with the 176- / 208- / 224- / 240-token tiles (s48a-s48d, us): 2 x 208 / 2 x 224 / 4 x 208
+    # rows where 256-token tiles padded (8192^2 M = 416 95.2 -> 79.8, 4096^2 M = 448 30.8 -> 28.6, M = 800 47.8 -> 41.4,
+    # 14336x4096 M = 416 86.8 -> 73.3), 3 x 240 stream-K on 8192x28672 M = 704 (629.8 -> 557.5); 4096x12288 M = 544 on
+    # the 144-token tile (s48d 114.6 -> 106.5 against the 128-token route)
+    assert tall(416, 8192, 8192) == (208, 1, 1) and tall(416, 4096, 14336)[:2] == (208, 1)
+    assert tall(448, 4096, 4096)[:2] == (224, 1) and tall(800, 4096, 4096) == (208, 1, 1)
+    assert tall(704, 28672, 8192) == (240, 1, "sk")
+    assert tall(544, 12288, 4096) == (144, 1, 1)
+    # s44a (shapes the s43d fit never saw; table route -> model route, us): 4096x6144 M = 300 49.7 -> 36.9 (192, 1;
+    # since session 48 (176, 1): s48d 37.0 -> 35.7); 3584x4608 M = 896 61.9 -> 48.0 (no tall tile); 14336x4096 M = 300
+    # K split in four 67.9, stream-K 73.3 (the refit keeps the split)
+    assert tall(300, 6144, 4096) == (176, 1, 1) and tall(896, 4608, 3584) is None
     assert tall(300, 4096, 14336) == (160, 2, 4)
     for sms in (78, 114, 132):
         for m in (257, 300, 400, 544, 700, 900, 1024):
@@ -726,7 +737,8 @@ def test_wgmma_cluster_sum_rule(monkeypatch):
 
 def test_wgmma_halve_splits_rule(monkeypatch):
     """Session 46: the plain 128-token form's three or four K splits become two clustered ones only where the two
-    splits give every SM of the device one CTA (90-100% of the SMs) and K <= 8192 (the 64-token form's: K <= 4096),
+    splits give every SM of the device one CTA (60-100% of the SMs since session 48; 90% before) and K <= 8192 (the
+    64-token form's: K <= 4096),
     only as a cluster, and only on the automatic route (a caller's explicit splits stay)."""
     import functools
     from jitmarlin.jit import driver
@@ -752,12 +764,16 @@ def test_wgmma_halve_splits_rule(monkeypatch):
         return G.wgmma_launch(m, n, k, f16, 0, **kw)
 
     try:
-        # the rule in isolation: 64 tiles (128 CTAs of two splits on 132 SMs) yes; 86 or 48 tiles no
+        # the rule in isolation: 64, 48 or 40 tiles (128 / 96 / 80 CTAs of two splits on 132 SMs) yes; 86 or 36 no
         assert G.wgmma_halve_splits(64, 4, 128, 1, 0, False, 132, 4096)
         assert G.wgmma_halve_splits(64, 3, 128, 1, 0, False, 132, 8192)
         assert not G.wgmma_halve_splits(64, 2, 128, 1, 0, False, 132, 4096)  # already two
         assert not G.wgmma_halve_splits(86, 3, 128, 1, 0, False, 132, 4096)  # 172 CTAs: 40 SMs would run two
-        assert not G.wgmma_halve_splits(48, 4, 128, 1, 0, False, 132, 4096)  # 96 CTAs leave 27% of the SMs idle
+        # s48e: 96 / 80 CTAs (3072^2 M = 256 23.2 -> 16.5 us, 5120^2 M = 128 27.1 -> 23.4) yes, 72 (3584x4608 M = 64
+        # 12.8 -> 14.9) no
+        assert G.wgmma_halve_splits(48, 4, 128, 1, 0, False, 132, 4096)
+        assert G.wgmma_halve_splits(40, 3, 128, 1, 0, False, 132, 5120)
+        assert not G.wgmma_halve_splits(36, 4, 128, 1, 0, False, 132, 3584)
         assert not G.wgmma_halve_splits(64, 4, 128, 1, 0, False, 132, 11008)  # longer K: one CTA per SM too slow
         assert G.wgmma_halve_splits(64, 4, 64, 1, 0, False, 132, 4096)  # the 64-token tile: K up to 4096
         assert not G.wgmma_halve_splits(64, 4, 64, 1, 0, False, 132, 5120)
@@ -823,6 +839,7 @@ def test_wgmma_halve_over_tall_rule(monkeypatch):
             assert launch(m, 4096, k) == halved, (m, k)
         for m, k in ((145, 5120), (192, 8192)):  # the 192-token tile beyond K = 4096 stays
             assert launch(m, 4096, k)[:2] == (192, 2), (m, k)
+        assert launch(224, 4096, 11008)[:2] == (224, 2)  # (session 48's 224-token row, K above the bound)
         assert launch(129, 4096, 4096)[0] == 144  # below WGMMA_HALVE_TALL_MIN_M: the 144-token tile
         assert launch(256, 4096, 11008)[:3] != halved[:3]  # K above the bound
         assert launch(192, 8192, 4096)[:3] != halved[:3]  # 2 x 64 tiles would leave no SM a single CTA: no halving

@@ -438,9 +438,10 @@ WGMMA_PROD_THREADS = 256  # a producer-form CTA: one compute warpgroup (of 2 FW 
 # where whole 128-token tiles fill SMs poorly (gemm.wgmma_route_stream2). Probes build others:
 # benchmarks/probe_configs.py --extra-wgmma NT-FW-STAGES-p2, configs wgmma-n{NT}-f{FW}-s{STAGES}[-sk]-p2.
 # Kernel names end in _prod2.
-# Sessions 41-42: token tiles of 144 / 160 / 192 / 256 rows (gemm.wgmma_route_tall, M = 129-1024).
-WGMMA_PROD2_CONFIGS: tuple[tuple[int, int, int], ...] = ((128, 2, 4), (144, 2, 4), (160, 2, 4), (144, 1, 6), (192, 1, 6),
-                                                         (256, 1, 4))
+# Sessions 41-42: token tiles of 144 / 160 / 192 / 256 rows (gemm.wgmma_route_tall, M = 129-1024); session 48:
+# 176 / 208 / 224 / 240 rows too (priced by the cost model above M = 256: less padding, e.g. M = 416 = 2 x 208).
+WGMMA_PROD2_CONFIGS: tuple[tuple[int, int, int], ...] = ((128, 2, 4), (144, 2, 4), (160, 2, 4), (144, 1, 6), (176, 1, 6),
+                                                         (192, 1, 6), (208, 1, 6), (224, 1, 5), (240, 1, 5), (256, 1, 4))
 WGMMA_PROD2_THREADS = 384
 
 

@@ -699,7 +699,7 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
 
 
 # Token tiles past 128 rows (sessions 41-42): where the route would run 128-token tiles (M = 129-1024), the
-# two-compute-warpgroup producer form with tiles of 144 / 160 / 192 / 256 tokens (wgmma n144-n256) computes fewer
+# two-compute-warpgroup producer form with tiles of 144-256 tokens (K.WGMMA_PROD2_CONFIGS) computes fewer
 # padded rows (M = 129-256 as one tile) or runs faster per row (two to four 192- / 256-token tiles). H200 s41b
 # (bench_gemm, f16 4-bit, us, ours / fp16 cuBLAS / Humming): 8192x28672 M = 129 194.9 / 115.7 / 96.7, 8192^2 M = 129
 # 57.7 / 39.6 / 34.2. Session 42 (s42a, probe_configs, f16 4-bit, us, route without this rule -> the row's tile):
@@ -742,6 +742,16 @@ def wgmma_route_stream2(m: int, n: int, k: int, cfg: tuple[int, int, int, bool],
 #   14.8 / 14.9 -> 12.8 / 12.7, 2048x2560 14.9 / 15.0 -> 13.7 / 13.6, 5632x2048 21.1 / 21.2 -> 20.6 / 19.9, 8192x2048
 #   25.9 / 26.0 -> 24.5 / 24.2 (the 192-token tile's 32-64 CTAs leave most SMs idle); not where N = 3584 (3584^2
 #   M = 160 20.6 -> 22.4) or on the large shapes (11008x4096 M = 160 34.2 -> 45.9 with the cost model's pick).
+# - session 48 (s48e, probe_configs, f16 4-bit, us, one round, the route (the 256-token row) -> the smallest of the
+#   new 208- / 224- / 240-token tiles that holds M, K splits automatic) on 4096x12288, 4096x28672, 8192^2, 14336x4096,
+#   28672x8192: M = 200 44.8 / 93.9 / 52.0 / 52.0 / 161.7 -> 38.8 / 81.8 / 45.1 / 45.8 / 150.3 (M = 208 alike), M = 224
+#   45.4 / 96.5 / 52.2 / 53.0 / 168.0 -> 40.4 / 91.8 / 47.8 / 47.9 / 157.2, M = 240 45.7 / 98.8 / 53.5 / 53.9 / 176.0
+#   -> 43.4 / 96.8 / 50.4 / 50.9 / 168.2, hence rows of these tiles at K*N > 2^24 (the 256-token row's bound; the old
+#   table: probe config routeR47). s48f (9 other shapes x M = 200 / 224 / 240, two rounds; bf16 and fp16 8-bit on
+#   three): faster in every cell, 4-15% (e.g. 18944x3584 M = 200 64.1 -> 55.0, 4096x22016 83.0 -> 73.3, 5120^2 M = 224
+#   32.3 -> 29.8; bf16 14336x4096 M = 208 51.9 -> 44.8; 8-bit 4096x12288 M = 208 46.9 -> 39.9). The 176-token tile
+#   at M = 145-176 (instead of the 192-token row) gained 0-5% on 8 shapes but lost where K splits in three through
+#   the workspace (s48f 5120^2 M = 150 / 176 25.3 / 25.7 -> 27.6 / 28.1, 13824x5120 M = 176 49.9 -> 51.6): no row.
 # The first row holding M whose bounds hold and whose kernel is built (K.WGMMA_PROD2_CONFIGS) is taken. Since
 # session 44 the rows from M = 257 on are the A/B baseline only: the cost model below (wgmma_route_cost) routes there.
 # WGMMA_TALL_MAX_M: none above it (0: the rule off).
@@ -765,7 +775,10 @@ WGMMA_TALL_ROUTE: tuple[TallRow, ...] = (
     TallRow(129, 144, (144, 1, 6)),
     TallRow(145, 192, (144, 1, 6), max_kn=1 << 24, max_n=2560),
     TallRow(145, 192, (192, 1, 6)),
-    TallRow(193, 256, (256, 1, 4), min_kn=(1 << 24) + 1),
+    TallRow(193, 208, (208, 1, 6), min_kn=(1 << 24) + 1),
+    TallRow(209, 224, (224, 1, 5), min_kn=(1 << 24) + 1),
+    TallRow(225, 240, (240, 1, 5), min_kn=(1 << 24) + 1),
+    TallRow(241, 256, (256, 1, 4), min_kn=(1 << 24) + 1),
     TallRow(257, 320, (160, 2, 4), min_kn=3 << 24),
     TallRow(257, 384, (192, 1, 6), min_kn=(1 << 23) + 1, max_kn=1 << 24),
     TallRow(257, 384, (192, 1, 6), min_k=8192),
@@ -821,9 +834,16 @@ WGMMA_TALL_MODEL_MIN_M = 257  # the table's rows (and its 144-token tiles) below
 # 54.7 -> 47.4, 14336x4096 M = 257 65.5 -> 59.4, 4096x6144 M = 257 37.4 -> 33.9, 5120^2 M = 448 47.9 -> 44.7,
 # 28672x8192 M = 544 443.1 -> 424.6), > 3% slower in one: 5120x13824 M = 544 133.9 -> 143.5 (the 192-token tile's
 # 324 whole tiles instead of its stream-K, priced within 0.2 us of each other).
-WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.768, (128, 2, "p2"): 0.808, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.533,
-                        (160, 2, "p2"): 0.957, (192, 1, "p2"): 0.581, (256, 1, "p2"): 0.752}
-WGMMA_COST_TERMS = {"a": 0.682, "split": 4.31, "per_split": 2.316, "sk": 15.253, "sk_stage": 0.054, "cluster": -1.972}
+# Session 48: the 176- / 208- / 224- / 240-token tiles built and priced (refit: fit_tall_cost.py as above plus
+# --clustered s48a.log --clustered s48b.log, every tall tile whole and stream-K on 6 shapes x M = 300-1024, 1080 cells;
+# 1011 launches in the fit, median error 4.8%). Leave-one-shape-out on s48's 60 cells: the model's pick 0.948 of the
+# shipped route's time (geometric mean; > 3% faster in 34, > 3% slower in one: 14336x4096 M = 528 +4.5%), e.g. M = 416
+# / 448 / 800 on 4096^2 and 8192^2 12-19% faster (2 x 208 / 2 x 224 / 4 x 208 rows instead of 256-row padding).
+# Session 47's model: probe config routeC47.
+WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.777, (128, 2, "p2"): 0.826, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.504,
+                        (160, 2, "p2"): 0.962, (176, 1, "p2"): 0.566, (192, 1, "p2"): 0.589, (208, 1, "p2"): 0.637,
+                        (224, 1, "p2"): 0.659, (240, 1, "p2"): 0.705, (256, 1, "p2"): 0.762}
+WGMMA_COST_TERMS = {"a": -0.275, "split": 4.135, "per_split": 2.721, "sk": 15.476, "sk_stage": 0.04, "cluster": -2.259}
 # "cluster": added to a two-way K split's fix-up where its CTAs sum as a cluster (wgmma_cost_clusterable; session
 # 45's cluster sum against the workspace fix-up).
 
@@ -1160,7 +1180,7 @@ WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2
 
 
 # Two clustered K splits instead of the plain 128- or 64-token form's three or four through the workspace, where two
-# per tile give every SM one CTA (WGMMA_HALVE_MIN_FILL x SMs <= 2 x tiles <= SMs) and K <= WGMMA_HALVE_MAX_K x NT /
+# per tile give every SM one CTA (WGMMA_HALVE_MIN_FILL[NT] x SMs <= 2 x tiles <= SMs) and K <= WGMMA_HALVE_MAX_K x NT /
 # 128 (the fixup saved scales with the token tile, the one-CTA stream's loss with K): the form runs two CTAs per SM,
 # so the halved launch streams the same K per SM with one CTA and drops the last CTA's read of three or four whole
 # tiles of partial sums (past one CTA per SM some SMs would stream twice the K of the split launch's busiest SM).
@@ -1173,8 +1193,24 @@ WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2
 # 16.3 / 16.4; 5120x8192 18.7 / 19.2 -> 19.4 / 19.5 and 8192^2 25.4 / 25.8 -> 28.8 / 29.1 (so K <= 4096 there);
 # the rule on it, s46h (f16 / bf16 / fp16 8-bit, rule off -> on, M = 64): 3072x8192 15.8 / 16.0 / 17.1 -> 13.4 /
 # 13.5 / 14.2, 4096x8192 17.2 / 17.3 / 19.1 -> 16.6 / 16.6 / 17.6.
+# Session 48 (s48c, probe_configs, two rounds, fill 0.9 -> 0.8: two splits of 56 tiles, 112 CTAs, now halve): N = 3584
+# M = 160-256 3072x3584 19.0-23.4 -> 16.3-16.6, 3584^2 20.6-25.6 -> 18.3, 4096x3584 M = 224 / 256 25.5 / 26.0 -> 20.1
+# (M = 160 20.7 -> 19.9), 8192x3584 M = 224 / 256 36.6 / 37.6 -> 34.5 / 34.4; N = 7168 M = 40-128 3584x7168 16.8-25.1
+# -> 14.8-18.3, 4096x7168 M = 96 / 128 24.4 / 25.4 -> 20.0 / 20.1, 7168^2 M = 96 / 128 32.8 / 34.2 -> 30.7 / 31.1;
+# level (within 1.5%) at 8192x3584 M = 160 / 192, 7168^2 M = 40 / 64, 8192x7168 M = 40 / 64. Geometric mean over the
+# 32 cells 0.873 (probe config routeHF9: the old fill). s48e (two rounds, fill 0.8 -> 0.7 / 0.6 / 0.5): 48 tiles (96
+# CTAs) halved at 0.7 and below: 3072^2 M = 160 / 192 / 224 / 256 18.8 / 19.2 / 23.0 / 23.2 -> 16.3-16.6, 4096x3072
+# M = 224 / 256 24.3 / 24.5 -> 19.8-20.1, 8192x3072 M = 256 36.0 -> 34.0, 4096x6144 M = 96 / 128 23.6 / 24.5 -> 19.6
+# / 19.9 (M = 40 15.9 -> 16.4, the one loss); 40 tiles (80 CTAs) at 0.6: 5120^2 M = 96 / 128 25.8 / 27.1 -> 23.2 /
+# 23.4, 2560^2 M = 160-256 level; 36 tiles (72 CTAs) at 0.5 lost: 3584x4608 M = 40 / 64 / 128 12.4 / 12.8 / 16.9 ->
+# 14.8 / 14.9 / 18.0. Hence 0.6, except the 64-token tile: s48f (two rounds, fill 0.8 -> 0.6) 3072x5120 M = 64 (40
+# tiles) 11.9 -> 13.2, where 48 tiles gained (3072x6144 M = 64 15.8 -> 13.2; s48e 4096x6144 M = 40 / 64 15.9 / 16.8 ->
+# 16.4 / 16.5): 0.7 there. s48f elsewhere (route 0.8 -> 0.6 / 0.7): 3072x6144 M = 96 / 128 21.9 / 22.9 -> 16.1 /
+# 16.3, 4096x5120 M = 96 / 128 23.0 / 24.0 -> 19.5 / 19.6, 6144^2 M = 96 / 128 28.7 / 30.0 -> 26.5 / 26.8, 4096x2560
+# M = 200 / 256 23.3 / 23.7 -> 19.6 / 19.6, 6144x3072 M = 256 30.8 -> 26.9; bf16 and fp16 8-bit alike (3072^2 M = 256
+# 23.6 / 23.7 -> 16.6 / 16.5, 5120^2 M = 128 27.6 / 28.0 -> 23.4 / 23.8). Geometric mean 0.906 over 51 cells.
 WGMMA_CLUSTER_HALVE = True
-WGMMA_HALVE_MIN_FILL = 0.9
+WGMMA_HALVE_MIN_FILL = {64: 0.7, 128: 0.6}  # the token tile -> the fill of the SMs two splits per tile must reach
 WGMMA_HALVE_MAX_K = 8192
 
 
@@ -1189,7 +1225,8 @@ WGMMA_HALVE_MAX_K = 8192
 # turns only this off (`routeH0` the halving rule with it), `routeHTK` lifts its K bound under the 256-token tile.
 WGMMA_HALVE_OVER_TALL = True
 WGMMA_HALVE_TALL_MIN_M = 145
-WGMMA_HALVE_TALL_MAX_K = {192: 4096, 256: 8192}  # the tall tile's token count -> the K bound (other tiles: never)
+# (session 48: the 208- / 224- / 240-token rows that split the old 256-token one take its bound)
+WGMMA_HALVE_TALL_MAX_K = {192: 4096, 208: 8192, 224: 8192, 240: 8192, 256: 8192}  # token count -> K bound
 
 
 def wgmma_halve_over_tall(m: int, n: int, k: int, cfg: tuple[int, int, int, bool], tall_nt: int, fam: Family,
@@ -1211,10 +1248,10 @@ def wgmma_halve_splits(tiles: int, splits: int, nt: int, fw: int, prod: int, wid
                        k: int) -> bool:
     """Whether an automatic launch of `tiles` output tiles with `splits` K splits runs two clustered splits instead
     (the plain 128- or 64-token form with one strip per warpgroup, three or more splits, and 2 x tiles CTAs fill
-    WGMMA_HALVE_MIN_FILL of the SMs, at most one per SM, K at most WGMMA_HALVE_MAX_K x NT / 128; the caller keeps the
-    splits where the cluster of 2 is refused)."""
+    WGMMA_HALVE_MIN_FILL[NT] of the SMs, at most one per SM, K at most WGMMA_HALVE_MAX_K x NT / 128; the caller keeps
+    the splits where the cluster of 2 is refused)."""
     return (WGMMA_CLUSTER_HALVE and WGMMA_CLUSTER_SUM and WGMMA_CLUSTER_MAX >= 2 and nt in (64, 128) and fw == 1
-            and not prod and not wide and splits >= 3 and WGMMA_HALVE_MIN_FILL * sms <= 2 * tiles <= sms
+            and not prod and not wide and splits >= 3 and WGMMA_HALVE_MIN_FILL[nt] * sms <= 2 * tiles <= sms
             and k * 128 <= WGMMA_HALVE_MAX_K * nt)
 
 
