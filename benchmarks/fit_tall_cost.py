@@ -11,7 +11,9 @@ per (shape, M), e.g. stages s43d and s44a (the fit in gemm.py):
 the prepared s46a; not s45c, whose route took clusters of every size): its launches get the cluster the rule
 (gemm.wgmma_cluster_sum, with the H200's max active clusters measured in s45g) gives them, `NAME+ws` configs none,
 and the fit gains a `cluster` term (the clustered split's fix-up against the workspace one). Explicit K splits in
-config names (wgmma-n192-f1-s6-k2-p2) are read.
+config names (wgmma-n192-f1-s6-k2-p2) are read. --route48 LOG: a clustered log whose `route` ran session 48's first
+fit (s48d); its routeC47 (session 47's model) is the route its held-out cells compare against. Only fp16 4-bit lines
+are read.
 
 Route names in the logs: routeT0 the route without tall tiles; routeCM the cost model (s44a, session 43's
 coefficients); route in a cell that also has routeCM (s44a) the table's rows; other `route` timings (s43d) are

@@ -1184,6 +1184,17 @@ for st in $STAGES; do
              --configs route,wgmma-n176-f1-s6-p2,wgmma-n208-f1-s6-p2,wgmma-n224-f1-s5-p2,wgmma-n240-f1-s5-p2,wgmma-n256-f1-s4-p2 \
              --shapes 4096x12288,4096x28672,8192x8192,14336x4096,28672x8192 >> "$OUT/s48e.log" 2>&1
            grep -c " us" "$OUT/s48e.log"; grep -ci "err nan\|failed" "$OUT/s48e.log";;
+    s49a)  # PREPARED in session 48 (not run): bench_gemm with the peers at M = 300 / 416 / 544 on session 48's route
+           # (s47e ran M = 300 / 544 on session 47's: Humming faster in 10 of 12 cells); then why the 176-token tile lost
+           # to the 192-token one with three K splits through the workspace (s48f: 5120^2 M = 150 / 176 +9%): both
+           # tiles with one / two (clustered) / three / four splits and stream-K on 5120^2 and 13824x5120, one round
+           timeout ${S49A_BENCH_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --m 300,416,544 --variants none --settle 0.2 \
+             --json "$OUT/s49a_gemm.json" > "$OUT/s49a_gemm.log" 2>&1
+           echo "s49a bench rc=$?"; tail -30 "$OUT/s49a_gemm.log"
+           cf=; for t in n176-f1-s6 n192-f1-s6; do for sp in k1 k2 k3 k4 sk; do cf=$cf${cf:+,}wgmma-$t-$sp-p2; done; done
+           timeout 90 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 150,176 --configs route,$cf \
+             --shapes 5120x5120,13824x5120 > "$OUT/s49a.log" 2>&1
+           echo "s49a probe rc=$?"; grep -c " us" "$OUT/s49a.log"; grep -ci "err nan\|failed" "$OUT/s49a.log";;
     s48g)  # session 48, the final route (the 208- / 224- / 240-token rows, fill 0.6 / 0.7, the refit cost model; kernels
            # as in s48f's test run): the route-dependent tests of test_wgmma_gpu.py, then the GEMM, formats and linear files
            timeout ${S48G_TEST_TIMEOUT:-150} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "tall or cluster or halve" \

@@ -839,7 +839,10 @@ WGMMA_TALL_MODEL_MIN_M = 257  # the table's rows (and its 144-token tiles) below
 # 1011 launches in the fit, median error 4.8%). Leave-one-shape-out on s48's 60 cells: the model's pick 0.948 of the
 # shipped route's time (geometric mean; > 3% faster in 34, > 3% slower in one: 14336x4096 M = 528 +4.5%), e.g. M = 416
 # / 448 / 800 on 4096^2 and 8192^2 12-19% faster (2 x 208 / 2 x 224 / 4 x 208 rows instead of 256-row padding).
-# Session 47's model: probe config routeC47.
+# Measured (s48d, routeC47 -> route, 12 shapes outside the fit x M = 300-960, two rounds, plus bf16 / fp16 8-bit on
+# three of the fit's): geometric mean 0.972 over 144 cells (fp16 4-bit held-out alone 0.983), > 3% faster in 56,
+# > 3% slower in 20, up to +10% where the model now takes the 144-token tile's whole tiles (3584x4608 M = 300 27.3 ->
+# 30.2, 2048x2560 M = 448 17.1 -> 18.5; see benchmarks/NOTES.md session 48). Session 47's model: probe routeC47.
 WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.777, (128, 2, "p2"): 0.826, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.504,
                         (160, 2, "p2"): 0.962, (176, 1, "p2"): 0.566, (192, 1, "p2"): 0.589, (208, 1, "p2"): 0.637,
                         (224, 1, "p2"): 0.659, (240, 1, "p2"): 0.705, (256, 1, "p2"): 0.762}
@@ -1180,10 +1183,10 @@ WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2
 
 
 # Two clustered K splits instead of the plain 128- or 64-token form's three or four through the workspace, where two
-# per tile give every SM one CTA (WGMMA_HALVE_MIN_FILL[NT] x SMs <= 2 x tiles <= SMs) and K <= WGMMA_HALVE_MAX_K x NT /
-# 128 (the fixup saved scales with the token tile, the one-CTA stream's loss with K): the form runs two CTAs per SM,
-# so the halved launch streams the same K per SM with one CTA and drops the last CTA's read of three or four whole
-# tiles of partial sums (past one CTA per SM some SMs would stream twice the K of the split launch's busiest SM).
+# per tile give an SM at most one CTA and fill enough of them (WGMMA_HALVE_MIN_FILL[NT] x SMs <= 2 x tiles <= SMs)
+# and K <= WGMMA_HALVE_MAX_K x NT / 128 (the fixup saved scales with the token tile, the one-CTA stream's loss with
+# K): the form runs two CTAs per SM, so the halved launch streams the same K per SM with one CTA and drops the last
+# CTA's read of three or four whole tiles of partial sums (past one CTA per SM some SMs would stream twice the K of the split launch's busiest SM).
 # H200, session 46 (s46c, probe_configs, us, two rounds, rule off -> on): 4096^2 M = 200 / 256 24.7 / 25.2 -> 20.1 /
 # 20.1, 3072x4096 M = 256 22.9 -> 16.6, 4096x8192 M = 72 / 128 26.3 / 25.5 -> 21.1 / 20.2, 3072x8192 M = 96 22.1 ->
 # 16.4, 8192^2 M = 96 / 128 35.8 / 37.5 -> 34.3 / 34.6 (M = 72 35.1 -> 35.4); bf16 and 8-bit alike (s46d); with
