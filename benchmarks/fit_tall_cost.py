@@ -11,7 +11,7 @@ per (shape, M), e.g. stages s43d and s44a (the fit in gemm.py):
 the prepared s46a; not s45c, whose route took clusters of every size): its launches get the cluster the rule
 (gemm.wgmma_cluster_sum, with the H200's max active clusters measured in s45g) gives them, `NAME+ws` configs none,
 and the fit gains a `cluster` term (the clustered split's fix-up against the workspace one). Explicit K splits in
-config names (wgmma-n192-f1-s6-k2-p2) are read. --route48 LOG: a clustered log whose `route` ran session 48's first
+config names (wgmma-n192-f1-s6-k2-p2) are read. --fixup-rows: fix-up terms scaled by the tile's rows (gemm.WGMMA_COST_FIXUP_ROWS). --route48 LOG: a clustered log whose `route` ran session 48's first
 fit (s48d); its routeC47 (session 47's model) is the route its held-out cells compare against. Only fp16 4-bit lines
 are read.
 
@@ -48,8 +48,11 @@ G.WGMMA_CLUSTER_HALVE = False  # the routes in these logs ran before session 46'
 fam = K.Family("f16", 4, False, 128)
 pat = re.compile(r"^\[(\S+)\] (\S+) u(\d+) (\d+x\d+) M=(\d+) (\S+): ([\d.]+) us")
 ALL_M = "--all-m" in sys.argv  # also fit the cells below M = 257 (where the table's rows route)
+# --fixup-rows: the K-split / stream-K / cluster fix-up terms times the tile's rows / 128 (NT x FW / 128: the fp32
+# partial sums a fix-up moves), as gemm.wgmma_cost_us prices them with WGMMA_COST_FIXUP_ROWS (session 48, prepared)
+FIXUP_ROWS = "--fixup-rows" in sys.argv
 MIN_M = 257
-args = [a for a in sys.argv[1:] if a != "--all-m"]
+args = [a for a in sys.argv[1:] if a not in ("--all-m", "--fixup-rows")]
 if "--extra-tiles" in args:  # tall tiles a log's probe built beyond K.WGMMA_PROD2_CONFIGS, e.g. 176-1-6,208-1-6
     i = args.index("--extra-tiles")
     K.WGMMA_PROD2_CONFIGS += tuple(tuple(int(x) for x in t.split("-")) for t in args[i + 1].split(","))
@@ -136,8 +139,9 @@ with_cluster = any(r[5] for r in rows)  # the cluster term only where some launc
 print(classes, "clustered launches:", sum(r[5] for r in rows))
 def feats(cls, st, sp, cl):
     f = [0.0] * len(classes); f[classes.index(cls)] = st
-    f += [1.0, 1.0 if sp > 1 else 0.0, sp if sp > 1 else 0.0, 1.0 if sp == -1 else 0.0, st if sp == -1 else 0.0]
-    return f + ([float(cl)] if with_cluster else [])
+    r = cls[0] * cls[1] / 128 if FIXUP_ROWS else 1.0
+    f += [1.0, r if sp > 1 else 0.0, sp * r if sp > 1 else 0.0, r if sp == -1 else 0.0, st if sp == -1 else 0.0]
+    return f + ([float(cl) * r] if with_cluster else [])
 X = np.array([feats(*r[2:6]) for r in rows]); y = np.array([r[6] for r in rows]); w = 1 / y
 def fit(idx):
     cf, *_ = np.linalg.lstsq(X[idx] * w[idx, None], y[idx] * w[idx], rcond=None); return cf

@@ -1195,6 +1195,21 @@ for st in $STAGES; do
            timeout 90 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 150,176 --configs route,$cf \
              --shapes 5120x5120,13824x5120 > "$OUT/s49a.log" 2>&1
            echo "s49a probe rc=$?"; grep -c " us" "$OUT/s49a.log"; grep -ci "err nan\|failed" "$OUT/s49a.log";;
+    s49b)  # PREPARED in session 48 (not run): the cost model with its fix-up terms scaled by the tile's rows (probe
+           # routeC49, gemm.WGMMA_COST_FIXUP_ROWS; fit_tall_cost.py ... --route48 s48d.log --fixup-rows) against the
+           # shipped one, two interleaved rounds, on shapes where 39 of 252 CPU-checked cells differ (among them s48d's
+           # slower cells: 3584x4608 M = 300 / 352, 2048x2560 M = 448-544, 13824x5120 M = 300 go back to session 47's
+           # launches); adopt only if it wins there (gemm.WGMMA_COST_* take S49_FIT_*, WGMMA_COST_FIXUP_ROWS = True)
+           for r in 1 2; do
+             timeout 90 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 257,300,352,416,448 --configs route,routeC49 \
+               --shapes 13824x5120,5120x5120,3584x4608,4096x28672,4096x22016,3584x37888,18944x3584,2048x2560,3584x3584,8192x2048 \
+               >> "$OUT/s49b.log" 2>&1
+             timeout 150 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 528,544,624,704,800,960,1024 --configs route,routeC49 \
+               --shapes 14336x4096,28672x8192,11008x4096,5120x13824,5120x5120,3584x37888,18944x3584,2048x2560,4096x12288,4096x11008,2048x2048,8192x2048 \
+               >> "$OUT/s49b.log" 2>&1
+             echo "s49b $r rc=$?"
+           done
+           grep -c " us" "$OUT/s49b.log"; grep -ci "err nan\|failed" "$OUT/s49b.log";;
     s48g)  # session 48, the final route (the 208- / 224- / 240-token rows, fill 0.6 / 0.7, the refit cost model; kernels
            # as in s48f's test run): the route-dependent tests of test_wgmma_gpu.py, then the GEMM, formats and linear files
            timeout ${S48G_TEST_TIMEOUT:-150} python3 -m pytest -q -rs tests/gpu/test_wgmma_gpu.py -k "tall or cluster or halve" \

@@ -876,6 +876,26 @@ def test_wgmma_cost_cluster_term(monkeypatch):
     assert all(abs(G.wgmma_cost_us(300, 8192, 8192, f, 2, 1, 132) - before[(f, 2)]) < 1e-9 for f in forms)
 
 
+def test_wgmma_cost_fixup_rows(monkeypatch):
+    """Prepared in session 48 (off by default; probe config routeC49): with gemm.WGMMA_COST_FIXUP_ROWS the cost
+    model's fix-up terms (K split, stream-K, cluster) are multiplied by the tile's rows / 128 and nothing else
+    changes; off, the prices are the shipped ones."""
+    from jitmarlin.ops import gemm as G
+
+    assert G.WGMMA_COST_FIXUP_ROWS is False
+    forms = list(G.WGMMA_COST_PER_STAGE)
+    cases = [(f, sp) for f in forms for sp in (-1, 1, 2, 3)]
+    off = {c: G.wgmma_cost_us(544, 8192, 8192, c[0], c[1], 1, 132) for c in cases}
+    monkeypatch.setattr(G, "WGMMA_COST_FIXUP_ROWS", True)
+    t = G.WGMMA_COST_TERMS
+    for (f, sp), us in off.items():
+        rows = f[0] * f[1] / 128
+        fix = 0.0 if sp == 1 else t["sk"] if sp == -1 else t["split"] + t["per_split"] * sp + (
+            t["cluster"] if sp == 2 and G.wgmma_cost_clusterable(f) else 0.0)
+        got = G.wgmma_cost_us(544, 8192, 8192, f, sp, 1, 132)
+        assert abs(got - (us + fix * (rows - 1))) < 1e-9, (f, sp, us, got)
+
+
 def test_wgmma_tall_row_144_small_n():
     """Session 47 (s47e): at M = 145-192 on N <= 2560 with K*N <= 2^24 the table runs two 144-token tiles (twice the
     CTAs of one 192-token tile) instead of the 192-token tile; N = 3584, K*N above 2^24 and M outside 145-192 keep

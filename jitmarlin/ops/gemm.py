@@ -849,6 +849,11 @@ WGMMA_COST_PER_STAGE = {(128, 1, "plain"): 0.777, (128, 2, "p2"): 0.826, (128, 2
 WGMMA_COST_TERMS = {"a": -0.275, "split": 4.135, "per_split": 2.721, "sk": 15.476, "sk_stage": 0.04, "cluster": -2.259}
 # "cluster": added to a two-way K split's fix-up where its CTAs sum as a cluster (wgmma_cost_clusterable; session
 # 45's cluster sum against the workspace fix-up).
+# Prepared in session 48 (off; probe config routeC49 turns it on with its own fit): the fix-up terms (split,
+# per_split, sk, cluster) times the tile's rows / 128 (NT x FW / 128: the fp32 partial sums a fix-up moves).
+# Leave-one-shape-out over s43d-s48d (fit_tall_cost.py --fixup-rows): picks 0.7% slower than the best measured
+# launch on average instead of 0.9%, 16 instead of 24 of 337 cells > 5% slower; not measured as a route yet.
+WGMMA_COST_FIXUP_ROWS = False
 
 
 def wgmma_cost_stages(m: int, n: int, k: int, form: tuple[int, int, str], splits: int, slots: int) -> float:
@@ -879,12 +884,13 @@ def wgmma_cost_us(m: int, n: int, k: int, form: tuple[int, int, str], splits: in
     """The cost model's time (us, H200 fp16 4-bit) of a wgmma launch of `form` with `splits` (-1: stream-K)."""
     t = WGMMA_COST_TERMS
     stages = wgmma_cost_stages(m, n, k, form, splits, sms * per_sm)
+    rows = form[0] * form[1] / 128 if WGMMA_COST_FIXUP_ROWS else 1.0
     if splits == -1:
-        fix = t["sk"] + t["sk_stage"] * stages
+        fix = t["sk"] * rows + t["sk_stage"] * stages
     else:
-        fix = t["split"] + t["per_split"] * splits if splits > 1 else 0.0
+        fix = (t["split"] + t["per_split"] * splits) * rows if splits > 1 else 0.0
         if splits == 2 and t["cluster"] and WGMMA_CLUSTER_SUM and wgmma_cost_clusterable(form):
-            fix += t["cluster"]
+            fix += t["cluster"] * rows
     return t["a"] + WGMMA_COST_PER_STAGE[form] * stages + fix
 
 
