@@ -29,6 +29,7 @@ import sys
 
 import numpy as np
 from jitmarlin.ops import gemm as G, _kernels as K
+from probe_configs import S47_FIT_PER_STAGE, S47_FIT_TERMS  # (this directory: session 47's model, config routeC47)
 from jitmarlin.jit import driver
 
 
@@ -78,12 +79,10 @@ SMS = 132
 S43_PER_STAGE = {(128, 1, "plain"): 0.767, (128, 2, "p2"): 0.813, (128, 2, "w"): 0.864,
                  (160, 2, "p2"): 0.965, (192, 1, "p2"): 0.587, (256, 1, "p2"): 0.755}
 S43_TERMS = {"a": 1.359, "split": 2.148, "per_split": 3.526, "sk": 14.961, "sk_stage": 0.049}
-# later models whose launches logs name: routeC47 (session 47's, probe_configs.S47_FIT_*), routeC48 (session 48's first
+# later models whose launches logs name: routeC47 (session 47's), routeC48 (session 48's first
 # fit with the 176- / 208- / 224- / 240-token tiles: the route of --route48 logs)
 MODELS = {"routeCM": (S43_PER_STAGE, dict(S43_TERMS, cluster=0.0)),
-          "routeC47": ({(128, 1, "plain"): 0.768, (128, 2, "p2"): 0.808, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.533,
-                        (160, 2, "p2"): 0.957, (192, 1, "p2"): 0.581, (256, 1, "p2"): 0.752},
-                       {"a": 0.682, "split": 4.31, "per_split": 2.316, "sk": 15.253, "sk_stage": 0.054, "cluster": -1.972}),
+          "routeC47": (S47_FIT_PER_STAGE, S47_FIT_TERMS),
           "routeC48": ({(128, 1, "plain"): 0.777, (128, 2, "p2"): 0.826, (128, 2, "w"): 0.858, (144, 1, "p2"): 0.504,
                         (160, 2, "p2"): 0.962, (176, 1, "p2"): 0.566, (192, 1, "p2"): 0.589, (208, 1, "p2"): 0.637,
                         (224, 1, "p2"): 0.659, (240, 1, "p2"): 0.705, (256, 1, "p2"): 0.762},

@@ -47,8 +47,8 @@ S49_FIT_TERMS = {"a": 0.822, "split": 4.625, "per_split": 0.353, "sk": 8.076, "s
 
 # The table's rows at M = 129-256 before session 48 split its 256-token row (config routeR47; s48f also ran it
 # against a 176-token row at M = 145-176, since dropped)
-S47_TALL_ROUTE = tuple(r for r in G.WGMMA_TALL_ROUTE if r.tile[0] not in (208, 224, 240, 256) or r.lo > 256)
-S47_TALL_ROUTE = S47_TALL_ROUTE[:7] + (G.TallRow(193, 256, (256, 1, 4), min_kn=(1 << 24) + 1),) + S47_TALL_ROUTE[7:]
+S47_TALL_ROUTE = tuple(G.TallRow(193, 256, (256, 1, 4), min_kn=(1 << 24) + 1) if r.tile[0] == 208 and r.hi <= 256 else r
+                       for r in G.WGMMA_TALL_ROUTE if not (r.tile[0] in (224, 240, 256) and r.hi <= 256))
 
 
 def main() -> None:
