@@ -147,6 +147,9 @@ def main() -> None:
             if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT0", "routeHTK", "routeC0", "routeM129",
                        "routeC47", "routeR47", "routeC49") or hf:
                 override = None
+            elif cfg.startswith("strip-"):  # the strip kernel (M <= 8): strip-w{WARPS}-c{CLUSTER}
+                w, c = re.fullmatch(r"strip-w(\d+)-c(\d+)", cfg).groups()
+                override = ("strip", int(w), int(c))
             elif cfg.startswith("wgmma"):  # the sm_90a kernel: wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w][-p]
                 parts = cfg.split("-")[1:]
                 prod = 2 if parts[-1] == "p2" else 1 if parts[-1] == "p" else 0

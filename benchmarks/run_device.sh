@@ -1184,6 +1184,22 @@ for st in $STAGES; do
              --configs route,wgmma-n176-f1-s6-p2,wgmma-n208-f1-s6-p2,wgmma-n224-f1-s5-p2,wgmma-n240-f1-s5-p2,wgmma-n256-f1-s4-p2 \
              --shapes 4096x12288,4096x28672,8192x8192,14336x4096,28672x8192 >> "$OUT/s48e.log" 2>&1
            grep -c " us" "$OUT/s48e.log"; grep -ci "err nan\|failed" "$OUT/s48e.log";;
+    s49c)  # session 49: the harness floor -- a kernel that only streams a layer's W4 weights (+ g128 scales), timed as
+           # bench_gemm times the GEMM (CUDA graph of 20 calls, each on its own copy, PDL on / off), % of the copy floor
+           nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/floor_probe.cu -o /tmp/floor_probe \
+             && timeout 120 /tmp/floor_probe > "$OUT/s49c.log" 2>&1; echo "s49c rc=$?"; cat "$OUT/s49c.log";;
+    s49d)  # session 49: where the route's time goes at M = 1 / 16 on the shapes farthest from the floor (per-CTA timeline)
+           timeout 200 python3 benchmarks/probe_timeline.py --shapes 8192x8192,4096x4096,4096x28672,14336x4096,4096x11008 \
+             --m 1,16 2>&1 | grep -v "^jitmarlin:" > "$OUT/s49d.log"; echo "s49d rc=$?"; cat "$OUT/s49d.log";;
+    s49e)  # session 49: the strip kernel (cuda_src/jm_strip.cuh, M <= 8, no global partial sums): its GPU tests, then
+           # every built (warps, cluster) config against the route at M = 1 / 4 / 8 on the bench shapes and the 7B's
+           timeout 200 python3 -m pytest -q -rs -x tests/gpu/test_strip_gpu.py > "$OUT/s49e_test.log" 2>&1
+           echo "s49e tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/s49e_test.log" | tail -12
+           timeout 240 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,4,8 \
+             --configs route,strip-w16-c1,strip-w16-c2,strip-w16-c4,strip-w8-c1,strip-w8-c2,strip-w4-c1 \
+             --shapes 4096x4096,8192x8192,14336x4096,4096x12288,11008x4096,4096x11008,4096x28672,28672x8192,8192x28672 \
+             > "$OUT/s49e.log" 2>&1
+           echo "s49e probe rc=$?"; grep " us\|failed" "$OUT/s49e.log" | sed 's/(floor.*err/err/';;
     s49a)  # PREPARED in session 48 (not run): bench_gemm with the peers at M = 300 / 416 / 544 on session 48's route
            # (s47e ran M = 300 / 544 on session 47's: Humming faster in 10 of 12 cells); then why the 176-token tile lost
            # to the 192-token one with three K splits through the workspace (s48f: 5120^2 M = 150 / 176 +9%): both

@@ -915,3 +915,23 @@ def test_wgmma_tall_row_144_small_n():
         assert tall(144, n, k) == (144, 1, 6) and tall(200, n, k) != (144, 1, 6), (n, k)
     for m, n, k in ((160, 3584, 3584), (160, 2048, 11008), (192, 4096, 4096)):
         assert tall(m, n, k) == (192, 1, 6), (m, n, k)
+
+
+def test_strip_kernels_in_the_build():
+    """The strip kernels (cuda_src/jm_strip.cuh) are built in dense sm_90 families only, one source per
+    (warps, cluster) config with the family's template arguments and the ring depth of its bits."""
+    for fam in (K.Family("f16", 4, False, 128), K.Family("bf16", 8, True, -1)):
+        names = [name for name, _ in K.build_spec(fam, (9, 0)).sources]
+        strips = [K.strip_kernel_name(fam, w, c) for w, c in K.STRIP_CONFIGS]
+        assert set(strips) <= set(names) and len(set(strips)) == len(K.STRIP_CONFIGS)
+        assert not any(name.startswith("jm_strip") for name, _ in K.build_spec(fam, (8, 0)).sources)
+        src = dict(K.build_spec(fam, (9, 0)).sources)[K.strip_kernel_name(fam, 16, 2)]
+        assert '#include "jm_strip.cuh"' in src
+        assert (f"{K.CTYPES[fam.dtype]}, {fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, 16, "
+                f"{K.strip_depth(fam.bits)}, 2)") in src
+    moe = K.Family("f16", 4, False, 128, moe=True)
+    assert not any(name.startswith("jm_strip") for name, _ in K.build_spec(moe, (9, 0)).sources)
+    with pytest.raises(ValueError, match="no strip kernel"):
+        K.get_strip_kernel(moe, 16, 1, 0, (9, 0))
+    with pytest.raises(ValueError, match="no strip kernel"):
+        K.get_strip_kernel(K.Family("f16", 4, False, 128), 12, 1, 0, (9, 0))

@@ -1360,6 +1360,42 @@ def wgmma_pdl_after_gather(n: int, k: int) -> bool:
     return k * n > WGMMA_PDL_AFTER_GATHER_MIN_KN
 
 
+# ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 8, one 64-column strip per CTA or cluster ----
+
+def strip_grid(n: int, cluster: int) -> int:
+    return n // 64 * cluster
+
+
+def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, fn) -> None:
+    """Clear errors for a strip launch the kernel cannot run (M, N, K, the cluster's fit)."""
+    if not 1 <= m <= K.STRIP_MAX_M:
+        raise ValueError(f"the strip kernel takes M = 1..{K.STRIP_MAX_M} tokens, got M={m}")
+    if n % 64 or k % 16 or (fam.group_size > 0 and k % fam.group_size):
+        raise ValueError(f"the strip kernel needs N % 64 == 0 and K a multiple of 16 and of the group size "
+                         f"{fam.group_size}, got N={n}, K={k}")
+    grid = strip_grid(n, cluster)
+    if cluster > 1 and grid > cluster * fn.max_active_clusters(32 * warps, 0, cluster):
+        raise ValueError(f"strip kernel with {warps} warps in clusters of {cluster}: the {grid // cluster} clusters "
+                         f"of N={n} do not all fit on the device at once")
+
+
+def launch_strip(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family, index: int,
+                 warps: int, cluster: int, pdl: bool = True) -> None:
+    """out[m, n] = a @ dequant(b) (+ bias) by the strip kernel of (warps, cluster) (K.STRIP_CONFIGS)."""
+    fn = K.get_strip_kernel(fam, warps, cluster, index, _cc(index))
+    check_strip(m, n, k, fam, warps, cluster, fn)
+    p = K.GemmParams()
+    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.bias = bias.data_ptr() if bias is not None else None
+    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+    grid = strip_grid(n, cluster)
+    p.nwarps, p.grid, p.top_k = warps, grid, 1
+    fn.launch(grid, 32 * warps, 0, K.current_stream_handle(a.device), p, pdl=pdl and use_pdl(_cc(index)),
+              cluster=cluster)
+
+
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family,
                 workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None,
@@ -1370,6 +1406,9 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     index = K.cuda_index(a.device)
     if perm is not None:  # every route reads the gathered copy
         a = gather_columns(a, perm, m, k, fam)
+    if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "strip":
+        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:3])
+        return
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace,
                      pdl=perm is None or wgmma_pdl_after_gather(n, k))

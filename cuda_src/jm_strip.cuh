@@ -1,0 +1,245 @@
+// jitmarlin — the strip kernel: M <= 8 tokens with no partial sums in global memory.
+//
+// Why a second small-M kernel: at M <= 16 the striped GEMM (jm_gemm.cuh) streams its weights at the
+// copy rate, but a call on a mid-size layer ends with several microseconds of fix-up (the K splits of
+// an output unit summed through the workspace: store, fence, counter, the last CTA's loads) and
+// straggling CTAs (H200 timelines, benchmarks/NOTES.md sessions 11 and 49: 8192^2 M = 1 busy 7.9 us of
+// a 14.3 us call, exit 4.2). A kernel that only streams the same bytes, timed the same way, runs at
+// 90-95% of the copy floor on those layers (benchmarks/floor_probe.cu). This kernel is shaped like that
+// stream: every CTA owns one 64-column strip of the output (or 1/CLUSTER of its K, the CTAs of a
+// thread-block cluster summing through distributed shared memory), every warp streams a contiguous
+// run of whole scale groups of that strip with its own 16-byte loads, DEPTH k16 rows ahead in
+// registers (no shared-memory ring, no producer, no barrier in the main loop), and the warps meet
+// once, in shared memory, at the end. All CTAs carry the same bytes, so they end together.
+//
+// MMA form ("swap", as the 8-row tiles of jm_gemm.cuh): the weights are the A operand of
+// mma.m16n8k16 (16 output features x 16 k) and the tokens its 8 columns. In the packed layout
+// (jitmarlin/quant/layout.py; the word and nibble map also in jm_dequant.cuh) lane (g, t)'s word j
+// of a k16 row holds features 16j + g (n8-block 2j) and 16j + 8 + g (block 2j + 1) at k 2t, 2t+1,
+// 2t+8, 2t+9: dequantized, that is exactly the A fragment {f0.b0, f1.b0, f0.b1, f1.b1} of the 16
+// features 16j..16j+15. The B fragment is lane (g, t)'s token g at the same k: two 32-bit loads.
+// Group scales multiply the fp32 sums of each whole group (a group never straddles two warps);
+// per-channel scales and the bias are applied to the final sums.
+//
+// Launch (gemm.strip_launch): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
+// along x when CLUSTER > 1; p.m <= 8; N a multiple of 64; K a multiple of 16 and of the group size.
+#pragma once
+
+#include "jm_dequant.cuh"
+#include "jm_gemm_params.h"
+
+namespace jm {
+
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER>
+JM_DEVICE void strip_body(const JmGemmParams& p) {
+  static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
+  static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 CTAs");
+  static_assert(WARPS >= 1 && WARPS <= 16 && DEPTH >= 1, "warps and depth");
+  constexpr bool kGrouped = GROUP_BLOCKS > 0;
+  constexpr int kVec = BITS / 4;                     // 16-byte words per lane per k16 row
+  constexpr int kRowWords = 32 * BITS;               // int32 words of one 16 x 64 tile
+  constexpr int kUnit = kGrouped ? GROUP_BLOCKS : 1;  // k16 rows a warp's run is made of
+
+  __shared__ float red[WARPS][8][64];             // each warp's sums: [token][feature of the strip]
+  __shared__ float recv[CLUSTER > 1 ? CLUSTER - 1 : 1][8][64];  // rank 0: the other CTAs' sums
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int rank = CLUSTER > 1 ? static_cast<int>(cluster_ctarank()) : 0;
+  const int strip = static_cast<int>(blockIdx.x) / CLUSTER;
+  const int n = p.n, k16 = p.k / 16;
+
+  // this warp's run of k16 rows: whole units, as even as they split over the CLUSTER * WARPS workers
+  const int units = k16 / kUnit, workers = CLUSTER * WARPS, worker = rank * WARPS + warp;
+  const int kt0 = static_cast<int>(static_cast<int64_t>(units) * worker / workers) * kUnit;
+  const int kt1 = static_cast<int>(static_cast<int64_t>(units) * (worker + 1) / workers) * kUnit;
+  const int rows = kt1 - kt0;
+
+  // the packed weights are [N/64 strips][K/16][32 * BITS words] (jitmarlin/quant/layout.py): a strip is
+  // contiguous along K, and lane l's words of a k16 row are the 16-byte vectors l (and 32 + l for 8-bit)
+  constexpr int kRowVecs = kRowWords / 4;  // 16-byte vectors of one k16 row of a strip
+  const uint4* wbase = reinterpret_cast<const uint4*>(p.b) + static_cast<int64_t>(strip) * k16 * kRowVecs + lane;
+  const T* arow = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.lda + 2 * t;
+  const bool a_live = g < p.m;
+
+  uint4 wr[DEPTH][kVec];
+  uint32_t ar[DEPTH][2];
+  auto load_w = [&](uint4 (&dst)[kVec], int kt) {
+#pragma unroll
+    for (int v = 0; v < kVec; v++) dst[v] = ldg_stream(wbase + kt * kRowVecs + 32 * v);
+  };
+  auto load_a = [&](uint32_t (&dst)[2], int kt) {
+    if (a_live) {
+      const T* src = arow + kt * 16;
+      dst[0] = *reinterpret_cast<const uint32_t*>(src);
+      dst[1] = *reinterpret_cast<const uint32_t*>(src + 8);
+    } else {
+      dst[0] = 0u;
+      dst[1] = 0u;
+    }
+  };
+
+  // scales (and zero points) of a group: lane g's 8 halves are the scales of columns g + 8e (the
+  // 64-column permutation of jitmarlin.quant.permute_scales), e = the n8-block
+  const T* sbase = static_cast<const T*>(p.s) + strip * 64 + 8 * g;
+  const uint32_t* zbase = static_cast<const uint32_t*>(p.z) + strip * (BITS * 2) + (BITS == 4 ? g : 2 * g);
+  const int zrow = n * BITS / 32;
+  auto load_s = [&](int grp) -> uint4 {
+    return kGrouped ? __ldg(reinterpret_cast<const uint4*>(sbase + static_cast<int64_t>(grp) * n)) : make_uint4(0, 0, 0, 0);
+  };
+  auto load_z = [&](int grp) -> uint2 {
+    uint2 z = make_uint2(0u, 0u);
+    if constexpr (HAS_ZP) {
+      const uint32_t* src = zbase + static_cast<int64_t>(grp) * zrow;
+      z.x = __ldg(src);
+      if constexpr (BITS == 8) z.y = __ldg(src + 1);
+    }
+    return z;
+  };
+
+  // The weights, scales and zero points never depend on the previous kernel: out before the wait.
+  const int grp0 = kGrouped ? kt0 / GROUP_BLOCKS : 0;
+#pragma unroll
+  for (int d = 0; d < DEPTH; d++)
+    if (d < rows) load_w(wr[d], kt0 + d);
+  uint4 s_cur = rows > 0 ? load_s(grp0) : make_uint4(0, 0, 0, 0);
+  uint2 z_cur = rows > 0 ? load_z(grp0) : make_uint2(0u, 0u);
+  if constexpr (CLUSTER > 1) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
+  griddep_launch_dependents();
+  griddep_wait();
+#pragma unroll
+  for (int d = 0; d < DEPTH; d++)
+    if (d < rows) load_a(ar[d], kt0 + d);
+
+  float acc[4][4], part[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+#pragma unroll
+    for (int q = 0; q < 4; q++) acc[j][q] = part[j][q] = 0.f;
+
+  ZeroConst zc[8];
+  auto set_zeros = [&](uint2 z) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      uint32_t zv = BITS == 4 ? 8u : 128u;
+      if constexpr (HAS_ZP) {
+        if constexpr (BITS == 4) zv = (z.x >> (4 * e)) & 0xFu;
+        else zv = ((e < 4 ? z.x : z.y) >> (8 * (e & 3))) & 0xFFu;
+      }
+      zc[e] = make_zero_const<T, BITS>(zv);
+    }
+  };
+  set_zeros(z_cur);
+  uint4 s_next = s_cur;
+  uint2 z_next = z_cur;
+  if (kGrouped && rows > GROUP_BLOCKS) {  // the next group's, one group ahead
+    s_next = load_s(grp0 + 1);
+    z_next = load_z(grp0 + 1);
+  }
+
+  auto compute = [&](const uint4 (&w)[kVec], const uint32_t (&a)[2]) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(w);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      Frag f0, f1;
+      if constexpr (BITS == 4) {
+        dequant4<T>(words[j], zc[2 * j], zc[2 * j + 1], f0, f1);
+      } else {
+        f0 = dequant8<T>(words[2 * j], zc[2 * j]);
+        f1 = dequant8<T>(words[2 * j + 1], zc[2 * j + 1]);
+      }
+      const uint32_t af[4] = {f0.b0, f1.b0, f0.b1, f1.b1};
+      if constexpr (kGrouped) mma_16816<T>(part[j], af, a[0], a[1]);
+      else mma_16816<T>(acc[j], af, a[0], a[1]);
+    }
+  };
+  // fold the finished group's sums into acc with its scales (halves 2j / 2j+1: features 16j+g / 16j+8+g)
+  auto fold = [&]() {
+    const T* sh = reinterpret_cast<const T*>(&s_cur);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const float lo = static_cast<float>(sh[2 * j]), hi = static_cast<float>(sh[2 * j + 1]);
+      acc[j][0] = fmaf(part[j][0], lo, acc[j][0]);
+      acc[j][1] = fmaf(part[j][1], lo, acc[j][1]);
+      acc[j][2] = fmaf(part[j][2], hi, acc[j][2]);
+      acc[j][3] = fmaf(part[j][3], hi, acc[j][3]);
+#pragma unroll
+      for (int q = 0; q < 4; q++) part[j][q] = 0.f;
+    }
+  };
+
+  for (int base = 0; base < rows; base += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++) {
+      const int i = base + d;
+      if (i < rows) {
+        compute(wr[d], ar[d]);
+        if (i + DEPTH < rows) {
+          load_w(wr[d], kt0 + i + DEPTH);
+          load_a(ar[d], kt0 + i + DEPTH);
+        }
+        if constexpr (kGrouped) {
+          if ((i + 1) % GROUP_BLOCKS == 0) {  // kt0 is group-aligned: row i ends a group
+            fold();
+            s_cur = s_next;
+            if constexpr (HAS_ZP) set_zeros(z_next);
+            const int nxt = (kt0 + i + 1) / GROUP_BLOCKS + 1;  // the group after the next one
+            if ((nxt - grp0) * GROUP_BLOCKS < rows) {
+              s_next = load_s(nxt);
+              z_next = load_z(nxt);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // the warps' sums meet in shared memory: red[warp][token][feature]
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    red[warp][2 * t][16 * j + g] = acc[j][0];
+    red[warp][2 * t + 1][16 * j + g] = acc[j][1];
+    red[warp][2 * t][16 * j + 8 + g] = acc[j][2];
+    red[warp][2 * t + 1][16 * j + 8 + g] = acc[j][3];
+  }
+  __syncthreads();
+  constexpr int kThreads = 32 * WARPS;
+  const int m = p.m;
+  if constexpr (CLUSTER > 1) {
+    cluster_wait();  // phase 0 complete: every CTA of the cluster has started
+    if (rank != 0) {
+      for (int i = threadIdx.x; i < m * 64; i += kThreads) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) v += red[w][i >> 6][i & 63];
+        st_cluster_f32(smem_addr(&recv[rank - 1][i >> 6][i & 63]), 0, v);
+      }
+    }
+    cluster_arrive_release();
+    cluster_wait();  // phase 1: rank 0 holds every share
+    if (rank != 0) return;
+  }
+  T* out = static_cast<T*>(p.c);
+  const T* bias = static_cast<const T*>(p.bias);
+  for (int i = threadIdx.x; i < m * 64; i += kThreads) {
+    const int tok = i >> 6, f = i & 63;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) v += red[w][tok][f];
+    if constexpr (CLUSTER > 1) {
+#pragma unroll
+      for (int r = 0; r < CLUSTER - 1; r++) v += recv[r][tok][f];
+    }
+    const int col = strip * 64 + f;
+    if constexpr (!kGrouped) v *= static_cast<float>(static_cast<const T*>(p.s)[col]);  // per channel: natural order
+    if (bias != nullptr) v += static_cast<float>(bias[col]);
+    out[static_cast<int64_t>(tok) * p.ldc + col] = static_cast<T>(v);
+  }
+}
+
+}  // namespace jm
+
+#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER)              \
+  extern "C" __global__ void __launch_bounds__(32 * (WARPS)) NAME(const JmGemmParams p) {        \
+    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER>(p);                      \
+  }

@@ -1,0 +1,114 @@
+"""The strip kernel (cuda_src/jm_strip.cuh, M <= 8 with no partial sums in global memory) against the
+plain-PyTorch reference: every built (warps, cluster) config, every weight format, odd K (warps with
+no rows, groups that do not split evenly), one strip, bias, determinism, CUDA-graph replay, and the
+clear errors of launches it cannot run."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from jitmarlin.ops import _kernels as K
+from jitmarlin.ops import gemm as G
+
+from .helpers import check_close, random_weights
+from .test_gemm_gpu import assert_workspace_clean, run_poisoned
+
+
+@pytest.fixture(autouse=True)
+def _sm90():
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("the strip kernel is built for sm_90 and newer only")
+
+
+CONFIGS = [pytest.param(w, c, id=f"w{w}-c{c}") for w, c in K.STRIP_CONFIGS]
+FORMATS = [pytest.param(d, b, g, z, id=f"{'bf16' if d == torch.bfloat16 else 'f16'}-u{b}-g{g}-{'zp' if z else 'sym'}")
+           for d, b, g, z in itertools.product((torch.float16, torch.bfloat16), (4, 8), (-1, 32, 64, 128), (False, True))]
+
+
+@pytest.mark.parametrize("warps,cluster", CONFIGS)
+def test_strip_configs_fp16_int4(warps, cluster):
+    """Every config on shapes whose strips fit the device at once: M = 1..8, with and without bias,
+    group 128 and per channel, K that leaves some warps without a group (1152 = 9 groups) and K that
+    is no multiple of 128 (per channel, 17 k16 rows)."""
+    fn = K.get_strip_kernel(K.Family("f16", 4, False, 128), warps, cluster, 0, torch.cuda.get_device_capability(0))
+    at_once = cluster * fn.max_active_clusters(32 * warps, 0, cluster) if cluster > 1 else 1 << 30
+    for k, n, group in ((4096, 2048, 128), (4096, 2048, -1), (1152, 1024, 128), (272, 64, -1), (8192, 4096, 128)):
+        if G.strip_grid(n, cluster) > at_once:
+            continue  # test_strip_clear_errors: a ValueError
+        packed, w = random_weights(k, n, 4, group, seed=k + n)
+        bias = torch.randn(n, device="cuda", dtype=torch.float16)
+        for m in (1, 2, 3, 5, 8):
+            a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            out = run_poisoned(a, packed, override=("strip", warps, cluster))
+            check_close(out, a.float() @ w, 1e-3, f"w{warps} c{cluster} K={k} N={n} g={group} M={m}")
+            out = run_poisoned(a, packed, bias=bias, override=("strip", warps, cluster))
+            check_close(out, a.float() @ w + bias.float(), 1e-3, f"bias w{warps} c{cluster} K={k} N={n} M={m}")
+    assert_workspace_clean()
+
+
+@pytest.mark.parametrize("dtype,bits,group,zp", FORMATS)
+def test_strip_formats(dtype, bits, group, zp):
+    """Every weight format on a single CTA per strip and on clusters of 2 and 4."""
+    tol = 1e-3 if dtype == torch.float16 else 1e-2
+    k, n = 5120, 768
+    packed, w = random_weights(k, n, bits, group, zp, dtype)
+    for warps, cluster in ((16, 1), (16, 2), (16, 4), (4, 1)):
+        for m in (1, 4, 8):
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            out = run_poisoned(a, packed, override=("strip", warps, cluster))
+            assert out.dtype == dtype
+            check_close(out, a.float() @ w, tol, f"w{warps} c{cluster} M={m}")
+
+
+def test_strip_deterministic_and_graph_replay():
+    """Two calls give the same bits (fixed summation order: warps, then cluster ranks); a CUDA graph of
+    the launch replays onto new inputs."""
+    k, n = 4096, 4096
+    packed, w = random_weights(k, n, 4, 128)
+    a = torch.randn(4, k, device="cuda", dtype=torch.float16)
+    for cfg in (("strip", 16, 2), ("strip", 8, 1)):
+        first = run_poisoned(a, packed, override=cfg)
+        assert torch.equal(first, run_poisoned(a, packed, override=cfg)), cfg
+        fam = K.Family("f16", 4, False, 128)
+        out = torch.empty(4, n, device="cuda", dtype=torch.float16)
+        static_a = a.clone()
+        G.launch_gemm(static_a, packed.b, packed.scales, None, None, out, 4, n, k, fam, plan_override=cfg)  # warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            G.launch_gemm(static_a, packed.b, packed.scales, None, None, out, 4, n, k, fam, plan_override=cfg)
+        for seed in (1, 2):
+            static_a.copy_(torch.randn(4, k, device="cuda", dtype=torch.float16, generator=torch.Generator(
+                device="cuda").manual_seed(seed)))
+            out.fill_(float("nan"))
+            graph.replay()
+            check_close(out, static_a.float() @ w, 1e-3, f"graph replay {cfg} seed {seed}")
+
+
+def test_strip_act_order_gathers_first():
+    """With an act-order permutation the gather kernel runs first and the strip kernel reads its copy."""
+    k, n = 2048, 1024
+    packed, w = random_weights(k, n, 4, 128)
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    a = torch.randn(3, k, device="cuda", dtype=torch.float16)
+    m, n_, k_, fam = G.check_args(a, packed.b, packed.scales, None, None)
+    out = torch.full((3, n), float("nan"), dtype=torch.float16, device="cuda")
+    G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n_, k_, fam, plan_override=("strip", 16, 2),
+                  perm=perm)
+    check_close(out, a[:, perm.long()].float() @ w, 1e-3, "act-order strip")
+
+
+def test_strip_clear_errors():
+    """M past 8, clusters that cannot all run at once and unbuilt configs are ValueErrors naming the rule."""
+    packed, _ = random_weights(1024, 1024, 4, 128)
+    a = torch.randn(9, 1024, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="M = 1..8"):
+        run_poisoned(a, packed, override=("strip", 16, 1))
+    with pytest.raises(ValueError, match="no strip kernel"):
+        run_poisoned(a[:1], packed, override=("strip", 12, 1))
+    n = 64 * 4 * torch.cuda.get_device_properties(0).multi_processor_count  # 4 x SMs clusters of 4: never at once
+    big, _ = random_weights(256, n, 4, 128)
+    with pytest.raises(ValueError, match="do not all fit"):
+        run_poisoned(torch.randn(1, 256, device="cuda", dtype=torch.float16), big, override=("strip", 16, 4))
