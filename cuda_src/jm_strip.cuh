@@ -239,7 +239,9 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
 }  // namespace jm
 
+// Launch bounds: 16 warps per SM in every config (1 / 2 / 4 CTAs of 16 / 8 / 4 warps), the occupancy
+// gemm.strip_choice plans its one-wave grids with (<= 128 registers per thread).
 #define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER)              \
-  extern "C" __global__ void __launch_bounds__(32 * (WARPS)) NAME(const JmGemmParams p) {        \
+  extern "C" __global__ void __launch_bounds__(32 * (WARPS), 16 / (WARPS)) NAME(const JmGemmParams p) { \
     jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER>(p);                      \
   }

@@ -935,3 +935,28 @@ def test_strip_kernels_in_the_build():
         K.get_strip_kernel(moe, 16, 1, 0, (9, 0))
     with pytest.raises(ValueError, match="no strip kernel"):
         K.get_strip_kernel(K.Family("f16", 4, False, 128), 12, 1, 0, (9, 0))
+
+
+def test_strip_choice_rule(monkeypatch):
+    """Off by default; on, the first of STRIP_ORDER whose grid runs in one wave, clusters at most one CTA per SM."""
+    from jitmarlin.ops import gemm as G
+
+    fam = K.Family("f16", 4, False, 128)
+    sms = 132
+
+    def at_once(warps, cluster):  # H200-like: 1 / 2 / 4 CTAs per SM at 16 / 8 / 4 warps; clusters of 4 at 1 per SM: 30
+        per_sm = {16: 1, 8: 2, 4: 4}[warps]
+        return {1: sms * per_sm, 2: 2 * 66 * per_sm, 4: 4 * 30 * per_sm}[cluster]
+
+    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) is None  # STRIP_ROUTE off
+    monkeypatch.setattr(G, "STRIP_ROUTE", True)
+    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1)  # 128 strips
+    assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2)  # 64 strips x 2
+    assert G.strip_choice(1, 1920, 4096, fam, sms, at_once) == (16, 4)  # 30 strips x 4 = 120 clusters' CTAs
+    assert G.strip_choice(1, 2048, 4096, fam, sms, at_once) == (16, 2)  # 32 x 4 = 128 > 120 fit: pairs
+    assert G.strip_choice(1, 11008, 4096, fam, sms, at_once) == (8, 1)  # 172 strips: two CTAs per SM
+    assert G.strip_choice(1, 28672, 4096, fam, sms, at_once) == (4, 1)  # 448 strips: four per SM
+    assert G.strip_choice(1, 64 * 600, 4096, fam, sms, at_once) is None  # more than one wave of anything
+    assert G.strip_choice(9, 8192, 8192, fam, sms, at_once) is None  # M past 8
+    assert G.strip_choice(1, 8192, 8192, K.Family("f16", 4, False, 128, moe=True), sms, at_once) is None
+    assert G.strip_choice(1, 8192, 8200, fam, sms, at_once) is None  # K not a multiple of the group

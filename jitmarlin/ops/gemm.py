@@ -1379,20 +1379,68 @@ def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, f
                          f"of N={n} do not all fit on the device at once")
 
 
+# The strip kernel's route: off (STRIP_ROUTE = False) until the H200 measures it against the mma.sync routes at
+# M <= 8 (prepared in session 49, whose device time ran out after a first run with wrong weight addressing; the
+# probe config `routeS` turns it on for an A/B). Candidates in order: the most warps per strip whose grid runs in one
+# wave (every CTA the same bytes, so the launch ends together), clusters where the strips alone fill too few SMs.
+STRIP_ROUTE = False
+STRIP_ORDER: tuple[tuple[int, int], ...] = ((16, 4), (16, 2), (16, 1), (8, 1), (4, 1))
+
+
+def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tuple[int, int] | None:
+    """(warps, cluster) of the strip kernel for a dense M <= 8 problem, or None (STRIP_ROUTE off, MoE, shape).
+    at_once(warps, cluster) -> CTAs of that config the device runs together (0: cannot run). The first of
+    STRIP_ORDER whose N / 64 x cluster CTAs all run at once, clusters only while those CTAs are at most one per
+    SM (pure given at_once; CPU-tested)."""
+    if not STRIP_ROUTE or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
+        return None
+    if fam.group_size > 0 and k % fam.group_size:
+        return None
+    strips = n // 64
+    for warps, cluster in STRIP_ORDER:
+        if (warps, cluster) not in K.STRIP_CONFIGS:
+            continue
+        grid = strips * cluster
+        if cluster > 1 and grid > sms:
+            continue
+        if grid <= at_once(warps, cluster):
+            return warps, cluster
+    return None
+
+
+def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, int] | None:
+    """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver)."""
+    if not STRIP_ROUTE or m > K.STRIP_MAX_M or fam.moe or not K.strip_built(fam, _cc(index)):
+        return None
+    sms = driver.device(index).sm_count
+
+    def at_once(warps: int, cluster: int) -> int:
+        fn = K.get_strip_kernel(fam, warps, cluster, index, _cc(index))
+        if cluster > 1:
+            return cluster * fn.max_active_clusters(32 * warps, 0, cluster)
+        return sms * fn.occupancy(32 * warps, 0)
+
+    return strip_choice(m, n, k, fam, sms, at_once)
+
+
+def strip_params(m: int, n: int, k: int, warps: int, cluster: int, a, b, scales, zeros, bias, out) -> K.GemmParams:
+    p = K.GemmParams()
+    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.bias = bias.data_ptr() if bias is not None else None
+    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+    p.nwarps, p.grid, p.top_k = warps, strip_grid(n, cluster), 1
+    return p
+
+
 def launch_strip(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family, index: int,
                  warps: int, cluster: int, pdl: bool = True) -> None:
     """out[m, n] = a @ dequant(b) (+ bias) by the strip kernel of (warps, cluster) (K.STRIP_CONFIGS)."""
     fn = K.get_strip_kernel(fam, warps, cluster, index, _cc(index))
     check_strip(m, n, k, fam, warps, cluster, fn)
-    p = K.GemmParams()
-    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
-    p.z = zeros.data_ptr() if zeros is not None else None
-    p.bias = bias.data_ptr() if bias is not None else None
-    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
-    grid = strip_grid(n, cluster)
-    p.nwarps, p.grid, p.top_k = warps, grid, 1
-    fn.launch(grid, 32 * warps, 0, K.current_stream_handle(a.device), p, pdl=pdl and use_pdl(_cc(index)),
+    p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, out)
+    fn.launch(p.grid, 32 * warps, 0, K.current_stream_handle(a.device), p, pdl=pdl and use_pdl(_cc(index)),
               cluster=cluster)
 
 
@@ -1426,6 +1474,10 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
             torch.mm(a2, wt.t(), out=o2)
         return
     if plan_override is None:
+        strip = strip_route(m, n, k, fam, index)
+        if strip is not None:
+            launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *strip)
+            return
         launch = prepare_launch(m, m, n, k, fam, index)
     else:  # used by the tuning sweep; a third element sets the grid (experiments: probe_configs -gN),
         # fewer CTAs than fit or more (a second wave), at most one per tile
@@ -1527,6 +1579,13 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
                           True if wl.prod else None)
     if use_dequant_path(m, n, k):
         return None
+    strip = strip_route(m, n, k, fam, index)
+    if strip is not None:
+        warps, cluster = strip
+        fn = K.get_strip_kernel(fam, warps, cluster, index, _cc(index))
+        check_strip(m, n, k, fam, warps, cluster, fn)
+        p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, a.new_empty(0))
+        return _FastEntry(fn, p.grid, 32 * warps, 0, p, use_pdl(_cc(index)), cluster, 0, False)
     launch = prepare_launch(m, m, n, k, fam, index)
     out = a.new_empty(0)  # launch_params reads its pointer; the call sets the real one
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)

@@ -112,3 +112,24 @@ def test_strip_clear_errors():
     big, _ = random_weights(256, n, 4, 128)
     with pytest.raises(ValueError, match="do not all fit"):
         run_poisoned(torch.randn(1, 256, device="cuda", dtype=torch.float16), big, override=("strip", 16, 4))
+
+
+def test_strip_route_and_fast_path(monkeypatch):
+    """With the route on (gemm.STRIP_ROUTE), M <= 8 takes the strip kernel's chosen config through the general path
+    and the layers' fast path alike, and M = 9 does not."""
+    monkeypatch.setattr(G, "STRIP_ROUTE", True)
+    fam = K.Family("f16", 4, False, 128)
+    for k, n in ((4096, 4096), (8192, 8192), (4096, 11008), (4096, 28672), (2048, 1024)):
+        packed, w = random_weights(k, n, 4, 128)
+        assert G.strip_route(1, n, k, fam, 0) is not None, (k, n)
+        assert G.strip_route(9, n, k, fam, 0) is None
+        cache = G.FastGemm()
+        for m in (1, 6, 8):
+            a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            check_close(run_poisoned(a, packed), a.float() @ w, 1e-3, f"route K={k} N={n} M={m}")
+            out = G.gemm_fast(cache, a, packed.b, packed.scales, None, None)
+            assert out is not None
+            check_close(out, a.float() @ w, 1e-3, f"fast path K={k} N={n} M={m}")
+            assert not cache.by_m[m].uses_ws and cache.by_m[m].fn is K.get_strip_kernel(
+                fam, *G.strip_route(m, n, k, fam, 0), 0, torch.cuda.get_device_capability(0))
+    assert_workspace_clean()

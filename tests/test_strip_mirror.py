@@ -1,0 +1,107 @@
+"""A CPU mirror of the strip kernel's index arithmetic (cuda_src/jm_strip.cuh), checked against the packer.
+
+The GPU tests (tests/gpu/test_strip_gpu.py) are what prove the kernel; this test replays, in integer
+arithmetic, where the kernel reads each weight, scale and zero point and where its sums land, and
+asserts that every (k, feature) the MMA sees is the packer's q[k, n] with the scale and zero point of
+column n, and that the warps' runs cover K once. It mirrors the .cuh's formulas (a change there must
+change them here), and it exists because the kernel's first GPU run addressed the weights in Marlin's
+k-major order instead of jitmarlin's strip-major one: a slip this test catches without a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from jitmarlin.ops import _kernels as K
+from jitmarlin.quant.layout import pack_weights, pack_zeros, permute_scales
+
+
+def warp_runs(k: int, group_blocks: int, cluster: int, warps: int) -> list[tuple[int, int]]:
+    """[kt0, kt1) of worker rank * warps + warp, as strip_body splits K (whole groups, even shares)."""
+    unit = group_blocks if group_blocks > 0 else 1
+    units, workers = k // 16 // unit, cluster * warps
+    return [(units * w // workers * unit, units * (w + 1) // workers * unit) for w in range(workers)]
+
+
+def mirror(q, s, z, bits, group, warps, cluster):
+    """Per (k, n): the integer (q - z) the MMA multiplies, the scale multiplied in, as the kernel reads them."""
+    k, n = q.shape
+    k16, gb = k // 16, (-1 if group == -1 else group // 16)
+    words = pack_weights(q, bits).reshape(-1).to(torch.int64) & 0xFFFFFFFF  # int32 words, unsigned
+    sp = permute_scales(s).reshape(-1)
+    zw = pack_zeros(z, bits).reshape(-1).to(torch.int64) & 0xFFFFFFFF if z is not None else None
+    row_vecs = 8 * bits  # kRowVecs: 16-byte vectors per k16 row of a strip
+    got_q = torch.full((k, n), -999, dtype=torch.int64)
+    got_s = torch.zeros(k, n)
+    seen = torch.zeros(k, n, dtype=torch.int64)
+    runs = warp_runs(k, gb, cluster, warps)
+    for strip, (kt0, kt1) in itertools.product(range(n // 64), runs):
+        for kt, lane in itertools.product(range(kt0, kt1), range(32)):
+            g, t = lane >> 2, lane & 3
+            base = (strip * k16 * row_vecs + lane + kt * row_vecs) * 4  # wbase + kt * kRowVecs, in words
+            wv = [int(words[base + 4 * 32 * v + i]) for v in range(bits // 4) for i in range(4)]  # + 32 * v vectors
+            grp = kt // gb if gb > 0 else 0
+            for e in range(8):  # n8 block e of the strip: feature 8e + g (= 16j + g or 16j + 8 + g)
+                f = strip * 64 + 8 * e + g
+                if bits == 4:  # dequant4: word j = e >> 1; low nibbles -> block 2j, high -> 2j + 1
+                    w, h = wv[e >> 1], e & 1
+                    nib = {(0, 0): 0, (0, 1): 4, (1, 0): 2, (1, 1): 6}  # (b1?, k odd?) -> nibble, block 2j
+                    vals = {kk: (w >> (4 * (nib[kk] + h))) & 0xF for kk in nib}
+                else:  # dequant8: word e, bytes (0, 2) = b0 (k 2t, 2t+1), (1, 3) = b1 (k 2t+8, 2t+9)
+                    w = wv[e]
+                    vals = {(0, 0): w & 0xFF, (0, 1): (w >> 16) & 0xFF, (1, 0): (w >> 8) & 0xFF, (1, 1): w >> 24}
+                if zw is not None:  # zbase + grp * zrow: nibble e of word g (4-bit), byte e % 4 of word 2g + e // 4
+                    zrow = n * bits // 32
+                    zi = grp * zrow + strip * 2 * bits + (g if bits == 4 else 2 * g + (e >> 2))
+                    zv = (int(zw[zi]) >> (4 * e if bits == 4 else 8 * (e & 3))) & ((1 << bits) - 1)
+                else:
+                    zv = 1 << (bits - 1)
+                # scale: grouped, half e of the vector at sbase + grp * N (sbase = strip*64 + 8g); per channel: s[col]
+                sc = float(sp[grp * n + strip * 64 + 8 * g + e]) if gb > 0 else float(s[0, f])
+                for (hi, odd), v in vals.items():
+                    kk = 16 * kt + 2 * t + odd + 8 * hi
+                    got_q[kk, f] = v - zv
+                    got_s[kk, f] = sc
+                    seen[kk, f] += 1
+    return got_q, got_s, seen
+
+
+CASES = [(4, 128, False, 16, 2, 512), (4, -1, False, 16, 1, 272), (4, 32, True, 8, 2, 256),
+         (8, 64, False, 4, 1, 384), (8, 128, True, 16, 4, 1152)]
+
+
+@pytest.mark.parametrize("bits,group,zp,warps,cluster,k", CASES)
+def test_strip_kernel_reads_what_the_packer_wrote(bits, group, zp, warps, cluster, k):
+    n = 128
+    gen = torch.Generator().manual_seed(bits * 1000 + k)
+    q = torch.randint(0, 1 << bits, (k, n), generator=gen, dtype=torch.int32)
+    groups = 1 if group == -1 else k // group
+    s = torch.rand(groups, n, generator=gen).to(torch.float16) + 0.5
+    z = torch.randint(0, 1 << bits, (groups, n), generator=gen, dtype=torch.int32) if zp else None
+    got_q, got_s, seen = mirror(q, s, z, bits, group, warps, cluster)
+    assert bool((seen == 1).all()), "every (k, n) read exactly once across the warps' runs and strips"
+    zfull = (z if z is not None else torch.full((groups, n), 1 << (bits - 1))).repeat_interleave(k // groups, 0)
+    assert torch.equal(got_q, q.to(torch.int64) - zfull.to(torch.int64))
+    assert torch.equal(got_s, s.float().repeat_interleave(k // groups, 0))
+
+
+def test_warp_runs_are_whole_groups_and_even():
+    for k, gb, c, w in ((4096, 8, 2, 16), (1152, 8, 1, 16), (272, -1, 1, 16), (8192, 2, 4, 8)):
+        runs = warp_runs(k, gb, c, w)
+        assert runs[0][0] == 0 and runs[-1][1] == k // 16
+        assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+        unit = gb if gb > 0 else 1
+        assert all(r[0] % unit == 0 for r in runs)
+        sizes = [r[1] - r[0] for r in runs]
+        assert max(sizes) - min(sizes) <= unit
+
+
+def test_strip_configs_fit_the_kernel_limits():
+    """jm_strip.cuh's static_asserts: 1..16 warps, clusters of 1 / 2 / 4; the depth keeps 32 bytes of
+    weights per lane per slot pair (4-bit 8 rows, 8-bit 4)."""
+    for w, c in K.STRIP_CONFIGS:
+        assert 1 <= w <= 16 and c in (1, 2, 4)
+    assert K.strip_depth(4) * 16 == K.strip_depth(8) * 32
