@@ -30,18 +30,24 @@
 
 namespace jm {
 
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER>
+// TOKS: token blocks of 8 (1: M <= 8, 2: M <= 16). With one block the group scales multiply each group's fp32
+// sums; with two the registers for a second set of sums are not there, so they multiply the dequantized weights
+// (fp16 / bf16, as the other kernels do).
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS>
 JM_DEVICE void strip_body(const JmGemmParams& p) {
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
   static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 CTAs");
   static_assert(WARPS >= 1 && WARPS <= 16 && DEPTH >= 1, "warps and depth");
+  static_assert(TOKS == 1 || TOKS == 2, "one or two blocks of 8 tokens");
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
+  constexpr bool kFold = kGrouped && TOKS == 1;  // group scales on the fp32 sums (else on the weights)
   constexpr int kVec = BITS / 4;                     // 16-byte words per lane per k16 row
   constexpr int kRowWords = 32 * BITS;               // int32 words of one 16 x 64 tile
   constexpr int kUnit = kGrouped ? GROUP_BLOCKS : 1;  // k16 rows a warp's run is made of
 
-  __shared__ float red[WARPS][8][64];             // each warp's sums: [token][feature of the strip]
-  __shared__ float recv[CLUSTER > 1 ? CLUSTER - 1 : 1][8][64];  // rank 0: the other CTAs' sums
+  __shared__ float red[WARPS][8][64];                 // each warp's sums of one token block: [token][feature]
+  __shared__ float sums[8 * TOKS][64];                // this CTA's sums over its warps
+  __shared__ float recv[CLUSTER > 1 ? CLUSTER - 1 : 1][8 * TOKS][64];  // rank 0: the other CTAs' sums
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -59,23 +65,26 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   // contiguous along K, and lane l's words of a k16 row are the 16-byte vectors l (and 32 + l for 8-bit)
   constexpr int kRowVecs = kRowWords / 4;  // 16-byte vectors of one k16 row of a strip
   const uint4* wbase = reinterpret_cast<const uint4*>(p.b) + static_cast<int64_t>(strip) * k16 * kRowVecs + lane;
-  const T* arow = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.lda + 2 * t;
-  const bool a_live = g < p.m;
+  const T* arow = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.lda + 2 * t;  // token g (+ 8)
+  const int64_t a_next = static_cast<int64_t>(8) * p.lda;
 
   uint4 wr[DEPTH][kVec];
-  uint32_t ar[DEPTH][2];
+  uint32_t ar[DEPTH][2 * TOKS];
   auto load_w = [&](uint4 (&dst)[kVec], int kt) {
 #pragma unroll
     for (int v = 0; v < kVec; v++) dst[v] = ldg_stream(wbase + kt * kRowVecs + 32 * v);
   };
-  auto load_a = [&](uint32_t (&dst)[2], int kt) {
-    if (a_live) {
-      const T* src = arow + kt * 16;
-      dst[0] = *reinterpret_cast<const uint32_t*>(src);
-      dst[1] = *reinterpret_cast<const uint32_t*>(src + 8);
-    } else {
-      dst[0] = 0u;
-      dst[1] = 0u;
+  auto load_a = [&](uint32_t (&dst)[2 * TOKS], int kt) {
+#pragma unroll
+    for (int b = 0; b < TOKS; b++) {
+      if (g + 8 * b < p.m) {
+        const T* src = arow + b * a_next + kt * 16;
+        dst[2 * b] = *reinterpret_cast<const uint32_t*>(src);
+        dst[2 * b + 1] = *reinterpret_cast<const uint32_t*>(src + 8);
+      } else {
+        dst[2 * b] = 0u;
+        dst[2 * b + 1] = 0u;
+      }
     }
   };
 
@@ -111,11 +120,15 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   for (int d = 0; d < DEPTH; d++)
     if (d < rows) load_a(ar[d], kt0 + d);
 
-  float acc[4][4], part[4][4];
+  float acc[TOKS][4][4], part[kFold ? 4 : 1][4];
 #pragma unroll
   for (int j = 0; j < 4; j++)
 #pragma unroll
-    for (int q = 0; q < 4; q++) acc[j][q] = part[j][q] = 0.f;
+    for (int q = 0; q < 4; q++) {
+#pragma unroll
+      for (int b = 0; b < TOKS; b++) acc[b][j][q] = 0.f;
+      part[kFold ? j : 0][q] = 0.f;
+    }
 
   ZeroConst zc[8];
   auto set_zeros = [&](uint2 z) {
@@ -137,8 +150,9 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     z_next = load_z(grp0 + 1);
   }
 
-  auto compute = [&](const uint4 (&w)[kVec], const uint32_t (&a)[2]) {
+  auto compute = [&](const uint4 (&w)[kVec], const uint32_t (&a)[2 * TOKS]) {
     const uint32_t* words = reinterpret_cast<const uint32_t*>(w);
+    const uint16_t* sh = reinterpret_cast<const uint16_t*>(&s_cur);
 #pragma unroll
     for (int j = 0; j < 4; j++) {
       Frag f0, f1;
@@ -148,23 +162,36 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
         f0 = dequant8<T>(words[2 * j], zc[2 * j]);
         f1 = dequant8<T>(words[2 * j + 1], zc[2 * j + 1]);
       }
+      if constexpr (kGrouped && !kFold) {  // the group's scales on the weights: halves 2j / 2j+1, doubled
+        const uint32_t s0 = sh[2 * j] * 0x10001u, s1 = sh[2 * j + 1] * 0x10001u;
+        f0.b0 = mul2<T>(f0.b0, s0);
+        f0.b1 = mul2<T>(f0.b1, s0);
+        f1.b0 = mul2<T>(f1.b0, s1);
+        f1.b1 = mul2<T>(f1.b1, s1);
+      }
       const uint32_t af[4] = {f0.b0, f1.b0, f0.b1, f1.b1};
-      if constexpr (kGrouped) mma_16816<T>(part[j], af, a[0], a[1]);
-      else mma_16816<T>(acc[j], af, a[0], a[1]);
+      if constexpr (kFold) {
+        mma_16816<T>(part[j], af, a[0], a[1]);
+      } else {
+#pragma unroll
+        for (int b = 0; b < TOKS; b++) mma_16816<T>(acc[b][j], af, a[2 * b], a[2 * b + 1]);
+      }
     }
   };
   // fold the finished group's sums into acc with its scales (halves 2j / 2j+1: features 16j+g / 16j+8+g)
   auto fold = [&]() {
-    const T* sh = reinterpret_cast<const T*>(&s_cur);
+    if constexpr (kFold) {
+      const T* sh = reinterpret_cast<const T*>(&s_cur);
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-      const float lo = static_cast<float>(sh[2 * j]), hi = static_cast<float>(sh[2 * j + 1]);
-      acc[j][0] = fmaf(part[j][0], lo, acc[j][0]);
-      acc[j][1] = fmaf(part[j][1], lo, acc[j][1]);
-      acc[j][2] = fmaf(part[j][2], hi, acc[j][2]);
-      acc[j][3] = fmaf(part[j][3], hi, acc[j][3]);
+      for (int j = 0; j < 4; j++) {
+        const float lo = static_cast<float>(sh[2 * j]), hi = static_cast<float>(sh[2 * j + 1]);
+        acc[0][j][0] = fmaf(part[j][0], lo, acc[0][j][0]);
+        acc[0][j][1] = fmaf(part[j][1], lo, acc[0][j][1]);
+        acc[0][j][2] = fmaf(part[j][2], hi, acc[0][j][2]);
+        acc[0][j][3] = fmaf(part[j][3], hi, acc[0][j][3]);
 #pragma unroll
-      for (int q = 0; q < 4; q++) part[j][q] = 0.f;
+        for (int q = 0; q < 4; q++) part[j][q] = 0.f;
+      }
     }
   };
 
@@ -194,26 +221,32 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   }
 
-  // the warps' sums meet in shared memory: red[warp][token][feature]
-#pragma unroll
-  for (int j = 0; j < 4; j++) {
-    red[warp][2 * t][16 * j + g] = acc[j][0];
-    red[warp][2 * t + 1][16 * j + g] = acc[j][1];
-    red[warp][2 * t][16 * j + 8 + g] = acc[j][2];
-    red[warp][2 * t + 1][16 * j + 8 + g] = acc[j][3];
-  }
-  __syncthreads();
+  // the warps' sums meet in shared memory, one token block at a time: red[warp][token][feature] -> sums
   constexpr int kThreads = 32 * WARPS;
   const int m = p.m;
+#pragma unroll
+  for (int b = 0; b < TOKS; b++) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      red[warp][2 * t][16 * j + g] = acc[b][j][0];
+      red[warp][2 * t + 1][16 * j + g] = acc[b][j][1];
+      red[warp][2 * t][16 * j + 8 + g] = acc[b][j][2];
+      red[warp][2 * t + 1][16 * j + 8 + g] = acc[b][j][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 8 * 64; i += kThreads) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; w++) v += red[w][i >> 6][i & 63];
+      sums[8 * b + (i >> 6)][i & 63] = v;
+    }
+    __syncthreads();
+  }
   if constexpr (CLUSTER > 1) {
     cluster_wait();  // phase 0 complete: every CTA of the cluster has started
     if (rank != 0) {
-      for (int i = threadIdx.x; i < m * 64; i += kThreads) {
-        float v = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) v += red[w][i >> 6][i & 63];
-        st_cluster_f32(smem_addr(&recv[rank - 1][i >> 6][i & 63]), 0, v);
-      }
+      for (int i = threadIdx.x; i < m * 64; i += kThreads)
+        st_cluster_f32(smem_addr(&recv[rank - 1][i >> 6][i & 63]), 0, sums[i >> 6][i & 63]);
     }
     cluster_arrive_release();
     cluster_wait();  // phase 1: rank 0 holds every share
@@ -223,9 +256,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const T* bias = static_cast<const T*>(p.bias);
   for (int i = threadIdx.x; i < m * 64; i += kThreads) {
     const int tok = i >> 6, f = i & 63;
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) v += red[w][tok][f];
+    float v = sums[tok][f];
     if constexpr (CLUSTER > 1) {
 #pragma unroll
       for (int r = 0; r < CLUSTER - 1; r++) v += recv[r][tok][f];
@@ -241,7 +272,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
 // Launch bounds: 16 warps per SM in every config (1 / 2 / 4 CTAs of 16 / 8 / 4 warps), the occupancy
 // gemm.strip_choice plans its one-wave grids with (<= 128 registers per thread).
-#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER)              \
+#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS)          \
   extern "C" __global__ void __launch_bounds__(32 * (WARPS), 16 / (WARPS)) NAME(const JmGemmParams p) { \
-    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER>(p);                      \
+    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS>(p);                \
   }

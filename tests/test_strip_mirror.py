@@ -100,8 +100,9 @@ def test_warp_runs_are_whole_groups_and_even():
 
 
 def test_strip_configs_fit_the_kernel_limits():
-    """jm_strip.cuh's static_asserts: 1..16 warps, clusters of 1 / 2 / 4; the depth keeps 32 bytes of
-    weights per lane per slot pair (4-bit 8 rows, 8-bit 4)."""
-    for w, c in K.STRIP_CONFIGS:
-        assert 1 <= w <= 16 and c in (1, 2, 4)
-    assert K.strip_depth(4) * 16 == K.strip_depth(8) * 32
+    """jm_strip.cuh's static_asserts: 1..16 warps, clusters of 1 / 2 / 4, one or two token blocks; the depth holds
+    the same weight bytes per lane for 4- and 8-bit (4-bit 8 / 6 rows, 8-bit 4 / 3)."""
+    for w, c, t in K.STRIP_CONFIGS:
+        assert 1 <= w <= 16 and c in (1, 2, 4) and t in (1, 2)
+    for t in (1, 2):
+        assert K.strip_depth(4, t) * 16 == K.strip_depth(8, t) * 32

@@ -1366,10 +1366,10 @@ def strip_grid(n: int, cluster: int) -> int:
     return n // 64 * cluster
 
 
-def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, fn) -> None:
+def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, toks: int, fn) -> None:
     """Clear errors for a strip launch the kernel cannot run (M, N, K, the cluster's fit)."""
-    if not 1 <= m <= K.STRIP_MAX_M:
-        raise ValueError(f"the strip kernel takes M = 1..{K.STRIP_MAX_M} tokens, got M={m}")
+    if not 1 <= m <= 8 * toks:
+        raise ValueError(f"the strip kernel with {toks} block(s) of 8 tokens takes M = 1..{8 * toks}, got M={m}")
     if n % 64 or k % 16 or (fam.group_size > 0 and k % fam.group_size):
         raise ValueError(f"the strip kernel needs N % 64 == 0 and K a multiple of 16 and of the group size "
                          f"{fam.group_size}, got N={n}, K={k}")
@@ -1379,43 +1379,44 @@ def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, f
                          f"of N={n} do not all fit on the device at once")
 
 
-# The strip kernel's route: off (STRIP_ROUTE = False) until the H200 measures it against the mma.sync routes at
-# M <= 8 (prepared in session 49, whose device time ran out after a first run with wrong weight addressing; the
+# The strip kernel's route: off (STRIP_ROUTE = False) until the H200 measures it against the current routes at
+# M <= 16 (prepared in session 49, whose device time ran out after a first run with wrong weight addressing; the
 # probe config `routeS` turns it on for an A/B). Candidates in order: the most warps per strip whose grid runs in one
 # wave (every CTA the same bytes, so the launch ends together), clusters where the strips alone fill too few SMs.
 STRIP_ROUTE = False
-STRIP_ORDER: tuple[tuple[int, int], ...] = ((16, 4), (16, 2), (16, 1), (8, 1), (4, 1))
+STRIP_ORDER: tuple[tuple[int, int, int], ...] = (  # (warps, cluster, token blocks); the blocks must hold M
+    (16, 4, 1), (16, 2, 1), (16, 1, 1), (8, 1, 1), (4, 1, 1), (16, 2, 2), (16, 1, 2), (8, 1, 2), (4, 1, 2))
 
 
-def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tuple[int, int] | None:
-    """(warps, cluster) of the strip kernel for a dense M <= 8 problem, or None (STRIP_ROUTE off, MoE, shape).
-    at_once(warps, cluster) -> CTAs of that config the device runs together (0: cannot run). The first of
-    STRIP_ORDER whose N / 64 x cluster CTAs all run at once, clusters only while those CTAs are at most one per
-    SM (pure given at_once; CPU-tested)."""
+def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tuple[int, int, int] | None:
+    """(warps, cluster, token blocks) of the strip kernel for a dense M <= 16 problem, or None (STRIP_ROUTE off, MoE,
+    shape). at_once(warps, cluster, toks) -> CTAs of that config the device runs together (0: cannot run). The first
+    of STRIP_ORDER with the fewest token blocks that hold M whose N / 64 x cluster CTAs all run at once, clusters
+    only while those CTAs are at most one per SM (pure given at_once; CPU-tested)."""
     if not STRIP_ROUTE or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
         return None
     if fam.group_size > 0 and k % fam.group_size:
         return None
-    strips = n // 64
-    for warps, cluster in STRIP_ORDER:
-        if (warps, cluster) not in K.STRIP_CONFIGS:
+    strips, toks = n // 64, 1 if m <= 8 else 2
+    for warps, cluster, t in STRIP_ORDER:
+        if t != toks or (warps, cluster, t) not in K.STRIP_CONFIGS:
             continue
         grid = strips * cluster
         if cluster > 1 and grid > sms:
             continue
-        if grid <= at_once(warps, cluster):
-            return warps, cluster
+        if grid <= at_once(warps, cluster, t):
+            return warps, cluster, t
     return None
 
 
-def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, int] | None:
+def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, int, int] | None:
     """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver)."""
     if not STRIP_ROUTE or m > K.STRIP_MAX_M or fam.moe or not K.strip_built(fam, _cc(index)):
         return None
     sms = driver.device(index).sm_count
 
-    def at_once(warps: int, cluster: int) -> int:
-        fn = K.get_strip_kernel(fam, warps, cluster, index, _cc(index))
+    def at_once(warps: int, cluster: int, toks: int) -> int:
+        fn = K.get_strip_kernel(fam, warps, cluster, toks, index, _cc(index))
         if cluster > 1:
             return cluster * fn.max_active_clusters(32 * warps, 0, cluster)
         return sms * fn.occupancy(32 * warps, 0)
@@ -1435,10 +1436,12 @@ def strip_params(m: int, n: int, k: int, warps: int, cluster: int, a, b, scales,
 
 def launch_strip(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family, index: int,
-                 warps: int, cluster: int, pdl: bool = True) -> None:
-    """out[m, n] = a @ dequant(b) (+ bias) by the strip kernel of (warps, cluster) (K.STRIP_CONFIGS)."""
-    fn = K.get_strip_kernel(fam, warps, cluster, index, _cc(index))
-    check_strip(m, n, k, fam, warps, cluster, fn)
+                 warps: int, cluster: int, toks: int | None = None, pdl: bool = True) -> None:
+    """out[m, n] = a @ dequant(b) (+ bias) by the strip kernel of (warps, cluster, token blocks) (K.STRIP_CONFIGS;
+    toks None: one block of 8 tokens for M <= 8, else two)."""
+    toks = toks if toks is not None else (1 if m <= 8 else 2)
+    fn = K.get_strip_kernel(fam, warps, cluster, toks, index, _cc(index))
+    check_strip(m, n, k, fam, warps, cluster, toks, fn)
     p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, out)
     fn.launch(p.grid, 32 * warps, 0, K.current_stream_handle(a.device), p, pdl=pdl and use_pdl(_cc(index)),
               cluster=cluster)
@@ -1455,11 +1458,15 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     if perm is not None:  # every route reads the gathered copy
         a = gather_columns(a, perm, m, k, fam)
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "strip":
-        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:3])
+        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:4])
         return
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace,
                      pdl=perm is None or wgmma_pdl_after_gather(n, k))
+        return
+    strip = strip_route(m, n, k, fam, index) if plan_override is None else None
+    if strip is not None:
+        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *strip)
         return
     if plan_override is None and use_wgmma_path(m, n, k, fam, index):
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace,
@@ -1474,10 +1481,6 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
             torch.mm(a2, wt.t(), out=o2)
         return
     if plan_override is None:
-        strip = strip_route(m, n, k, fam, index)
-        if strip is not None:
-            launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *strip)
-            return
         launch = prepare_launch(m, m, n, k, fam, index)
     else:  # used by the tuning sweep; a third element sets the grid (experiments: probe_configs -gN),
         # fewer CTAs than fit or more (a second wave), at most one per tile
@@ -1570,6 +1573,13 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
     """The launch the general path (launch_gemm without a perm) makes for M = m, with its static
     parameters filled in; None for the dequantize + cuBLAS route."""
     ws = K.default_workspace(a.device)
+    strip = strip_route(m, n, k, fam, index)
+    if strip is not None:
+        warps, cluster, toks = strip
+        fn = K.get_strip_kernel(fam, warps, cluster, toks, index, _cc(index))
+        check_strip(m, n, k, fam, warps, cluster, toks, fn)
+        p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, a.new_empty(0))
+        return _FastEntry(fn, p.grid, 32 * warps, 0, p, use_pdl(_cc(index)), cluster, 0, False)
     if use_wgmma_path(m, n, k, fam, index):
         wl = wgmma_launch(m, n, k, fam, index)
         p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)
@@ -1579,13 +1589,6 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
                           True if wl.prod else None)
     if use_dequant_path(m, n, k):
         return None
-    strip = strip_route(m, n, k, fam, index)
-    if strip is not None:
-        warps, cluster = strip
-        fn = K.get_strip_kernel(fam, warps, cluster, index, _cc(index))
-        check_strip(m, n, k, fam, warps, cluster, fn)
-        p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, a.new_empty(0))
-        return _FastEntry(fn, p.grid, 32 * warps, 0, p, use_pdl(_cc(index)), cluster, 0, False)
     launch = prepare_launch(m, m, n, k, fam, index)
     out = a.new_empty(0)  # launch_params reads its pointer; the call sets the real one
     p = launch_params(launch, ws, a, b, scales, zeros, out, m, n, k)

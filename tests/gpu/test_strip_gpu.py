@@ -1,4 +1,4 @@
-"""The strip kernel (cuda_src/jm_strip.cuh, M <= 8 with no partial sums in global memory) against the
+"""The strip kernel (cuda_src/jm_strip.cuh, M <= 16 with no partial sums in global memory) against the
 plain-PyTorch reference: every built (warps, cluster) config, every weight format, odd K (warps with
 no rows, groups that do not split evenly), one strip, bias, determinism, CUDA-graph replay, and the
 clear errors of launches it cannot run."""
@@ -23,44 +23,45 @@ def _sm90():
         pytest.skip("the strip kernel is built for sm_90 and newer only")
 
 
-CONFIGS = [pytest.param(w, c, id=f"w{w}-c{c}") for w, c in K.STRIP_CONFIGS]
+CONFIGS = [pytest.param(w, c, t, id=f"w{w}-c{c}-t{t}") for w, c, t in K.STRIP_CONFIGS]
 FORMATS = [pytest.param(d, b, g, z, id=f"{'bf16' if d == torch.bfloat16 else 'f16'}-u{b}-g{g}-{'zp' if z else 'sym'}")
            for d, b, g, z in itertools.product((torch.float16, torch.bfloat16), (4, 8), (-1, 32, 64, 128), (False, True))]
 
 
-@pytest.mark.parametrize("warps,cluster", CONFIGS)
-def test_strip_configs_fp16_int4(warps, cluster):
-    """Every config on shapes whose strips fit the device at once: M = 1..8, with and without bias,
-    group 128 and per channel, K that leaves some warps without a group (1152 = 9 groups) and K that
-    is no multiple of 128 (per channel, 17 k16 rows)."""
-    fn = K.get_strip_kernel(K.Family("f16", 4, False, 128), warps, cluster, 0, torch.cuda.get_device_capability(0))
+@pytest.mark.parametrize("warps,cluster,toks", CONFIGS)
+def test_strip_configs_fp16_int4(warps, cluster, toks):
+    """Every config on shapes whose strips fit the device at once: M = 1..8 (one token block) or 1..16 (two),
+    with and without bias, group 128 and per channel, K that leaves some warps without a group (1152 = 9
+    groups) and K that is no multiple of 128 (per channel, 17 k16 rows)."""
+    fn = K.get_strip_kernel(K.Family("f16", 4, False, 128), warps, cluster, toks, 0,
+                            torch.cuda.get_device_capability(0))
     at_once = cluster * fn.max_active_clusters(32 * warps, 0, cluster) if cluster > 1 else 1 << 30
     for k, n, group in ((4096, 2048, 128), (4096, 2048, -1), (1152, 1024, 128), (272, 64, -1), (8192, 4096, 128)):
         if G.strip_grid(n, cluster) > at_once:
             continue  # test_strip_clear_errors: a ValueError
         packed, w = random_weights(k, n, 4, group, seed=k + n)
         bias = torch.randn(n, device="cuda", dtype=torch.float16)
-        for m in (1, 2, 3, 5, 8):
+        for m in (1, 2, 3, 5, 8) + ((9, 13, 16) if toks == 2 else ()):
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            out = run_poisoned(a, packed, override=("strip", warps, cluster))
-            check_close(out, a.float() @ w, 1e-3, f"w{warps} c{cluster} K={k} N={n} g={group} M={m}")
-            out = run_poisoned(a, packed, bias=bias, override=("strip", warps, cluster))
+            out = run_poisoned(a, packed, override=("strip", warps, cluster, toks))
+            check_close(out, a.float() @ w, 1e-3, f"w{warps} c{cluster} t{toks} K={k} N={n} g={group} M={m}")
+            out = run_poisoned(a, packed, bias=bias, override=("strip", warps, cluster, toks))
             check_close(out, a.float() @ w + bias.float(), 1e-3, f"bias w{warps} c{cluster} K={k} N={n} M={m}")
     assert_workspace_clean()
 
 
 @pytest.mark.parametrize("dtype,bits,group,zp", FORMATS)
 def test_strip_formats(dtype, bits, group, zp):
-    """Every weight format on a single CTA per strip and on clusters of 2 and 4."""
+    """Every weight format on a single CTA per strip and on clusters of 2 and 4, one and two token blocks."""
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     k, n = 5120, 768
     packed, w = random_weights(k, n, bits, group, zp, dtype)
-    for warps, cluster in ((16, 1), (16, 2), (16, 4), (4, 1)):
-        for m in (1, 4, 8):
+    for warps, cluster, toks in ((16, 1, 1), (16, 2, 1), (16, 4, 1), (4, 1, 1), (16, 2, 2), (4, 1, 2)):
+        for m in (1, 4, 8) + ((12, 16) if toks == 2 else ()):
             a = torch.randn(m, k, device="cuda", dtype=dtype)
-            out = run_poisoned(a, packed, override=("strip", warps, cluster))
+            out = run_poisoned(a, packed, override=("strip", warps, cluster, toks))
             assert out.dtype == dtype
-            check_close(out, a.float() @ w, tol, f"w{warps} c{cluster} M={m}")
+            check_close(out, a.float() @ w, tol, f"w{warps} c{cluster} t{toks} M={m}")
 
 
 def test_strip_deterministic_and_graph_replay():
@@ -69,7 +70,7 @@ def test_strip_deterministic_and_graph_replay():
     k, n = 4096, 4096
     packed, w = random_weights(k, n, 4, 128)
     a = torch.randn(4, k, device="cuda", dtype=torch.float16)
-    for cfg in (("strip", 16, 2), ("strip", 8, 1)):
+    for cfg in (("strip", 16, 2, 1), ("strip", 8, 1, 1), ("strip", 16, 1, 2)):
         first = run_poisoned(a, packed, override=cfg)
         assert torch.equal(first, run_poisoned(a, packed, override=cfg)), cfg
         fam = K.Family("f16", 4, False, 128)
@@ -95,36 +96,39 @@ def test_strip_act_order_gathers_first():
     a = torch.randn(3, k, device="cuda", dtype=torch.float16)
     m, n_, k_, fam = G.check_args(a, packed.b, packed.scales, None, None)
     out = torch.full((3, n), float("nan"), dtype=torch.float16, device="cuda")
-    G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n_, k_, fam, plan_override=("strip", 16, 2),
+    G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n_, k_, fam, plan_override=("strip", 16, 2, 1),
                   perm=perm)
     check_close(out, a[:, perm.long()].float() @ w, 1e-3, "act-order strip")
 
 
 def test_strip_clear_errors():
-    """M past 8, clusters that cannot all run at once and unbuilt configs are ValueErrors naming the rule."""
+    """M past the token blocks, clusters that cannot all run at once and unbuilt configs are ValueErrors naming
+    the rule."""
     packed, _ = random_weights(1024, 1024, 4, 128)
-    a = torch.randn(9, 1024, device="cuda", dtype=torch.float16)
+    a = torch.randn(17, 1024, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="M = 1..8"):
-        run_poisoned(a, packed, override=("strip", 16, 1))
+        run_poisoned(a[:9], packed, override=("strip", 16, 1, 1))
+    with pytest.raises(ValueError, match="M = 1..16"):
+        run_poisoned(a, packed, override=("strip", 16, 1, 2))
     with pytest.raises(ValueError, match="no strip kernel"):
-        run_poisoned(a[:1], packed, override=("strip", 12, 1))
+        run_poisoned(a[:1], packed, override=("strip", 12, 1, 1))
     n = 64 * 4 * torch.cuda.get_device_properties(0).multi_processor_count  # 4 x SMs clusters of 4: never at once
     big, _ = random_weights(256, n, 4, 128)
     with pytest.raises(ValueError, match="do not all fit"):
-        run_poisoned(torch.randn(1, 256, device="cuda", dtype=torch.float16), big, override=("strip", 16, 4))
+        run_poisoned(torch.randn(1, 256, device="cuda", dtype=torch.float16), big, override=("strip", 16, 4, 1))
 
 
 def test_strip_route_and_fast_path(monkeypatch):
-    """With the route on (gemm.STRIP_ROUTE), M <= 8 takes the strip kernel's chosen config through the general path
-    and the layers' fast path alike, and M = 9 does not."""
+    """With the route on (gemm.STRIP_ROUTE), M <= 16 takes the strip kernel's chosen config through the general path
+    and the layers' fast path alike, and M = 17 does not."""
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
     fam = K.Family("f16", 4, False, 128)
     for k, n in ((4096, 4096), (8192, 8192), (4096, 11008), (4096, 28672), (2048, 1024)):
         packed, w = random_weights(k, n, 4, 128)
         assert G.strip_route(1, n, k, fam, 0) is not None, (k, n)
-        assert G.strip_route(9, n, k, fam, 0) is None
+        assert G.strip_route(17, n, k, fam, 0) is None
         cache = G.FastGemm()
-        for m in (1, 6, 8):
+        for m in (1, 6, 8, 9, 16):
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
             check_close(run_poisoned(a, packed), a.float() @ w, 1e-3, f"route K={k} N={n} M={m}")
             out = G.gemm_fast(cache, a, packed.b, packed.scales, None, None)
