@@ -8,7 +8,7 @@
 // 90-95% of the copy floor on those layers (benchmarks/floor_probe.cu). This kernel is shaped like that
 // stream: every CTA owns one 64-column strip of the output (or 1/CLUSTER of its K, the CTAs of a
 // thread-block cluster summing through distributed shared memory), every warp streams a contiguous
-// run of whole scale groups of that strip with its own 16-byte loads, DEPTH k16 rows ahead in
+// run of k16 rows of that strip (all runs within one row of each other) with its own 16-byte loads, DEPTH k16 rows ahead in
 // registers (no shared-memory ring, no producer, no barrier in the main loop), and the warps meet
 // once, in shared memory, at the end. All CTAs carry the same bytes, so they end together.
 //
@@ -18,8 +18,8 @@
 // of a k16 row holds features 16j + g (n8-block 2j) and 16j + 8 + g (block 2j + 1) at k 2t, 2t+1,
 // 2t+8, 2t+9: dequantized, that is exactly the A fragment {f0.b0, f1.b0, f0.b1, f1.b1} of the 16
 // features 16j..16j+15. The B fragment is lane (g, t)'s token g at the same k: two 32-bit loads.
-// Group scales multiply the fp32 sums of each whole group (a group never straddles two warps);
-// per-channel scales and the bias are applied to the final sums.
+// Group scales multiply the fp32 sums of each group's rows in the warp's run (one block of 8 tokens) or the
+// weights (two blocks); per-channel scales and the bias are applied to the final sums.
 //
 // Launch (gemm.strip_launch): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
 // along x when CLUSTER > 1; p.m <= 8; N a multiple of 64; K a multiple of 16 and of the group size.
@@ -43,7 +43,6 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   constexpr bool kFold = kGrouped && TOKS == 1;  // group scales on the fp32 sums (else on the weights)
   constexpr int kVec = BITS / 4;                     // 16-byte words per lane per k16 row
   constexpr int kRowWords = 32 * BITS;               // int32 words of one 16 x 64 tile
-  constexpr int kUnit = kGrouped ? GROUP_BLOCKS : 1;  // k16 rows a warp's run is made of
 
   __shared__ float red[WARPS][8][64];                 // each warp's sums of one token block: [token][feature]
   __shared__ float sums[8 * TOKS][64];                // this CTA's sums over its warps
@@ -55,10 +54,11 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const int strip = static_cast<int>(blockIdx.x) / CLUSTER;
   const int n = p.n, k16 = p.k / 16;
 
-  // this warp's run of k16 rows: whole units, as even as they split over the CLUSTER * WARPS workers
-  const int units = k16 / kUnit, workers = CLUSTER * WARPS, worker = rank * WARPS + warp;
-  const int kt0 = static_cast<int>(static_cast<int64_t>(units) * worker / workers) * kUnit;
-  const int kt1 = static_cast<int>(static_cast<int64_t>(units) * (worker + 1) / workers) * kUnit;
+  // this warp's run of k16 rows, as even as they split over the CLUSTER * WARPS workers (within one row: a run
+  // may start or end inside a scale group, whose partial sums are scaled like whole ones)
+  const int workers = CLUSTER * WARPS, worker = rank * WARPS + warp;
+  const int kt0 = static_cast<int>(static_cast<int64_t>(k16) * worker / workers);
+  const int kt1 = static_cast<int>(static_cast<int64_t>(k16) * (worker + 1) / workers);
   const int rows = kt1 - kt0;
 
   // the packed weights are [N/64 strips][K/16][32 * BITS words] (jitmarlin/quant/layout.py): a strip is
@@ -108,6 +108,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
   // The weights, scales and zero points never depend on the previous kernel: out before the wait.
   const int grp0 = kGrouped ? kt0 / GROUP_BLOCKS : 0;
+  const int grp_last = kGrouped && rows > 0 ? (kt1 - 1) / GROUP_BLOCKS : 0;  // the run's last group
 #pragma unroll
   for (int d = 0; d < DEPTH; d++)
     if (d < rows) load_w(wr[d], kt0 + d);
@@ -145,7 +146,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   set_zeros(z_cur);
   uint4 s_next = s_cur;
   uint2 z_next = z_cur;
-  if (kGrouped && rows > GROUP_BLOCKS) {  // the next group's, one group ahead
+  if (kGrouped && grp_last > grp0) {  // the next group's, one group ahead
     s_next = load_s(grp0 + 1);
     z_next = load_z(grp0 + 1);
   }
@@ -206,12 +207,12 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
           load_a(ar[d], kt0 + i + DEPTH);
         }
         if constexpr (kGrouped) {
-          if ((i + 1) % GROUP_BLOCKS == 0) {  // kt0 is group-aligned: row i ends a group
+          if ((kt0 + i + 1) % GROUP_BLOCKS == 0 || i + 1 == rows) {  // row i ends a group or the run
             fold();
             s_cur = s_next;
             if constexpr (HAS_ZP) set_zeros(z_next);
             const int nxt = (kt0 + i + 1) / GROUP_BLOCKS + 1;  // the group after the next one
-            if ((nxt - grp0) * GROUP_BLOCKS < rows) {
+            if (nxt <= grp_last) {
               s_next = load_s(nxt);
               z_next = load_z(nxt);
             }

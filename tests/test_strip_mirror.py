@@ -19,11 +19,10 @@ from jitmarlin.ops import _kernels as K
 from jitmarlin.quant.layout import pack_weights, pack_zeros, permute_scales
 
 
-def warp_runs(k: int, group_blocks: int, cluster: int, warps: int) -> list[tuple[int, int]]:
-    """[kt0, kt1) of worker rank * warps + warp, as strip_body splits K (whole groups, even shares)."""
-    unit = group_blocks if group_blocks > 0 else 1
-    units, workers = k // 16 // unit, cluster * warps
-    return [(units * w // workers * unit, units * (w + 1) // workers * unit) for w in range(workers)]
+def warp_runs(k: int, cluster: int, warps: int) -> list[tuple[int, int]]:
+    """[kt0, kt1) of worker rank * warps + warp, as strip_body splits K (k16 rows, shares even to one row)."""
+    rows, workers = k // 16, cluster * warps
+    return [(rows * w // workers, rows * (w + 1) // workers) for w in range(workers)]
 
 
 def mirror(q, s, z, bits, group, warps, cluster):
@@ -37,7 +36,7 @@ def mirror(q, s, z, bits, group, warps, cluster):
     got_q = torch.full((k, n), -999, dtype=torch.int64)
     got_s = torch.zeros(k, n)
     seen = torch.zeros(k, n, dtype=torch.int64)
-    runs = warp_runs(k, gb, cluster, warps)
+    runs = warp_runs(k, cluster, warps)
     for strip, (kt0, kt1) in itertools.product(range(n // 64), runs):
         for kt, lane in itertools.product(range(kt0, kt1), range(32)):
             g, t = lane >> 2, lane & 3
@@ -88,15 +87,13 @@ def test_strip_kernel_reads_what_the_packer_wrote(bits, group, zp, warps, cluste
     assert torch.equal(got_s, s.float().repeat_interleave(k // groups, 0))
 
 
-def test_warp_runs_are_whole_groups_and_even():
-    for k, gb, c, w in ((4096, 8, 2, 16), (1152, 8, 1, 16), (272, -1, 1, 16), (8192, 2, 4, 8)):
-        runs = warp_runs(k, gb, c, w)
+def test_warp_runs_cover_k_evenly():
+    for k, c, w in ((4096, 2, 16), (1152, 1, 16), (272, 1, 16), (8192, 4, 8), (14336, 2, 16), (64, 4, 16)):
+        runs = warp_runs(k, c, w)
         assert runs[0][0] == 0 and runs[-1][1] == k // 16
         assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
-        unit = gb if gb > 0 else 1
-        assert all(r[0] % unit == 0 for r in runs)
         sizes = [r[1] - r[0] for r in runs]
-        assert max(sizes) - min(sizes) <= unit
+        assert max(sizes) - min(sizes) <= 1
 
 
 def test_strip_configs_fit_the_kernel_limits():
