@@ -1193,18 +1193,18 @@ for st in $STAGES; do
              --m 1,16 2>&1 | grep -v "^jitmarlin:" > "$OUT/s49d.log"; echo "s49d rc=$?"; cat "$OUT/s49d.log";;
     s50a)  # PREPARED in session 49 (its one GPU run, s49e0, had the weights addressed in the wrong order; fixed, CPU
            # mirror test tests/test_strip_mirror.py; no device after): the strip kernel (cuda_src/jm_strip.cuh, M <= 16,
-           # no global partial sums): its GPU tests, then every built (warps, cluster, token blocks) config and routeS
+           # no global partial sums): its GPU tests, then every built (warps, cluster, token blocks, ring) config and routeS
            # (gemm.STRIP_ROUTE on) against the route at M = 1 / 4 / 8 (one block) and 12 / 16 (two) on the bench shapes
            # and the 7B's; the route goes on only where routeS wins
            timeout 240 python3 -m pytest -q -rs -x tests/gpu/test_strip_gpu.py > "$OUT/s50a_test.log" 2>&1
            echo "s50a tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$OUT/s50a_test.log" | tail -12
            SH=4096x4096,8192x8192,14336x4096,4096x12288,11008x4096,4096x11008,4096x28672,28672x8192,8192x28672
            timeout 200 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,4,8 --shapes $SH \
-             --configs route,routeS,strip-w16-c1,strip-w16-c2,strip-w16-c4,strip-w8-c1,strip-w8-c2,strip-w4-c1 \
+             --configs route,routeS,strip-w16-c1,strip-w16-c2,strip-w16-c4,strip-w8-c1,strip-w8-c2,strip-w4-c1,strip-w16-c1-s,strip-w16-c2-s,strip-w8-c1-s,strip-w4-c1-s \
              > "$OUT/s50a.log" 2>&1
            echo "s50a probe 1-8 rc=$?"
            timeout 150 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 12,16 --shapes $SH \
-             --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w8-c1-t2,strip-w8-c2-t2,strip-w4-c1-t2 \
+             --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w8-c1-t2,strip-w8-c2-t2,strip-w4-c1-t2,strip-w16-c1-t2-s,strip-w16-c2-t2-s,strip-w4-c1-t2-s \
              >> "$OUT/s50a.log" 2>&1
            echo "s50a probe 12-16 rc=$?"; grep " us" "$OUT/s50a.log" | sed 's/(floor.*err/err/';;
     s49a)  # PREPARED in session 48 (not run): bench_gemm with the peers at M = 300 / 416 / 544 on session 48's route

@@ -33,18 +33,38 @@ namespace jm {
 // TOKS: token blocks of 8 (1: M <= 8, 2: M <= 16). With one block the group scales multiply each group's fp32
 // sums; with two the registers for a second set of sums are not there, so they multiply the dequantized weights
 // (fp16 / bf16, as the other kernels do).
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS>
+//
+// SRING: 0 = the weights' ring is DEPTH rows of registers per lane; > 0 = SRING rows per lane in shared memory, filled
+// by each lane's own 16-byte cp.async (no registers held while in flight, so 3x the bytes in flight of the register
+// ring at 16 warps per SM), the activations then in a register ring of DEPTH rows (from L2: a shorter lead).
+// Each lane reads back only what it copied itself, so no barrier is needed, only cp.async.wait_group.
+template <int N>
+JM_DEVICE void strip_cp_wait() {  // (with a memory clobber: the shared-memory reads after it must stay after it)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS, int SRING>
 JM_DEVICE void strip_body(const JmGemmParams& p) {
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
   static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 CTAs");
   static_assert(WARPS >= 1 && WARPS <= 16 && DEPTH >= 1, "warps and depth");
   static_assert(TOKS == 1 || TOKS == 2, "one or two blocks of 8 tokens");
+  static_assert(SRING == 0 || (SRING % DEPTH == 0 && SRING * (BITS / 4) >= 4),
+                "a shared-memory ring: a multiple of the activation ring, and room for a warp's 2 KB of sums");
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
   constexpr bool kFold = kGrouped && TOKS == 1;  // group scales on the fp32 sums (else on the weights)
   constexpr int kVec = BITS / 4;                     // 16-byte words per lane per k16 row
   constexpr int kRowWords = 32 * BITS;               // int32 words of one 16 x 64 tile
 
-  __shared__ float red[WARPS][8][64];                 // each warp's sums of one token block: [token][feature]
+  constexpr bool kSmemRing = SRING > 0;
+  constexpr int kWarpRingBytes = (kSmemRing ? SRING : 1) * kVec * 512;  // a warp's shared-memory ring (dynamic)
+  extern __shared__ __align__(16) uint8_t strip_dyn[];
+  __shared__ float red_regs[kSmemRing ? 1 : WARPS][8][64];  // each warp's sums of one token block: [token][feature]
+  // (with a shared-memory ring, warp w's sums go to the start of its own ring, free after its main loop)
+  auto red = [&](int w, int tok, int f) -> float& {
+    if constexpr (kSmemRing) return reinterpret_cast<float*>(strip_dyn + w * kWarpRingBytes)[tok * 64 + f];
+    else return red_regs[w][tok][f];
+  };
   __shared__ float sums[8 * TOKS][64];                // this CTA's sums over its warps
   __shared__ float recv[CLUSTER > 1 ? CLUSTER - 1 : 1][8 * TOKS][64];  // rank 0: the other CTAs' sums
 
@@ -68,11 +88,16 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const T* arow = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.lda + 2 * t;  // token g (+ 8)
   const int64_t a_next = static_cast<int64_t>(8) * p.lda;
 
-  uint4 wr[DEPTH][kVec];
+  uint4 wr[kSmemRing ? 1 : DEPTH][kVec];
   uint32_t ar[DEPTH][2 * TOKS];
   auto load_w = [&](uint4 (&dst)[kVec], int kt) {
 #pragma unroll
     for (int v = 0; v < kVec; v++) dst[v] = ldg_stream(wbase + kt * kRowVecs + 32 * v);
+  };
+  uint8_t* const my_ring = strip_dyn + warp * kWarpRingBytes + lane * 16;  // this lane's 16 bytes of each slot
+  auto issue_w = [&](int slot, int kt) {
+#pragma unroll
+    for (int v = 0; v < kVec; v++) cp_async16(my_ring + (slot * kVec + v) * 512, wbase + kt * kRowVecs + 32 * v);
   };
   auto load_a = [&](uint32_t (&dst)[2 * TOKS], int kt) {
 #pragma unroll
@@ -109,9 +134,17 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   // The weights, scales and zero points never depend on the previous kernel: out before the wait.
   const int grp0 = kGrouped ? kt0 / GROUP_BLOCKS : 0;
   const int grp_last = kGrouped && rows > 0 ? (kt1 - 1) / GROUP_BLOCKS : 0;  // the run's last group
+  if constexpr (kSmemRing) {
 #pragma unroll
-  for (int d = 0; d < DEPTH; d++)
-    if (d < rows) load_w(wr[d], kt0 + d);
+    for (int d = 0; d < SRING; d++) {
+      if (d < rows) issue_w(d, kt0 + d);
+      cp_async_commit();
+    }
+  } else {
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++)
+      if (d < rows) load_w(wr[d], kt0 + d);
+  }
   uint4 s_cur = rows > 0 ? load_s(grp0) : make_uint4(0, 0, 0, 0);
   uint2 z_cur = rows > 0 ? load_z(grp0) : make_uint2(0u, 0u);
   if constexpr (CLUSTER > 1) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
@@ -196,27 +229,53 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   };
 
-  for (int base = 0; base < rows; base += DEPTH) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; d++) {
-      const int i = base + d;
-      if (i < rows) {
-        compute(wr[d], ar[d]);
-        if (i + DEPTH < rows) {
-          load_w(wr[d], kt0 + i + DEPTH);
-          load_a(ar[d], kt0 + i + DEPTH);
+  // after row i of the run: a group (or the run) ends -> fold its sums, the next group's scales and zeros
+  auto after_row = [&](int i) {
+    if constexpr (kGrouped) {
+      if ((kt0 + i + 1) % GROUP_BLOCKS == 0 || i + 1 == rows) {  // row i ends a group or the run
+        fold();
+        s_cur = s_next;
+        if constexpr (HAS_ZP) set_zeros(z_next);
+        const int nxt = (kt0 + i + 1) / GROUP_BLOCKS + 1;  // the group after the next one
+        if (nxt <= grp_last) {
+          s_next = load_s(nxt);
+          z_next = load_z(nxt);
         }
-        if constexpr (kGrouped) {
-          if ((kt0 + i + 1) % GROUP_BLOCKS == 0 || i + 1 == rows) {  // row i ends a group or the run
-            fold();
-            s_cur = s_next;
-            if constexpr (HAS_ZP) set_zeros(z_next);
-            const int nxt = (kt0 + i + 1) / GROUP_BLOCKS + 1;  // the group after the next one
-            if (nxt <= grp_last) {
-              s_next = load_s(nxt);
-              z_next = load_z(nxt);
-            }
+      }
+    }
+  };
+
+  if constexpr (kSmemRing) {
+    for (int base = 0; base < rows; base += SRING) {
+#pragma unroll
+      for (int d = 0; d < SRING; d++) {
+        const int i = base + d;
+        if (i < rows) {
+          strip_cp_wait<SRING - 1>();  // row i's group (each row one group, committed in order) has landed
+          uint4 w[kVec];
+#pragma unroll
+          for (int v = 0; v < kVec; v++) w[v] = *reinterpret_cast<const uint4*>(my_ring + (d * kVec + v) * 512);
+          if (i + SRING < rows) issue_w(d, kt0 + i + SRING);
+          cp_async_commit();
+          compute(w, ar[d % DEPTH]);
+          if (i + DEPTH < rows) load_a(ar[d % DEPTH], kt0 + i + DEPTH);
+          after_row(i);
+        }
+      }
+    }
+    strip_cp_wait<0>();  // (nothing left in flight; the ring's start takes the warp's sums next)
+  } else {
+    for (int base = 0; base < rows; base += DEPTH) {
+#pragma unroll
+      for (int d = 0; d < DEPTH; d++) {
+        const int i = base + d;
+        if (i < rows) {
+          compute(wr[d], ar[d]);
+          if (i + DEPTH < rows) {
+            load_w(wr[d], kt0 + i + DEPTH);
+            load_a(ar[d], kt0 + i + DEPTH);
           }
+          after_row(i);
         }
       }
     }
@@ -229,16 +288,16 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   for (int b = 0; b < TOKS; b++) {
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-      red[warp][2 * t][16 * j + g] = acc[b][j][0];
-      red[warp][2 * t + 1][16 * j + g] = acc[b][j][1];
-      red[warp][2 * t][16 * j + 8 + g] = acc[b][j][2];
-      red[warp][2 * t + 1][16 * j + 8 + g] = acc[b][j][3];
+      red(warp, 2 * t, 16 * j + g) = acc[b][j][0];
+      red(warp, 2 * t + 1, 16 * j + g) = acc[b][j][1];
+      red(warp, 2 * t, 16 * j + 8 + g) = acc[b][j][2];
+      red(warp, 2 * t + 1, 16 * j + 8 + g) = acc[b][j][3];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < 8 * 64; i += kThreads) {
       float v = 0.f;
 #pragma unroll
-      for (int w = 0; w < WARPS; w++) v += red[w][i >> 6][i & 63];
+      for (int w = 0; w < WARPS; w++) v += red(w, i >> 6, i & 63);
       sums[8 * b + (i >> 6)][i & 63] = v;
     }
     __syncthreads();
@@ -273,7 +332,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
 // Launch bounds: 16 warps per SM in every config (1 / 2 / 4 CTAs of 16 / 8 / 4 warps), the occupancy
 // gemm.strip_choice plans its one-wave grids with (<= 128 registers per thread).
-#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS)          \
+#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING)   \
   extern "C" __global__ void __launch_bounds__(32 * (WARPS), 16 / (WARPS)) NAME(const JmGemmParams p) { \
-    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS>(p);                \
+    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING>(p);         \
   }

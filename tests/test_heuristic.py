@@ -925,19 +925,20 @@ def test_strip_kernels_in_the_build():
         strips = [K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_CONFIGS]
         assert set(strips) <= set(names) and len(set(strips)) == len(K.STRIP_CONFIGS)
         assert not any(name.startswith("jm_strip") for name, _ in K.build_spec(fam, (8, 0)).sources)
-        for toks in (1, 2):
-            src = dict(K.build_spec(fam, (9, 0)).sources)[K.strip_kernel_name(fam, 16, 2, toks)]
+        for toks, smem in ((1, 0), (2, 0), (1, 1), (2, 1)):
+            src = dict(K.build_spec(fam, (9, 0)).sources)[K.strip_kernel_name(fam, 16, 2, toks, smem)]
             assert '#include "jm_strip.cuh"' in src
             assert (f"{K.CTYPES[fam.dtype]}, {fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
-                    f"16, {K.strip_depth(fam.bits, toks)}, 2, {toks})") in src
+                    f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem)})") in src
+        assert K.strip_smem_bytes(fam, 16, 1) == 192 * 1024 and K.strip_smem_bytes(fam, 16, 0) == 0
     moe = K.Family("f16", 4, False, 128, moe=True)
     assert not any(name.startswith("jm_strip") for name, _ in K.build_spec(moe, (9, 0)).sources)
     with pytest.raises(ValueError, match="no strip kernel"):
-        K.get_strip_kernel(moe, 16, 1, 1, 0, (9, 0))
+        K.get_strip_kernel(moe, 16, 1, 1, 0, 0, (9, 0))
     with pytest.raises(ValueError, match="no strip kernel"):
-        K.get_strip_kernel(K.Family("f16", 4, False, 128), 12, 1, 1, 0, (9, 0))
+        K.get_strip_kernel(K.Family("f16", 4, False, 128), 12, 1, 1, 0, 0, (9, 0))
     with pytest.raises(ValueError, match="no strip kernel"):  # two token blocks come without clusters of 4
-        K.get_strip_kernel(K.Family("f16", 4, False, 128), 16, 4, 2, 0, (9, 0))
+        K.get_strip_kernel(K.Family("f16", 4, False, 128), 16, 4, 2, 0, 0, (9, 0))
 
 
 def test_strip_choice_rule(monkeypatch):
@@ -947,22 +948,22 @@ def test_strip_choice_rule(monkeypatch):
     fam = K.Family("f16", 4, False, 128)
     sms = 132
 
-    def at_once(warps, cluster, toks):  # H200-like: 1 / 2 / 4 CTAs per SM at 16 / 8 / 4 warps; clusters of 4: 30 at 1/SM
+    def at_once(warps, cluster, toks, smem):  # H200-like: 1 / 2 / 4 CTAs per SM at 16 / 8 / 4 warps; clusters of 4: 30 at 1/SM
         per_sm = {16: 1, 8: 2, 4: 4}[warps]
         return {1: sms * per_sm, 2: 2 * 66 * per_sm, 4: 4 * 30 * per_sm}[cluster]
 
     assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) is None  # STRIP_ROUTE off
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
-    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1)  # 128 strips
-    assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2, 1)  # 64 strips x 2
-    assert G.strip_choice(1, 1920, 4096, fam, sms, at_once) == (16, 4, 1)  # 30 strips x 4 = 120 clusters' CTAs
-    assert G.strip_choice(1, 2048, 4096, fam, sms, at_once) == (16, 2, 1)  # 32 x 4 = 128 > 120 fit: pairs
-    assert G.strip_choice(1, 11008, 4096, fam, sms, at_once) == (8, 1, 1)  # 172 strips: two CTAs per SM
-    assert G.strip_choice(1, 28672, 4096, fam, sms, at_once) == (4, 1, 1)  # 448 strips: four per SM
+    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 0)  # 128 strips
+    assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)  # 64 strips x 2
+    assert G.strip_choice(1, 1920, 4096, fam, sms, at_once) == (16, 4, 1, 0)  # 30 strips x 4 = 120 clusters' CTAs
+    assert G.strip_choice(1, 2048, 4096, fam, sms, at_once) == (16, 2, 1, 0)  # 32 x 4 = 128 > 120 fit: pairs
+    assert G.strip_choice(1, 11008, 4096, fam, sms, at_once) == (8, 1, 1, 0)  # 172 strips: two CTAs per SM
+    assert G.strip_choice(1, 28672, 4096, fam, sms, at_once) == (4, 1, 1, 0)  # 448 strips: four per SM
     assert G.strip_choice(1, 64 * 600, 4096, fam, sms, at_once) is None  # more than one wave of anything
-    assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) == (16, 2, 2)  # M = 9-16: two token blocks
-    assert G.strip_choice(16, 1920, 4096, fam, sms, at_once) == (16, 2, 2)  # (no clusters of 4 with two blocks)
-    assert G.strip_choice(16, 28672, 8192, fam, sms, at_once) == (4, 1, 2)
+    assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) == (16, 2, 2, 0)  # M = 9-16: two token blocks
+    assert G.strip_choice(16, 1920, 4096, fam, sms, at_once) == (16, 2, 2, 0)  # (no clusters of 4 with two blocks)
+    assert G.strip_choice(16, 28672, 8192, fam, sms, at_once) == (4, 1, 2, 0)
     assert G.strip_choice(17, 8192, 8192, fam, sms, at_once) is None  # M past 16
     assert G.strip_choice(1, 8192, 8192, K.Family("f16", 4, False, 128, moe=True), sms, at_once) is None
     assert G.strip_choice(1, 8192, 8200, fam, sms, at_once) is None  # K not a multiple of the group

@@ -1366,15 +1366,15 @@ def strip_grid(n: int, cluster: int) -> int:
     return n // 64 * cluster
 
 
-def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, toks: int, fn) -> None:
+def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, toks: int, smem: int, fn) -> None:
     """Clear errors for a strip launch the kernel cannot run (M, N, K, the cluster's fit)."""
     if not 1 <= m <= 8 * toks:
         raise ValueError(f"the strip kernel with {toks} block(s) of 8 tokens takes M = 1..{8 * toks}, got M={m}")
     if n % 64 or k % 16 or (fam.group_size > 0 and k % fam.group_size):
         raise ValueError(f"the strip kernel needs N % 64 == 0 and K a multiple of 16 and of the group size "
                          f"{fam.group_size}, got N={n}, K={k}")
-    grid = strip_grid(n, cluster)
-    if cluster > 1 and grid > cluster * fn.max_active_clusters(32 * warps, 0, cluster):
+    grid, dyn = strip_grid(n, cluster), K.strip_smem_bytes(fam, warps, smem)
+    if cluster > 1 and grid > cluster * fn.max_active_clusters(32 * warps, dyn, cluster):
         raise ValueError(f"strip kernel with {warps} warps in clusters of {cluster}: the {grid // cluster} clusters "
                          f"of N={n} do not all fit on the device at once")
 
@@ -1384,42 +1384,45 @@ def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, t
 # probe config `routeS` turns it on for an A/B). Candidates in order: the most warps per strip whose grid runs in one
 # wave (every CTA the same bytes, so the launch ends together), clusters where the strips alone fill too few SMs.
 STRIP_ROUTE = False
-STRIP_ORDER: tuple[tuple[int, int, int], ...] = (  # (warps, cluster, token blocks); the blocks must hold M
-    (16, 4, 1), (16, 2, 1), (16, 1, 1), (8, 1, 1), (4, 1, 1), (16, 2, 2), (16, 1, 2), (8, 1, 2), (4, 1, 2))
+STRIP_ORDER: tuple[tuple[int, int, int, int], ...] = (  # (warps, cluster, token blocks, smem ring); blocks hold M
+    (16, 4, 1, 0), (16, 2, 1, 0), (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0),
+    (16, 2, 2, 0), (16, 1, 2, 0), (8, 1, 2, 0), (4, 1, 2, 0))
 
 
-def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tuple[int, int, int] | None:
-    """(warps, cluster, token blocks) of the strip kernel for a dense M <= 16 problem, or None (STRIP_ROUTE off, MoE,
-    shape). at_once(warps, cluster, toks) -> CTAs of that config the device runs together (0: cannot run). The first
-    of STRIP_ORDER with the fewest token blocks that hold M whose N / 64 x cluster CTAs all run at once, clusters
-    only while those CTAs are at most one per SM (pure given at_once; CPU-tested)."""
+def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tuple[int, int, int, int] | None:
+    """(warps, cluster, token blocks, smem ring) of the strip kernel for a dense M <= 16 problem, or None (STRIP_ROUTE
+    off, MoE, shape). at_once(warps, cluster, toks, smem) -> CTAs of that config the device runs together (0: cannot
+    run). The first of STRIP_ORDER with the fewest token blocks that hold M whose N / 64 x cluster CTAs all run at
+    once, clusters only while those CTAs are at most one per SM (pure given at_once; CPU-tested)."""
     if not STRIP_ROUTE or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
         return None
     if fam.group_size > 0 and k % fam.group_size:
         return None
     strips, toks = n // 64, 1 if m <= 8 else 2
-    for warps, cluster, t in STRIP_ORDER:
-        if t != toks or (warps, cluster, t) not in K.STRIP_CONFIGS:
+    for cfg in STRIP_ORDER:
+        warps, cluster, t, _ = cfg
+        if t != toks or cfg not in K.STRIP_CONFIGS:
             continue
         grid = strips * cluster
         if cluster > 1 and grid > sms:
             continue
-        if grid <= at_once(warps, cluster, t):
-            return warps, cluster, t
+        if grid <= at_once(*cfg):
+            return cfg
     return None
 
 
-def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, int, int] | None:
+def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, int, int, int] | None:
     """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver)."""
     if not STRIP_ROUTE or m > K.STRIP_MAX_M or fam.moe or not K.strip_built(fam, _cc(index)):
         return None
     sms = driver.device(index).sm_count
 
-    def at_once(warps: int, cluster: int, toks: int) -> int:
-        fn = K.get_strip_kernel(fam, warps, cluster, toks, index, _cc(index))
+    def at_once(warps: int, cluster: int, toks: int, smem: int) -> int:
+        fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
+        dyn = K.strip_smem_bytes(fam, warps, smem)
         if cluster > 1:
-            return cluster * fn.max_active_clusters(32 * warps, 0, cluster)
-        return sms * fn.occupancy(32 * warps, 0)
+            return cluster * fn.max_active_clusters(32 * warps, dyn, cluster)
+        return sms * fn.occupancy(32 * warps, dyn)
 
     return strip_choice(m, n, k, fam, sms, at_once)
 
@@ -1436,15 +1439,15 @@ def strip_params(m: int, n: int, k: int, warps: int, cluster: int, a, b, scales,
 
 def launch_strip(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family, index: int,
-                 warps: int, cluster: int, toks: int | None = None, pdl: bool = True) -> None:
-    """out[m, n] = a @ dequant(b) (+ bias) by the strip kernel of (warps, cluster, token blocks) (K.STRIP_CONFIGS;
-    toks None: one block of 8 tokens for M <= 8, else two)."""
+                 warps: int, cluster: int, toks: int | None = None, smem: int = 0, pdl: bool = True) -> None:
+    """out[m, n] = a @ dequant(b) (+ bias) by the strip kernel of (warps, cluster, token blocks, shared-memory ring)
+    (K.STRIP_CONFIGS; toks None: one block of 8 tokens for M <= 8, else two)."""
     toks = toks if toks is not None else (1 if m <= 8 else 2)
-    fn = K.get_strip_kernel(fam, warps, cluster, toks, index, _cc(index))
-    check_strip(m, n, k, fam, warps, cluster, toks, fn)
+    fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
+    check_strip(m, n, k, fam, warps, cluster, toks, smem, fn)
     p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, out)
-    fn.launch(p.grid, 32 * warps, 0, K.current_stream_handle(a.device), p, pdl=pdl and use_pdl(_cc(index)),
-              cluster=cluster)
+    fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), K.current_stream_handle(a.device), p,
+              pdl=pdl and use_pdl(_cc(index)), cluster=cluster)
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
@@ -1458,7 +1461,7 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
     if perm is not None:  # every route reads the gathered copy
         a = gather_columns(a, perm, m, k, fam)
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "strip":
-        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:4])
+        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:5])
         return
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace,
@@ -1575,11 +1578,12 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
     ws = K.default_workspace(a.device)
     strip = strip_route(m, n, k, fam, index)
     if strip is not None:
-        warps, cluster, toks = strip
-        fn = K.get_strip_kernel(fam, warps, cluster, toks, index, _cc(index))
-        check_strip(m, n, k, fam, warps, cluster, toks, fn)
+        warps, cluster, toks, smem = strip
+        fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
+        check_strip(m, n, k, fam, warps, cluster, toks, smem, fn)
         p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, a.new_empty(0))
-        return _FastEntry(fn, p.grid, 32 * warps, 0, p, use_pdl(_cc(index)), cluster, 0, False)
+        return _FastEntry(fn, p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), p, use_pdl(_cc(index)),
+                          cluster, 0, False)
     if use_wgmma_path(m, n, k, fam, index):
         wl = wgmma_launch(m, n, k, fam, index)
         p = _wgmma_params(wl, m, n, k, b, scales, zeros, bias)

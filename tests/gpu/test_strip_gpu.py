@@ -23,19 +23,20 @@ def _sm90():
         pytest.skip("the strip kernel is built for sm_90 and newer only")
 
 
-CONFIGS = [pytest.param(w, c, t, id=f"w{w}-c{c}-t{t}") for w, c, t in K.STRIP_CONFIGS]
+CONFIGS = [pytest.param(w, c, t, sm, id=f"w{w}-c{c}-t{t}" + ("-s" if sm else "")) for w, c, t, sm in K.STRIP_CONFIGS]
 FORMATS = [pytest.param(d, b, g, z, id=f"{'bf16' if d == torch.bfloat16 else 'f16'}-u{b}-g{g}-{'zp' if z else 'sym'}")
            for d, b, g, z in itertools.product((torch.float16, torch.bfloat16), (4, 8), (-1, 32, 64, 128), (False, True))]
 
 
-@pytest.mark.parametrize("warps,cluster,toks", CONFIGS)
-def test_strip_configs_fp16_int4(warps, cluster, toks):
+@pytest.mark.parametrize("warps,cluster,toks,smem", CONFIGS)
+def test_strip_configs_fp16_int4(warps, cluster, toks, smem):
     """Every config on shapes whose strips fit the device at once: M = 1..8 (one token block) or 1..16 (two),
     with and without bias, group 128 and per channel, K that leaves some warps without a group (1152 = 9
     groups) and K that is no multiple of 128 (per channel, 17 k16 rows)."""
-    fn = K.get_strip_kernel(K.Family("f16", 4, False, 128), warps, cluster, toks, 0,
-                            torch.cuda.get_device_capability(0))
-    at_once = cluster * fn.max_active_clusters(32 * warps, 0, cluster) if cluster > 1 else 1 << 30
+    fam = K.Family("f16", 4, False, 128)
+    fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, 0, torch.cuda.get_device_capability(0))
+    dyn = K.strip_smem_bytes(fam, warps, smem)
+    at_once = cluster * fn.max_active_clusters(32 * warps, dyn, cluster) if cluster > 1 else 1 << 30
     for k, n, group in ((4096, 2048, 128), (4096, 2048, -1), (1152, 1024, 128), (272, 64, -1), (8192, 4096, 128)):
         if G.strip_grid(n, cluster) > at_once:
             continue  # test_strip_clear_errors: a ValueError
@@ -43,9 +44,9 @@ def test_strip_configs_fp16_int4(warps, cluster, toks):
         bias = torch.randn(n, device="cuda", dtype=torch.float16)
         for m in (1, 2, 3, 5, 8) + ((9, 13, 16) if toks == 2 else ()):
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            out = run_poisoned(a, packed, override=("strip", warps, cluster, toks))
-            check_close(out, a.float() @ w, 1e-3, f"w{warps} c{cluster} t{toks} K={k} N={n} g={group} M={m}")
-            out = run_poisoned(a, packed, bias=bias, override=("strip", warps, cluster, toks))
+            out = run_poisoned(a, packed, override=("strip", warps, cluster, toks, smem))
+            check_close(out, a.float() @ w, 1e-3, f"w{warps} c{cluster} t{toks} s{smem} K={k} N={n} g={group} M={m}")
+            out = run_poisoned(a, packed, bias=bias, override=("strip", warps, cluster, toks, smem))
             check_close(out, a.float() @ w + bias.float(), 1e-3, f"bias w{warps} c{cluster} K={k} N={n} M={m}")
     assert_workspace_clean()
 
@@ -56,12 +57,13 @@ def test_strip_formats(dtype, bits, group, zp):
     tol = 1e-3 if dtype == torch.float16 else 1e-2
     k, n = 5120, 768
     packed, w = random_weights(k, n, bits, group, zp, dtype)
-    for warps, cluster, toks in ((16, 1, 1), (16, 2, 1), (16, 4, 1), (4, 1, 1), (16, 2, 2), (4, 1, 2)):
-        for m in (1, 4, 8) + ((12, 16) if toks == 2 else ()):
+    for cfg in ((16, 1, 1, 0), (16, 2, 1, 0), (16, 4, 1, 0), (4, 1, 1, 0), (16, 2, 2, 0), (4, 1, 2, 0),
+                (16, 2, 1, 1), (4, 1, 1, 1), (16, 2, 2, 1)):
+        for m in (1, 4, 8) + ((12, 16) if cfg[2] == 2 else ()):
             a = torch.randn(m, k, device="cuda", dtype=dtype)
-            out = run_poisoned(a, packed, override=("strip", warps, cluster, toks))
+            out = run_poisoned(a, packed, override=("strip",) + cfg)
             assert out.dtype == dtype
-            check_close(out, a.float() @ w, tol, f"w{warps} c{cluster} t{toks} M={m}")
+            check_close(out, a.float() @ w, tol, f"{cfg} M={m}")
 
 
 def test_strip_deterministic_and_graph_replay():
@@ -70,7 +72,7 @@ def test_strip_deterministic_and_graph_replay():
     k, n = 4096, 4096
     packed, w = random_weights(k, n, 4, 128)
     a = torch.randn(4, k, device="cuda", dtype=torch.float16)
-    for cfg in (("strip", 16, 2, 1), ("strip", 8, 1, 1), ("strip", 16, 1, 2)):
+    for cfg in (("strip", 16, 2, 1, 0), ("strip", 8, 1, 1, 0), ("strip", 16, 1, 2, 0), ("strip", 16, 1, 1, 1)):
         first = run_poisoned(a, packed, override=cfg)
         assert torch.equal(first, run_poisoned(a, packed, override=cfg)), cfg
         fam = K.Family("f16", 4, False, 128)
@@ -96,7 +98,7 @@ def test_strip_act_order_gathers_first():
     a = torch.randn(3, k, device="cuda", dtype=torch.float16)
     m, n_, k_, fam = G.check_args(a, packed.b, packed.scales, None, None)
     out = torch.full((3, n), float("nan"), dtype=torch.float16, device="cuda")
-    G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n_, k_, fam, plan_override=("strip", 16, 2, 1),
+    G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n_, k_, fam, plan_override=("strip", 16, 2, 1, 0),
                   perm=perm)
     check_close(out, a[:, perm.long()].float() @ w, 1e-3, "act-order strip")
 
@@ -107,15 +109,15 @@ def test_strip_clear_errors():
     packed, _ = random_weights(1024, 1024, 4, 128)
     a = torch.randn(17, 1024, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="M = 1..8"):
-        run_poisoned(a[:9], packed, override=("strip", 16, 1, 1))
+        run_poisoned(a[:9], packed, override=("strip", 16, 1, 1, 0))
     with pytest.raises(ValueError, match="M = 1..16"):
-        run_poisoned(a, packed, override=("strip", 16, 1, 2))
+        run_poisoned(a, packed, override=("strip", 16, 1, 2, 1))
     with pytest.raises(ValueError, match="no strip kernel"):
-        run_poisoned(a[:1], packed, override=("strip", 12, 1, 1))
+        run_poisoned(a[:1], packed, override=("strip", 12, 1, 1, 0))
     n = 64 * 4 * torch.cuda.get_device_properties(0).multi_processor_count  # 4 x SMs clusters of 4: never at once
     big, _ = random_weights(256, n, 4, 128)
     with pytest.raises(ValueError, match="do not all fit"):
-        run_poisoned(torch.randn(1, 256, device="cuda", dtype=torch.float16), big, override=("strip", 16, 4, 1))
+        run_poisoned(torch.randn(1, 256, device="cuda", dtype=torch.float16), big, override=("strip", 16, 4, 1, 0))
 
 
 def test_strip_route_and_fast_path(monkeypatch):
