@@ -918,21 +918,25 @@ def test_wgmma_tall_row_144_small_n():
 
 
 def test_strip_kernels_in_the_build():
-    """The strip kernels (cuda_src/jm_strip.cuh) are built in dense sm_90 families only, one source per
-    (warps, cluster) config with the family's template arguments and the ring depth of its bits."""
+    """The strip kernels (cuda_src/jm_strip.cuh) are a module of their own per dense sm_90 family (not in the family's
+    usual module: nothing routes to them by default), one source per config with the family's template arguments."""
     for fam in (K.Family("f16", 4, False, 128), K.Family("bf16", 8, True, -1)):
-        names = [name for name, _ in K.build_spec(fam, (9, 0)).sources]
-        strips = [K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_CONFIGS]
-        assert set(strips) <= set(names) and len(set(strips)) == len(K.STRIP_CONFIGS)
-        assert not any(name.startswith("jm_strip") for name, _ in K.build_spec(fam, (8, 0)).sources)
+        names = [name for name, _ in K.strip_build_spec(fam, (9, 0)).sources]
+        assert names == [K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_CONFIGS] and len(set(names)) == len(names)
+        assert K.strip_build_spec(fam, (9, 0)).family == "strip"
+        for cc in ((8, 0), (9, 0)):
+            assert not any(name.startswith("jm_strip") for name, _ in K.build_spec(fam, cc).sources)
+        with pytest.raises(ValueError, match="sm_90 and newer"):
+            K.strip_build_spec(fam, (8, 0))
         for toks, smem in ((1, 0), (2, 0), (1, 1), (2, 1)):
-            src = dict(K.build_spec(fam, (9, 0)).sources)[K.strip_kernel_name(fam, 16, 2, toks, smem)]
+            src = dict(K.strip_build_spec(fam, (9, 0)).sources)[K.strip_kernel_name(fam, 16, 2, toks, smem)]
             assert '#include "jm_strip.cuh"' in src
             assert (f"{K.CTYPES[fam.dtype]}, {fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
                     f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem)})") in src
         assert K.strip_smem_bytes(fam, 16, 1) == 192 * 1024 and K.strip_smem_bytes(fam, 16, 0) == 0
     moe = K.Family("f16", 4, False, 128, moe=True)
-    assert not any(name.startswith("jm_strip") for name, _ in K.build_spec(moe, (9, 0)).sources)
+    with pytest.raises(ValueError, match="dense families"):
+        K.strip_build_spec(moe, (9, 0))
     with pytest.raises(ValueError, match="no strip kernel"):
         K.get_strip_kernel(moe, 16, 1, 1, 0, 0, (9, 0))
     with pytest.raises(ValueError, match="no strip kernel"):

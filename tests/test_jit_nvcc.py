@@ -326,3 +326,31 @@ def test_timeline_build_of_a_bulk_tile_compiles(cuda_toolchain, monkeypatch):
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, info
     finally:
         K.build_spec.cache_clear()
+
+
+def test_strip_kernels_compile_without_spills(cuda_toolchain):
+    """The strip kernel (cuda_src/jm_strip.cuh) in its three forms — register ring with one and with two token blocks,
+    shared-memory ring — compiles for sm_90 within its launch bounds (16 warps per SM: <= 128 registers), no spills."""
+    fam = K.Family("f16", 4, False, 128)
+    cfgs = ((16, 2, 1, 0), (16, 1, 2, 0), (16, 2, 1, 1))
+    spec = BuildSpec(family="strip", cc=(9, 0), key=fam.key() + (("case", "compile-test"),),
+                     sources=tuple((K.strip_kernel_name(fam, *c), K.strip_kernel_source(fam, *c)) for c in cfgs))
+    mod = get_module(spec)
+    for name, _ in spec.sources:
+        info = mod.meta["ptxas"][name]
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
+        assert 0 < info["registers"] <= 128, (name, info)
+
+
+def test_floor_probe_builds(cuda_toolchain, tmp_path):
+    """benchmarks/floor_probe.cu (session 49's harness-floor probe, stage s49c) keeps compiling against our PTX
+    wrappers for sm_90a (it is built on the GPU machine by run_device.sh)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "floor_probe"
+    r = subprocess.run([str(cuda_toolchain.nvcc), "-std=c++17", "-O3", "-arch=sm_90a", "-I", str(root / "cuda_src"),
+                        str(root / "benchmarks" / "floor_probe.cu"), "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert out.stat().st_size > 0

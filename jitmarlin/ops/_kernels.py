@@ -218,8 +218,9 @@ def gather_kernel_source(fam: Family) -> str:
 
 
 # ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 8 with no partial sums in global memory ----
-# Built in the dense families for sm_90 (it launches clusters and waits on the previous kernel with
-# griddepcontrol); (warps per CTA, cluster size, token blocks of 8, ring in shared memory) tuples, one cubin each.
+# A module of its own per dense family on sm_90 (it launches clusters and waits on the previous kernel with
+# griddepcontrol), built on the first strip launch only: nothing routes to it by default yet, so the family's
+# usual build does not pay for it; (warps per CTA, cluster size, token blocks of 8, ring in shared memory) tuples, one cubin each.
 # The register ring's depth follows the bits and the token blocks; the shared-memory ring (smem = 1) holds
 # strip_ring_rows(bits) rows per lane. Two token blocks (M <= 16) come without clusters of 4. (Session 49 built
 # them all for the first H200 measurement; the ones no route takes go after it.)
@@ -265,8 +266,19 @@ def strip_kernel_source(fam: Family, warps: int, cluster: int, toks: int, smem: 
 
 
 def strip_built(fam: Family, cc: tuple[int, int]) -> bool:
-    """Whether the family's module holds the strip kernels (dense, sm_90 and newer)."""
+    """Whether the family has strip kernels (dense, sm_90 and newer)."""
     return not fam.moe and cc >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def strip_build_spec(fam: Family, cc: tuple[int, int]) -> BuildSpec:
+    if not strip_built(fam, cc):
+        raise ValueError(f"the strip kernels are built for dense families on sm_90 and newer, not {fam} on "
+                         f"sm_{cc[0]}{cc[1]}")
+    sources = tuple((strip_kernel_name(fam, *cfg), strip_kernel_source(fam, *cfg)) for cfg in STRIP_CONFIGS)
+    return BuildSpec(family="strip", cc=cc, key=fam.key(), sources=sources, flags=extra_nvcc_flags(),
+                     cli_hint="(`jitmarlin build` does not prebuild the strip kernels, which nothing routes to by default: "
+                              "unset JITMARLIN_DISABLE_JIT for the first strip launch)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,8 +290,6 @@ def build_spec(fam: Family, cc: tuple[int, int], tiles: tuple[Tile, ...] | None 
     if not fam.moe:
         sources += ((dequant_kernel_name(fam), dequant_kernel_source(fam)),
                     (gather_kernel_name(fam), gather_kernel_source(fam)))
-    if strip_built(fam, cc):
-        sources += tuple((strip_kernel_name(fam, *cfg), strip_kernel_source(fam, *cfg)) for cfg in STRIP_CONFIGS)
     return BuildSpec(
         family="moe" if fam.moe else "gemm", cc=cc, key=fam.key(), sources=sources, flags=extra_nvcc_flags(),
         cli_hint=f"jitmarlin build --arch {cc[0]}.{cc[1]} {fam.cli_args()}")
@@ -611,7 +621,7 @@ def clear_kernel_caches() -> None:
     the flags within one process. The compiled modules stay in the cache, keyed by their flags."""
     from . import gemm
 
-    for fn in (build_spec, get_kernel, get_strip_kernel, moe_util_build_spec, get_moe_util_kernel, wgmma_build_spec,
+    for fn in (build_spec, get_kernel, strip_build_spec, get_strip_kernel, moe_util_build_spec, get_moe_util_kernel, wgmma_build_spec,
                get_wgmma_kernel,
                wgmma_module_ready, gemm.prepare_launch, gemm.wgmma_launch):
         fn.cache_clear()
@@ -802,4 +812,4 @@ def get_strip_kernel(fam: Family, warps: int, cluster: int, toks: int, smem: int
                          f"{'with' if smem else 'without'} a shared-memory ring for {fam} on sm_{cc[0]}{cc[1]}: built "
                          f"for dense families on sm_90+ with (warps, cluster, token blocks, smem) in {STRIP_CONFIGS}")
     name = strip_kernel_name(fam, warps, cluster, toks, smem)
-    return driver.get_function(module(fam, cc).cubin(name), name, device_index)
+    return driver.get_function(get_module(strip_build_spec(fam, cc)).cubin(name), name, device_index)
