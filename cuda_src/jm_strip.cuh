@@ -1,4 +1,4 @@
-// jitmarlin — the strip kernel: M <= 8 tokens with no partial sums in global memory.
+// jitmarlin — the strip kernel: M <= 16 tokens with no partial sums in global memory.
 //
 // Why a second small-M kernel: at M <= 16 the striped GEMM (jm_gemm.cuh) streams its weights at the
 // copy rate, but a call on a mid-size layer ends with several microseconds of fix-up (the K splits of
@@ -8,9 +8,10 @@
 // 90-95% of the copy floor on those layers (benchmarks/floor_probe.cu). This kernel is shaped like that
 // stream: every CTA owns one 64-column strip of the output (or 1/CLUSTER of its K, the CTAs of a
 // thread-block cluster summing through distributed shared memory), every warp streams a contiguous
-// run of k16 rows of that strip (all runs within one row of each other) with its own 16-byte loads, DEPTH k16 rows ahead in
-// registers (no shared-memory ring, no producer, no barrier in the main loop), and the warps meet
-// once, in shared memory, at the end. All CTAs carry the same bytes, so they end together.
+// run of k16 rows of that strip (all runs within one row of each other) with its own 16-byte loads,
+// DEPTH k16 rows ahead in registers or SRING rows in a lane-private shared-memory ring (no producer, no
+// barrier in the main loop), and the warps meet once, in shared memory, at the end. All CTAs carry the
+// same bytes, so they end together.
 //
 // MMA form ("swap", as the 8-row tiles of jm_gemm.cuh): the weights are the A operand of
 // mma.m16n8k16 (16 output features x 16 k) and the tokens its 8 columns. In the packed layout
@@ -22,7 +23,8 @@
 // weights (two blocks); per-channel scales and the bias are applied to the final sums.
 //
 // Launch (gemm.strip_launch): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
-// along x when CLUSTER > 1; p.m <= 8; N a multiple of 64; K a multiple of 16 and of the group size.
+// along x when CLUSTER > 1; p.m <= 8 * TOKS; N a multiple of 64; K a multiple of 16 and of the group size; dynamic
+// shared memory: WARPS x SRING x BITS / 4 x 512 bytes (K.strip_smem_bytes).
 #pragma once
 
 #include "jm_dequant.cuh"
@@ -119,7 +121,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const uint32_t* zbase = static_cast<const uint32_t*>(p.z) + strip * (BITS * 2) + (BITS == 4 ? g : 2 * g);
   const int zrow = n * BITS / 32;
   auto load_s = [&](int grp) -> uint4 {
-    return kGrouped ? __ldg(reinterpret_cast<const uint4*>(sbase + static_cast<int64_t>(grp) * n)) : make_uint4(0, 0, 0, 0);
+    if constexpr (kGrouped) return __ldg(reinterpret_cast<const uint4*>(sbase + static_cast<int64_t>(grp) * n));
+    else return make_uint4(0, 0, 0, 0);
   };
   auto load_z = [&](int grp) -> uint2 {
     uint2 z = make_uint2(0u, 0u);

@@ -296,16 +296,17 @@ def test_wgmma_smem_formula_matches_the_kernel(cuda_toolchain, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_stream_probe_builds(cuda_toolchain, tmp_path):
-    """benchmarks/stream_probe.cu (the device-session stream probe) keeps compiling against our
-    PTX wrappers for sm_90a (it is built on the GPU machine by run_device.sh)."""
+@pytest.mark.parametrize("probe", ["stream_probe.cu", "floor_probe.cu"])
+def test_plain_cuda_probe_builds(cuda_toolchain, tmp_path, probe):
+    """The plain-CUDA device-session probes (benchmarks/stream_probe.cu; floor_probe.cu, session 49's harness floor,
+    stage s49c) keep compiling against our PTX wrappers for sm_90a (run_device.sh builds them on the GPU machine)."""
     import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    out = tmp_path / "stream_probe"
+    out = tmp_path / probe.removesuffix(".cu")
     r = subprocess.run([str(cuda_toolchain.nvcc), "-std=c++17", "-O3", "-arch=sm_90a", "-I", str(root / "cuda_src"),
-                        str(root / "benchmarks" / "stream_probe.cu"), "-o", str(out)], capture_output=True, text=True)
+                        str(root / "benchmarks" / probe), "-o", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert out.stat().st_size > 0
 
@@ -340,17 +341,3 @@ def test_strip_kernels_compile_without_spills(cuda_toolchain):
         info = mod.meta["ptxas"][name]
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
         assert 0 < info["registers"] <= 128, (name, info)
-
-
-def test_floor_probe_builds(cuda_toolchain, tmp_path):
-    """benchmarks/floor_probe.cu (session 49's harness-floor probe, stage s49c) keeps compiling against our PTX
-    wrappers for sm_90a (it is built on the GPU machine by run_device.sh)."""
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    out = tmp_path / "floor_probe"
-    r = subprocess.run([str(cuda_toolchain.nvcc), "-std=c++17", "-O3", "-arch=sm_90a", "-I", str(root / "cuda_src"),
-                        str(root / "benchmarks" / "floor_probe.cu"), "-o", str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert out.stat().st_size > 0

@@ -217,11 +217,12 @@ def gather_kernel_source(fam: Family) -> str:
         f"JM_GATHER_KERNEL({gather_kernel_name(fam)}, {CTYPES[fam.dtype]})\n")
 
 
-# ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 8 with no partial sums in global memory ----
+# ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 16 with no partial sums in global memory ----
 # A module of its own per dense family on sm_90 (it launches clusters and waits on the previous kernel with
 # griddepcontrol), built on the first strip launch only: nothing routes to it by default yet, so the family's
-# usual build does not pay for it; (warps per CTA, cluster size, token blocks of 8, ring in shared memory) tuples, one cubin each.
-# The register ring's depth follows the bits and the token blocks; the shared-memory ring (smem = 1) holds
+# usual build does not pay for it. Configs: (warps per CTA, cluster size, token blocks of 8, ring in shared
+# memory), one cubin each. The register ring's depth follows the bits and the token blocks; the shared-memory ring
+# (smem = 1) holds
 # strip_ring_rows(bits) rows per lane. Two token blocks (M <= 16) come without clusters of 4. (Session 49 built
 # them all for the first H200 measurement; the ones no route takes go after it.)
 STRIP_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
@@ -621,9 +622,8 @@ def clear_kernel_caches() -> None:
     the flags within one process. The compiled modules stay in the cache, keyed by their flags."""
     from . import gemm
 
-    for fn in (build_spec, get_kernel, strip_build_spec, get_strip_kernel, moe_util_build_spec, get_moe_util_kernel, wgmma_build_spec,
-               get_wgmma_kernel,
-               wgmma_module_ready, gemm.prepare_launch, gemm.wgmma_launch):
+    for fn in (build_spec, get_kernel, strip_build_spec, get_strip_kernel, moe_util_build_spec, get_moe_util_kernel,
+               wgmma_build_spec, get_wgmma_kernel, wgmma_module_ready, gemm.prepare_launch, gemm.wgmma_launch):
         fn.cache_clear()
 
 

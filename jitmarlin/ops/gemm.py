@@ -1360,7 +1360,7 @@ def wgmma_pdl_after_gather(n: int, k: int) -> bool:
     return k * n > WGMMA_PDL_AFTER_GATHER_MIN_KN
 
 
-# ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 8, one 64-column strip per CTA or cluster ----
+# ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 16, one 64-column strip per CTA or cluster ----
 
 def strip_grid(n: int, cluster: int) -> int:
     return n // 64 * cluster

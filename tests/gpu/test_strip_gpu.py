@@ -23,7 +23,8 @@ def _sm90():
         pytest.skip("the strip kernel is built for sm_90 and newer only")
 
 
-CONFIGS = [pytest.param(w, c, t, sm, id=f"w{w}-c{c}-t{t}" + ("-s" if sm else "")) for w, c, t, sm in K.STRIP_CONFIGS]
+CONFIGS = [pytest.param(w, c, t, sm, id=f"w{w}-c{c}-t{t}" + ("-s" if sm else ""))
+           for w, c, t, sm in K.STRIP_CONFIGS]
 FORMATS = [pytest.param(d, b, g, z, id=f"{'bf16' if d == torch.bfloat16 else 'f16'}-u{b}-g{g}-{'zp' if z else 'sym'}")
            for d, b, g, z in itertools.product((torch.float16, torch.bfloat16), (4, 8), (-1, 32, 64, 128), (False, True))]
 
