@@ -1206,7 +1206,14 @@ for st in $STAGES; do
            timeout 150 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 12,16 --shapes $SH \
              --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w8-c1-t2,strip-w8-c2-t2,strip-w4-c1-t2,strip-w16-c1-t2-s,strip-w16-c2-t2-s,strip-w4-c1-t2-s \
              >> "$OUT/s50a.log" 2>&1
-           echo "s50a probe 12-16 rc=$?"; grep " us" "$OUT/s50a.log" | sed 's/(floor.*err/err/';;
+           echo "s50a probe 12-16 rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s50a.log";;
+    s50b)  # PREPARED in session 49: the 7B decode with the strip route on (JITMARLIN_STRIP=1) and off, same run: its
+           # GEMMs are 4096x12288 / 4096^2 / 4096x22016 / 11008x4096 at M = 1 / 8 (fused projections), all mid-size
+           for sw in 0 1; do
+             JITMARLIN_STRIP=$sw timeout 200 python3 benchmarks/bench_e2e.py --models llama --variants fp16,w4-fused \
+               --batches 1,8 --prefill 128 --decode 128 > "$OUT/s50b_strip$sw.log" 2>&1
+             echo "s50b strip=$sw rc=$?"; grep -E "^\|" "$OUT/s50b_strip$sw.log" | tail -6
+           done;;
     s49a)  # PREPARED in session 48 (not run): bench_gemm with the peers at M = 300 / 416 / 544 on session 48's route
            # (s47e ran M = 300 / 544 on session 47's: Humming faster in 10 of 12 cells); then why the 176-token tile lost
            # to the 192-token one with three K splits through the workspace (s48f: 5120^2 M = 150 / 176 +9%): both

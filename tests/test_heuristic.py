@@ -956,7 +956,16 @@ def test_strip_choice_rule(monkeypatch):
         per_sm = {16: 1, 8: 2, 4: 4}[warps]
         return {1: sms * per_sm, 2: 2 * 66 * per_sm, 4: 4 * 30 * per_sm}[cluster]
 
+    monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
+    K.env_flag.cache_clear()
     assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) is None  # STRIP_ROUTE off
+    monkeypatch.setenv("JITMARLIN_STRIP", "1")
+    K.env_flag.cache_clear()
+    try:
+        assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 0)  # the switch for whole models
+    finally:
+        monkeypatch.delenv("JITMARLIN_STRIP")
+        K.env_flag.cache_clear()
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
     assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 0)  # 128 strips
     assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)  # 64 strips x 2

@@ -107,3 +107,30 @@ def test_strip_configs_fit_the_kernel_limits():
             assert K.strip_smem_bytes(K.Family("f16", bits, False, 128), w, sm) <= 192 * 1024  # + static < 227 KB
     for t in (1, 2):
         assert K.strip_depth(4, t) * 16 == K.strip_depth(8, t) * 32
+
+
+def test_strip_pick_reads_probe_logs(tmp_path, capsys, monkeypatch):
+    """benchmarks/strip_pick.py (stage s50a's summary): means over rounds, drops wrong results, ratios to the route."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "strip_pick.py"
+    spec = importlib.util.spec_from_file_location("strip_pick", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    log = tmp_path / "s.log"
+    log.write_text("\n".join([
+        "[default] f16 u4 8192x8192 M=1 route: 14.0 us (floor 8.2) err 2.1e-04",
+        "[default] f16 u4 8192x8192 M=1 route: 16.0 us (floor 8.2) err 2.1e-04",
+        "[default] f16 u4 8192x8192 M=1 routeS: 10.0 us (floor 8.2) err 2.1e-04",
+        "[default] f16 u4 8192x8192 M=1 strip-w16-c1: 10.0 us (floor 8.2) err 2.1e-04",
+        "[default] f16 u4 8192x8192 M=1 strip-w8-c1: 5.0 us (floor 8.2) err 1.4e+00",  # wrong: dropped
+        "[default] f16 u4 8192x8192 M=1 strip-w4-c1: failed: [...]",
+    ]) + "\n")
+    cells = mod.read(str(log), 1e-2)
+    assert cells == {("f16", "u4", "8192x8192", 1): {"route": 15.0, "routeS": 10.0, "strip-w16-c1": 10.0}}
+    monkeypatch.setattr("sys.argv", ["strip_pick.py", str(log)])
+    mod.main()
+    out = capsys.readouterr().out
+    assert "| 8192x8192 | 1 | 15.0 | 10.0 | 0.67 | strip-w16-c1 | 10.0 | 0.67 |" in out
+    assert "geometric mean 0.667 over 1 cells" in out

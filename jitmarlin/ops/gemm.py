@@ -1381,9 +1381,15 @@ def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, t
 
 # The strip kernel's route: off (STRIP_ROUTE = False) until the H200 measures it against the current routes at
 # M <= 16 (prepared in session 49, whose device time ran out after a first run with wrong weight addressing; the
-# probe config `routeS` turns it on for an A/B). Candidates in order: the most warps per strip whose grid runs in one
-# wave (every CTA the same bytes, so the launch ends together), clusters where the strips alone fill too few SMs.
+# probe config `routeS` turns it on for an A/B; JITMARLIN_STRIP=1 for whole models, e.g. bench_e2e). Candidates in
+# order: the most warps per strip whose grid runs in one wave (every CTA the same bytes, so the launch ends together),
+# clusters where the strips alone fill too few SMs.
 STRIP_ROUTE = False
+
+
+def strip_route_on() -> bool:
+    """gemm.STRIP_ROUTE, or JITMARLIN_STRIP=1 (read once: K.env_flag)."""
+    return STRIP_ROUTE or K.env_flag("JITMARLIN_STRIP")
 STRIP_ORDER: tuple[tuple[int, int, int, int], ...] = (  # (warps, cluster, token blocks, smem ring); blocks hold M
     (16, 4, 1, 0), (16, 2, 1, 0), (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0),
     (16, 2, 2, 0), (16, 1, 2, 0), (8, 1, 2, 0), (4, 1, 2, 0))
@@ -1394,7 +1400,7 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
     off, MoE, shape). at_once(warps, cluster, toks, smem) -> CTAs of that config the device runs together (0: cannot
     run). The first of STRIP_ORDER with the fewest token blocks that hold M whose N / 64 x cluster CTAs all run at
     once, clusters only while those CTAs are at most one per SM (pure given at_once; CPU-tested)."""
-    if not STRIP_ROUTE or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
+    if not strip_route_on() or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
         return None
     if fam.group_size > 0 and k % fam.group_size:
         return None
@@ -1413,7 +1419,7 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
 
 def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, int, int, int] | None:
     """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver)."""
-    if not STRIP_ROUTE or m > K.STRIP_MAX_M or fam.moe or not K.strip_built(fam, _cc(index)):
+    if m > K.STRIP_MAX_M or not strip_route_on() or fam.moe or not K.strip_built(fam, _cc(index)):
         return None
     sms = driver.device(index).sm_count
 
