@@ -5,7 +5,7 @@
 // an output unit summed through the workspace: store, fence, counter, the last CTA's loads) and
 // straggling CTAs (H200 timelines, benchmarks/NOTES.md sessions 11 and 49: 8192^2 M = 1 busy 7.9 us of
 // a 14.3 us call, exit 4.2). A kernel that only streams the same bytes, timed the same way, runs at
-// 90-95% of the copy floor on those layers (benchmarks/floor_probe.cu). This kernel is shaped like that
+// 92-105% of the copy floor on those layers (benchmarks/floor_probe.cu). This kernel is shaped like that
 // stream: every CTA owns one 64-column strip of the output (or 1/CLUSTER of its K, the CTAs of a
 // thread-block cluster summing through distributed shared memory), every warp streams a contiguous
 // run of k16 rows of that strip (all runs within one row of each other) with its own 16-byte loads,
@@ -22,7 +22,7 @@
 // Group scales multiply the fp32 sums of each group's rows in the warp's run (one block of 8 tokens) or the
 // weights (two blocks); per-channel scales and the bias are applied to the final sums.
 //
-// Launch (gemm.strip_launch): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
+// Launch (gemm.launch_strip): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
 // along x when CLUSTER > 1; p.m <= 8 * TOKS; N a multiple of 64; K a multiple of 16 and of the group size; dynamic
 // shared memory: WARPS x SRING x BITS / 4 x 512 bytes (K.strip_smem_bytes).
 #pragma once

@@ -1374,6 +1374,9 @@ def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, t
         raise ValueError(f"the strip kernel needs N % 64 == 0 and K a multiple of 16 and of the group size "
                          f"{fam.group_size}, got N={n}, K={k}")
     grid, dyn = strip_grid(n, cluster), K.strip_smem_bytes(fam, warps, smem)
+    if dyn > fn.max_dynamic_smem:
+        raise ValueError(f"strip kernel with {warps} warps and a shared-memory ring needs {dyn} B of shared memory per "
+                         f"CTA; this device allows {fn.max_dynamic_smem} B")
     if cluster > 1 and grid > cluster * fn.max_active_clusters(32 * warps, dyn, cluster):
         raise ValueError(f"strip kernel with {warps} warps in clusters of {cluster}: the {grid // cluster} clusters "
                          f"of N={n} do not all fit on the device at once")
