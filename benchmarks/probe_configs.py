@@ -111,7 +111,7 @@ def main() -> None:
     model_min_m = G.WGMMA_TALL_MODEL_MIN_M
     cost = dict(G.WGMMA_COST_PER_STAGE), dict(G.WGMMA_COST_TERMS)  # the shipped cost model (routeC0 swaps it)
     halve_k, tall_k, halve_fill = G.WGMMA_HALVE_MAX_K, dict(G.WGMMA_HALVE_TALL_MAX_K), dict(G.WGMMA_HALVE_MIN_FILL)
-    tall_route, fixup_rows, strip_route = G.WGMMA_TALL_ROUTE, G.WGMMA_COST_FIXUP_ROWS, G.STRIP_ROUTE
+    tall_route, fixup_rows, strip_on = G.WGMMA_TALL_ROUTE, G.WGMMA_COST_FIXUP_ROWS, G.STRIP_ROUTE
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n, bits=args.bits)
@@ -142,7 +142,7 @@ def main() -> None:
             G.WGMMA_COST_PER_STAGE.update(old_fit.get(cfg, cost)[0])
             G.WGMMA_COST_TERMS.update(old_fit.get(cfg, cost)[1])
             G.WGMMA_TALL_ROUTE = S47_TALL_ROUTE if cfg == "routeR47" else tall_route  # routeR47: session 47's rows
-            G.STRIP_ROUTE = cfg == "routeS" or strip_route  # routeS: the strip kernel's route at M <= 16 (session 49)
+            G.STRIP_ROUTE = cfg == "routeS" or strip_on  # routeS: the strip kernel's route at M <= 16 (session 49)
             G.wgmma_launch.cache_clear()
             G.prepare_launch.cache_clear()
             if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT0", "routeHTK", "routeC0", "routeM129",

@@ -278,8 +278,8 @@ def strip_build_spec(fam: Family, cc: tuple[int, int]) -> BuildSpec:
                          f"sm_{cc[0]}{cc[1]}")
     sources = tuple((strip_kernel_name(fam, *cfg), strip_kernel_source(fam, *cfg)) for cfg in STRIP_CONFIGS)
     return BuildSpec(family="strip", cc=cc, key=fam.key(), sources=sources, flags=extra_nvcc_flags(),
-                     cli_hint="(`jitmarlin build` does not prebuild the strip kernels, which nothing routes to by default: "
-                              "unset JITMARLIN_DISABLE_JIT for the first strip launch)")
+                     cli_hint="(`jitmarlin build` does not prebuild the strip kernels, which nothing routes to by "
+                              "default: unset JITMARLIN_DISABLE_JIT for the first strip launch)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1192,7 +1192,8 @@ WGMMA_CLUSTER_MAX = 2  # clusters of up to this many splits (jm_wgmma.cuh sums 2
 # per tile give an SM at most one CTA and fill enough of them (WGMMA_HALVE_MIN_FILL[NT] x SMs <= 2 x tiles <= SMs)
 # and K <= WGMMA_HALVE_MAX_K x NT / 128 (the fixup saved scales with the token tile, the one-CTA stream's loss with
 # K): the form runs two CTAs per SM, so the halved launch streams the same K per SM with one CTA and drops the last
-# CTA's read of three or four whole tiles of partial sums (past one CTA per SM some SMs would stream twice the K of the split launch's busiest SM).
+# CTA's read of three or four whole tiles of partial sums (past one CTA per SM some SMs would stream twice the K of
+# the split launch's busiest SM).
 # H200, session 46 (s46c, probe_configs, us, two rounds, rule off -> on): 4096^2 M = 200 / 256 24.7 / 25.2 -> 20.1 /
 # 20.1, 3072x4096 M = 256 22.9 -> 16.6, 4096x8192 M = 72 / 128 26.3 / 25.5 -> 21.1 / 20.2, 3072x8192 M = 96 22.1 ->
 # 16.4, 8192^2 M = 96 / 128 35.8 / 37.5 -> 34.3 / 34.6 (M = 72 35.1 -> 35.4); bf16 and 8-bit alike (s46d); with
@@ -1310,14 +1311,21 @@ def wgmma_act_map(a: torch.Tensor, m: int, k: int, nt: int, tma: bool | None = N
     return hit
 
 
-def _wgmma_params(wl: WgmmaLaunch, m: int, n: int, k: int, b, scales, zeros, bias) -> K.GemmParams:
-    """A wgmma launch's parameter struct with every field but the activations, the output and the
-    workspace (set per call)."""
+def _weight_params(m: int, n: int, k: int, b, scales, zeros, bias) -> K.GemmParams:
+    """A dense launch's parameter struct with the weights, scales, zero points, bias and shape (contiguous A and C);
+    the launch's own fields, the activations and the output are the caller's."""
     p = K.GemmParams()
     p.b, p.s = b.data_ptr(), scales.data_ptr()
     p.z = zeros.data_ptr() if zeros is not None else None
     p.bias = bias.data_ptr() if bias is not None else None
     p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+    return p
+
+
+def _wgmma_params(wl: WgmmaLaunch, m: int, n: int, k: int, b, scales, zeros, bias) -> K.GemmParams:
+    """A wgmma launch's parameter struct with every field but the activations, the output and the
+    workspace (set per call)."""
+    p = _weight_params(m, n, k, b, scales, zeros, bias)
     p.grid = wl.m_tiles
     p.k_splits = wl.splits
     return p
@@ -1437,11 +1445,8 @@ def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, i
 
 
 def strip_params(m: int, n: int, k: int, warps: int, cluster: int, a, b, scales, zeros, bias, out) -> K.GemmParams:
-    p = K.GemmParams()
-    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
-    p.z = zeros.data_ptr() if zeros is not None else None
-    p.bias = bias.data_ptr() if bias is not None else None
-    p.m, p.n, p.k, p.lda, p.ldc = m, n, k, k, n
+    p = _weight_params(m, n, k, b, scales, zeros, bias)
+    p.a, p.c = a.data_ptr(), out.data_ptr()
     p.nwarps, p.grid, p.top_k = warps, strip_grid(n, cluster), 1
     return p
 
@@ -1587,9 +1592,8 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
     ws = K.default_workspace(a.device)
     strip = strip_route(m, n, k, fam, index)
     if strip is not None:
-        warps, cluster, toks, smem = strip
+        warps, cluster, toks, smem = strip  # (strip_choice took only configs the launch can run)
         fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
-        check_strip(m, n, k, fam, warps, cluster, toks, smem, fn)
         p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, a.new_empty(0))
         return _FastEntry(fn, p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), p, use_pdl(_cc(index)),
                           cluster, 0, False)
