@@ -46,6 +46,14 @@ JM_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The same wait with a memory clobber, for a thread that reads back its own copies with plain shared-memory loads
+// and no barrier after the wait (the strip kernel's lane-private ring): the compiler must not move those loads
+// above it.
+template <int N>
+JM_DEVICE void cp_async_wait_fenced() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // ldmatrix x4: the four 8x8 matrices of a 16x16 activation block land exactly in the A fragment
 // registers of mma.m16n8k16 (PTX ISA, "ldmatrix" and "Matrix Fragments for mma.m16n8k16").
 JM_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {

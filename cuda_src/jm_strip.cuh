@@ -40,11 +40,6 @@ namespace jm {
 // by each lane's own 16-byte cp.async (no registers held while in flight, so 3x the bytes in flight of the register
 // ring at 16 warps per SM), the activations then in a register ring of DEPTH rows (from L2: a shorter lead).
 // Each lane reads back only what it copied itself, so no barrier is needed, only cp.async.wait_group.
-template <int N>
-JM_DEVICE void strip_cp_wait() {  // (with a memory clobber: the shared-memory reads after it must stay after it)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS, int SRING>
 JM_DEVICE void strip_body(const JmGemmParams& p) {
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
@@ -254,7 +249,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       for (int d = 0; d < SRING; d++) {
         const int i = base + d;
         if (i < rows) {
-          strip_cp_wait<SRING - 1>();  // row i's group (each row one group, committed in order) has landed
+          cp_async_wait_fenced<SRING - 1>();  // row i's group (each row one group, committed in order) has landed
           uint4 w[kVec];
 #pragma unroll
           for (int v = 0; v < kVec; v++) w[v] = *reinterpret_cast<const uint4*>(my_ring + (d * kVec + v) * 512);
@@ -266,7 +261,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
         }
       }
     }
-    strip_cp_wait<0>();  // (nothing left in flight; the ring's start takes the warp's sums next)
+    cp_async_wait_fenced<0>();  // (nothing left in flight; the ring's start takes the warp's sums next)
   } else {
     for (int base = 0; base < rows; base += DEPTH) {
 #pragma unroll

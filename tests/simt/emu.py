@@ -1,0 +1,162 @@
+"""Build and launch our CUDA kernel sources on the CPU through the SIMT emulator (tests/simt/simt.h).
+
+The kernel text is cuda_src's, copied next to the emulator's headers with two mechanical rewrites of the
+shared-memory declarations (`extern __shared__ ... name[];` becomes a pointer to the CTA's dynamic shared memory,
+`__shared__ T a[..], b;` a C++ static per name that registers itself with the emulator, which keeps a copy per
+CTA) and tests/simt/jm_ptx.cuh in place of the PTX wrappers. The kernel sources must hold no inline asm of their own (the wrappers are where PTX lives): the host
+assembler rejects PTX text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SIMT_DIR = Path(__file__).resolve().parent
+CUDA_SRC = SIMT_DIR.parents[1] / "cuda_src"
+EMULATOR_FILES = ("simt.h", "jm_ptx.cuh", "runner.h", "cuda_fp16.h", "cuda_bf16.h")
+
+_DYN = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];")
+_STATIC = re.compile(r"__shared__ ((?:__align__\(\d+\) )?\w+ )([^;]+);")
+
+
+class SimtError(RuntimeError):
+    """The emulator stopped a launch (out-of-bounds load, deadlock, divergent collective, ...)."""
+
+
+def rewrite(text: str) -> str:
+    """A cuda_src header as the emulator compiles it (see the module docstring)."""
+    text = _DYN.sub(r"\1* const \2 = reinterpret_cast<\1*>(::jm_simt::dyn_smem());", text)
+
+    def static(m: re.Match) -> str:
+        names, depth, start = [], 0, 0
+        decls = m.group(2)
+        for i, ch in enumerate(decls + ","):  # the declarators, split at the commas outside brackets
+            depth += ch in "[(" and 1 or ch in "])" and -1 or 0
+            if ch == "," and depth == 0:
+                names.append(re.match(r"\s*(\w+)", decls[start:i]).group(1))
+                start = i + 1
+        return f"static {m.group(1)}{decls};" + "".join(f" JM_SIMT_SHARED({n});" for n in names)
+
+    text = _STATIC.sub(static, text)
+    if "__shared__" in text:
+        raise ValueError("a __shared__ declaration the emulator's rewrite does not know")
+    return text
+
+
+def has_compiler() -> bool:
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+def prepare(dst: Path, headers: dict[str, str] | None = None) -> None:
+    """Copy the emulator and the rewritten cuda_src headers into dst (headers: name -> replacement text, for
+    mutation tests)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in EMULATOR_FILES:
+        shutil.copy(SIMT_DIR / name, dst / name)
+    for src in CUDA_SRC.iterdir():
+        if src.suffix not in (".cuh", ".h") or src.name == "jm_ptx.cuh":
+            continue
+        text = (headers or {}).get(src.name, src.read_text())
+        (dst / src.name).write_text(rewrite(text))
+
+
+def kernel_table(names: list[str]) -> str:
+    tramps = "".join(f"static void simt_tramp_{n}(const void* p) {{ {n}(*static_cast<const JmGemmParams*>(p)); }}\n"
+                     for n in names)
+    rows = "".join(f'    {{"{n}", &simt_tramp_{n}}},\n' for n in names)
+    return (tramps + "struct SimtKernel {\n  const char* name;\n  void (*fn)(const void*);\n};\n"
+            f"static const SimtKernel kSimtKernels[] = {{\n{rows}}};\n" + '#include "runner.h"\n')
+
+
+class Library:
+    """A built emulator library: launch(name, ...) runs one kernel; guarded(t) copies a tensor into memory that
+    ends at an inaccessible page."""
+
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.simt_run.restype = ctypes.c_int
+        self.lib.simt_run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_ulonglong,
+                                      ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_uint,
+                                      ctypes.c_char_p, ctypes.c_int]
+        self.lib.simt_alloc.restype = ctypes.c_void_p
+        self.lib.simt_alloc.argtypes = [ctypes.c_ulonglong]
+        self.lib.simt_free.argtypes = [ctypes.c_void_p]
+        self._live: list[tuple[int, int]] = []  # (address, bytes) of the guarded buffers
+
+    def guarded(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        ptr = self.lib.simt_alloc(max(nbytes, 1))
+        if not ptr:
+            raise MemoryError("simt_alloc")
+        self._live.append((ptr, nbytes))
+        raw = torch.frombuffer((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr), dtype=torch.uint8)[:nbytes]
+        out = raw.view(t.dtype).view(t.shape)
+        out.copy_(t)
+        return out
+
+    def free_all(self) -> None:
+        for ptr, _ in self._live:
+            self.lib.simt_free(ptr)
+        self._live.clear()
+
+    def launch(self, name: str, grid: int, threads: int, cluster: int, dyn: int, params: ctypes.Structure,
+               buffers: list[torch.Tensor] | None = None, seed: int = 0) -> None:
+        """buffers: the global memory the kernel may load through the checked wrappers (None: every guarded
+        buffer alive)."""
+        spans = self._live if buffers is None else [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers]
+        regs = [x for span in spans for x in span]
+        arr = (ctypes.c_ulonglong * max(len(regs), 1))(*regs)
+        err = ctypes.create_string_buffer(2048)
+        rc = self.lib.simt_run(name.encode(), grid, threads, cluster, dyn, ctypes.byref(params), arr, len(spans),
+                               seed, err, len(err))
+        if rc:
+            raise SimtError(err.value.decode())
+
+
+def build(sources: list[tuple[str, str]], out_dir: Path, headers: dict[str, str] | None = None,
+          jobs: int = 2, sm: int = 90) -> Library:
+    """Compile kernel sources [(name, generated .cu text)] with the emulator into out_dir/libsimt-<hash>.so (jobs
+    translation units in parallel) and load it. sm: the emulated architecture (80: no sm_90 features, as a
+    kernel compiled for sm_80 sees them: JM_HAS_BULK 0)."""
+    prepare(out_dir, headers)
+    key = hashlib.sha256(repr((sources, headers, sm)).encode()).hexdigest()[:16]
+    lib_path = out_dir / f"libsimt-{key}.so"
+    if not lib_path.exists():
+        cxx = os.environ.get("CXX", "g++")
+        flags = ["-std=c++17", "-O1", "-fPIC", "-fno-strict-aliasing", "-Wno-unknown-pragmas", f"-DJM_SIMT_SM={sm}",
+                 f"-I{out_dir}"]
+        parts = [sources[i::jobs] for i in range(jobs) if sources[i::jobs]]
+        procs, objs = [], []
+        for i, part in enumerate(parts):
+            cpp = out_dir / f"part{key}_{i}.cpp"
+            body = '#include "simt.h"\n' + "".join(src for _, src in part)
+            if i == 0:  # the table and the entry points, with the other units' kernels declared
+                body += _decls(sources, part) + kernel_table([n for n, _ in sources])
+            cpp.write_text(body)
+            obj = cpp.with_suffix(".o")
+            objs.append(obj)
+            procs.append(subprocess.Popen([cxx, *flags, "-c", str(cpp), "-o", str(obj)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        for p in procs:
+            out, _ = p.communicate()
+            if p.returncode:
+                raise RuntimeError(f"the emulator build failed:\n{out[-6000:]}")
+        tmp = out_dir / f"{lib_path.name}.tmp{os.getpid()}"
+        subprocess.run([cxx, "-shared", "-o", str(tmp), *map(str, objs)], check=True)
+        os.replace(tmp, lib_path)
+    return Library(lib_path)
+
+
+def _decls(sources: list[tuple[str, str]], here: list[tuple[str, str]]) -> str:
+    """Declarations of the kernels compiled in other translation units."""
+    local = {n for n, _ in here}
+    return "".join(f'extern "C" void {n}(const JmGemmParams p);\n' for n, _ in sources if n not in local)

@@ -1,0 +1,52 @@
+// jitmarlin tests — the C entry points of a SIMT-emulator library (included last by the generated source, after
+// its table `kSimtKernels` of {name, trampoline}).
+#pragma once
+
+#include <map>
+
+extern "C" {
+
+// Launch kernel `name` on the emulator: a 1-D grid of `grid` CTAs of `threads` threads, clusters of `cluster`
+// CTAs along x, `dyn` bytes of dynamic shared memory. regions: (address, bytes) pairs of the global buffers the
+// kernel may read through the checked wrappers. Returns 0, or 1 with the error in err.
+int simt_run(const char* name, unsigned grid, unsigned threads, int cluster, unsigned long long dyn,
+             const void* params, const unsigned long long* regions, int nregions, unsigned seed, char* err,
+             int errlen) {
+  for (const SimtKernel& k : kSimtKernels) {
+    if (strcmp(k.name, name) != 0) continue;
+    std::vector<jm_simt::Region> rs;
+    for (int i = 0; i < nregions; i++)
+      rs.push_back(jm_simt::Region{static_cast<uintptr_t>(regions[2 * i]),
+                                   static_cast<uintptr_t>(regions[2 * i] + regions[2 * i + 1])});
+    const std::string e = jm_simt::run(k.fn, params, uint3{grid, 1, 1}, uint3{threads, 1, 1}, cluster,
+                                       static_cast<size_t>(dyn), rs.data(), nregions, seed);
+    snprintf(err, errlen, "%s", e.c_str());
+    return e.empty() ? 0 : 1;
+  }
+  snprintf(err, errlen, "no kernel named %s in this library", name);
+  return 1;
+}
+
+// `bytes` of memory, 16-byte aligned, followed by a PROT_NONE page after at most 15 bytes of padding: a kernel
+// reading or writing past the end of a buffer copied there stops with SIGSEGV instead of reading a neighbour.
+static std::map<void*, std::pair<void*, size_t>>& simt_maps() {
+  static std::map<void*, std::pair<void*, size_t>> m;
+  return m;
+}
+void* simt_alloc(unsigned long long bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t body = (bytes + page - 1) / page * page, total = body + page;
+  void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  mprotect(static_cast<char*>(base) + body, page, PROT_NONE);
+  void* p = static_cast<char*>(base) + body - (bytes + 15) / 16 * 16;
+  simt_maps()[p] = {base, total};
+  return p;
+}
+void simt_free(void* p) {
+  auto it = simt_maps().find(p);
+  if (it == simt_maps().end()) return;
+  munmap(it->second.first, it->second.second);
+  simt_maps().erase(it);
+}
+}

@@ -1,0 +1,591 @@
+// jitmarlin tests — a small SIMT emulator that runs our CUDA kernel sources on the CPU.
+//
+// Why: the GPU is lent by the session and sometimes not at all; a kernel's index arithmetic, fragment
+// layouts, barriers and cluster exchanges can be checked here first, on the real .cuh text. The kernel
+// source is compiled by the host C++ compiler with this header in front (CUDA's built-in names defined
+// here) and with tests/simt/jm_ptx.cuh in place of cuda_src/jm_ptx.cuh (the PTX wrappers, emulated).
+// tests/test_simt_kernels.py copies the sources next to these files, rewrites the two shared-memory
+// declaration forms (below), builds a shared library and launches kernels through simt_run().
+//
+// Model:
+// - every CUDA thread is a fiber (ucontext) of one OS thread; a fiber runs until it reaches a warp
+//   collective (mma.sync), a CTA barrier or a cluster wait, then another runnable fiber of the same CTA is
+//   picked at random (seeded), so an order that a missing barrier makes matter shows up in some seed;
+// - warp collectives fire when all 32 lanes of the warp have reached the same one; a barrier or collective
+//   that can never complete (a lane exited, lanes at different collectives) is reported as a deadlock;
+// - a static __shared__ variable becomes a C++ static that registers itself where it is declared
+//   (JM_SIMT_SHARED); the registered variables hold the image of the CTA whose fiber runs, and are swapped
+//   when another CTA's fiber is picked, so each CTA has its own copy; dynamic shared memory is one buffer per
+//   CTA ending at a PROT_NONE page; shared memory starts as 0xFF bytes (NaN as floats), as a GPU gives no
+//   initial contents;
+// - cp.async copies land only when a cp.async.wait_group asks for their group (a read before that sees
+//   the old bytes); global loads through the wrappers are checked against the launch's registered
+//   buffers; distributed shared memory stores reach the other CTA's image; a CTA's clusters run
+//   together, clusters and cluster-less CTAs one after another;
+// - fp16 / bf16 arithmetic rounds to nearest even from an exact (or double) result; mma.sync multiplies
+//   exactly and sums in double, then rounds to fp32 (hardware sums in another order: compare with a
+//   tolerance, as on the GPU).
+#pragma once
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+// ---- CUDA's qualifiers and built-in types, as the host compiler needs them ----
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define JM_SIMT_SHARED(var) ::jm_simt::shared_var(&(var), sizeof(var))
+
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+struct uint2 {
+  uint32_t x, y;
+};
+struct uint3 {
+  unsigned x, y, z;
+};
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return uint4{x, y, z, w}; }
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+
+namespace jm_simt {
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+// Round to nearest even into IEEE half (from fp32; the callers' values are exact in fp32 or nearly so).
+inline uint16_t f32_to_f16(float f) {
+  const uint32_t x = f32_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+  if (ax >= 0x7F800000u) return static_cast<uint16_t>(sign | (ax > 0x7F800000u ? 0x7E00u : 0x7C00u));
+  if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: infinity
+  if (ax < 0x38800000u) {                                                 // below 2^-14: subnormal steps of 2^-24
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(bits_f32(ax) * 16777216.0f)));
+  }
+  uint32_t h = ((((ax >> 23) - 112u) << 10) | ((ax & 0x7FFFFFu) >> 13));
+  const uint32_t rem = ax & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+  return static_cast<uint16_t>(sign | h);
+}
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0) return (sign ? -1.f : 1.f) * std::ldexp(static_cast<float>(m), -24);
+  if (e == 31) return bits_f32(sign | 0x7F800000u | (m << 13));
+  return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t x = f32_bits(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+}  // namespace jm_simt
+
+struct __half {
+  uint16_t bits;
+  __half() = default;
+  __half(float f) : bits(jm_simt::f32_to_f16(f)) {}
+  operator float() const { return jm_simt::f16_to_f32(bits); }
+};
+typedef __half half;
+struct __nv_bfloat16 {
+  uint16_t bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) : bits(jm_simt::f32_to_bf16(f)) {}
+  operator float() const { return jm_simt::bf16_to_f32(bits); }
+};
+
+// fast-math intrinsics: their exact forms here (the GPU's are within a few ulp)
+inline float __expf(float x) { return std::exp(x); }
+inline float __fdividef(float x, float y) { return x / y; }
+
+inline float __uint_as_float(uint32_t u) { return jm_simt::bits_f32(u); }
+inline uint32_t __float_as_uint(float f) { return jm_simt::f32_bits(f); }
+// PTX prmt (default mode): selector nibble i picks byte (sel_i & 7) of {b, a} for result byte i; bit 3 of the
+// nibble replicates that byte's sign bit instead.
+inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+  const uint64_t src = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; i++) {
+    const uint32_t s = (sel >> (4 * i)) & 0xFu;
+    uint32_t byte = static_cast<uint32_t>(src >> (8 * (s & 7u))) & 0xFFu;
+    if (s & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
+    r |= byte << (8 * i);
+  }
+  return r;
+}
+
+namespace jm_simt {
+
+enum class St { Ready, Coll, Bar, ClusterWait, Done };
+
+struct Copy {
+  void* dst;
+  const void* src;
+  bool valid;
+};
+
+struct Thread;
+typedef void (*CollFn)(Thread* const* lanes);  // a warp collective, run once with the 32 lanes' state
+
+struct Thread {
+  ucontext_t ctx;
+  char* stack = nullptr;
+  int cta = 0;  // index in the running cluster
+  uint3 tid{0, 0, 0};
+  St st = St::Ready;
+  CollFn coll = nullptr;
+  const char* coll_name = "";
+  // a collective's operands, by pointer into the lane's own frame (valid while it waits)
+  const void* in[4] = {nullptr, nullptr, nullptr, nullptr};
+  void* out = nullptr;
+  std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
+  std::vector<Copy> open;                 // issued, not yet committed
+  int arrivals = 0, waits = 0;            // cluster barrier phases this thread arrived at / waited for
+  int wait_phase = -1;
+};
+
+struct Cta {
+  uint3 block{0, 0, 0};
+  std::vector<std::vector<uint8_t>> saved;  // its static shared variables while another CTA's are live
+  uint8_t* dyn = nullptr;      // its dynamic shared memory (ends at a PROT_NONE page)
+  void* map = nullptr;
+  size_t map_bytes = 0, dyn_bytes = 0;
+  int bar_waiting = 0, done = 0;
+  std::vector<int> ready;  // runnable threads (indices into Launch::threads)
+};
+
+struct Region {
+  uintptr_t lo, hi;
+};
+
+struct Launch {
+  void (*kernel)(const void*) = nullptr;
+  const void* params = nullptr;
+  int threads_per_cta = 0, cluster = 1;
+  uint3 grid{1, 1, 1}, block{1, 1, 1};
+  std::vector<Cta> ctas;
+  std::vector<Thread> threads;
+  std::vector<Region> regions;
+  std::vector<std::pair<uint8_t*, size_t>> vars;  // the static shared variables declared so far
+  std::vector<int> cluster_arrived;  // per cluster-barrier phase
+  bool phase_done = false;           // an arrival completed a phase: wake its waiters
+  int loaded = -1;                   // the CTA whose static shared variables are live
+  std::string error;
+  std::mt19937 rng;
+};
+
+inline Launch*& launch() {
+  static Launch* l = nullptr;
+  return l;
+}
+inline Thread*& cur() {
+  static Thread* t = nullptr;
+  return t;
+}
+inline ucontext_t& sched_ctx() {
+  static ucontext_t c;
+  return c;
+}
+
+// Stop the launch with an error: the calling fiber never resumes.
+[[noreturn]] inline void fail(const std::string& msg) {
+  Launch* l = launch();
+  Thread* t = cur();
+  if (l->error.empty()) {
+    char where[96];
+    snprintf(where, sizeof where, " (block %u,%u thread %u)", l->ctas[t->cta].block.x, l->ctas[t->cta].block.y,
+             t->tid.x);
+    l->error = msg + where;
+  }
+  t->st = St::Done;
+  swapcontext(&t->ctx, &sched_ctx());
+  abort();  // not reached: the scheduler stops at the first error
+}
+
+inline void yield_to_scheduler() {
+  Thread* t = cur();
+  swapcontext(&t->ctx, &sched_ctx());
+}
+
+inline bool in_regions(const void* p, size_t bytes) {
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p);
+  for (const Region& r : launch()->regions)
+    if (lo >= r.lo && lo + bytes <= r.hi) return true;
+  return false;
+}
+
+template <typename P>
+inline const P* check_global(const P* p, size_t bytes, const char* what) {
+  if (!in_regions(p, bytes)) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "%s: %zu bytes at %p are outside every buffer of the launch", what, bytes,
+             static_cast<const void*>(p));
+    fail(msg);
+  }
+  if (reinterpret_cast<uintptr_t>(p) % (bytes > 16 ? 16 : bytes)) fail(std::string(what) + ": misaligned address");
+  return p;
+}
+
+// A static shared variable, registered by every thread that reaches its declaration (the first one fills it
+// with 0xFF bytes: it is live for that thread's CTA, the loaded one).
+inline void shared_var(void* p, size_t bytes) {
+  Launch* l = launch();
+  for (const auto& v : l->vars)
+    if (v.first == p) return;
+  l->vars.emplace_back(static_cast<uint8_t*>(p), bytes);
+  memset(p, 0xFF, bytes);
+}
+
+// CTA c's copy of static shared variable i while it is not loaded (0xFF bytes until first written).
+inline uint8_t* saved_var(Launch* l, int c, size_t i) {
+  std::vector<std::vector<uint8_t>>& sv = l->ctas[c].saved;
+  if (sv.size() <= i) sv.resize(i + 1);
+  if (sv[i].size() != l->vars[i].second) sv[i].assign(l->vars[i].second, 0xFF);
+  return sv[i].data();
+}
+
+// Shared-memory addresses as 32-bit values (what cvta.to.shared gives a kernel): bits 31-30 the kind (1 static,
+// 2 dynamic), bits 29-27 the cluster rank, the rest the offset (static: bits 26-19 the variable, 18-0 the offset).
+constexpr uint32_t kStatic = 1u << 30, kDynamic = 2u << 30, kRankShift = 27, kOffMask = (1u << 27) - 1;
+constexpr uint32_t kVarShift = 19, kVarOffMask = (1u << 19) - 1;
+
+inline uint32_t encode_smem(const void* p) {
+  Launch* l = launch();
+  Thread* t = cur();
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  const uint32_t rank = static_cast<uint32_t>(t->cta) << kRankShift;
+  for (size_t i = 0; i < l->vars.size() && i < 256; i++)
+    if (b >= l->vars[i].first && b < l->vars[i].first + l->vars[i].second)
+      return kStatic | rank | (static_cast<uint32_t>(i) << kVarShift) | static_cast<uint32_t>(b - l->vars[i].first);
+  const Cta& c = l->ctas[t->cta];
+  if (b >= c.dyn && b <= c.dyn + c.dyn_bytes) return kDynamic | rank | static_cast<uint32_t>(b - c.dyn);
+  fail("a shared-memory address that is not in this CTA's shared memory");
+}
+
+// The bytes behind an encoded address, in the CTA it names (live if that CTA is loaded, else its saved copy).
+inline uint8_t* decode_smem(uint32_t addr, size_t bytes) {
+  Launch* l = launch();
+  const int rank = static_cast<int>((addr >> kRankShift) & 7u);
+  const uint32_t off = addr & kOffMask;
+  if (rank >= static_cast<int>(l->ctas.size())) fail("distributed shared memory: a rank past the cluster");
+  Cta& c = l->ctas[rank];
+  if (c.done == l->threads_per_cta) fail("distributed shared memory: the target CTA has exited");
+  if ((addr & (3u << 30)) == kStatic) {
+    const size_t var = off >> kVarShift, voff = off & kVarOffMask;
+    if (var >= l->vars.size() || voff + bytes > l->vars[var].second) fail("shared-memory address past its variable");
+    return (rank == l->loaded ? l->vars[var].first : saved_var(l, rank, var)) + voff;
+  }
+  if ((addr & (3u << 30)) == kDynamic) {
+    if (off + bytes > c.dyn_bytes) fail("shared-memory address past the dynamic shared memory");
+    return c.dyn + off;
+  }
+  fail("not a shared-memory address");
+}
+
+inline uint8_t* dyn_smem() { return launch()->ctas[cur()->cta].dyn; }
+
+// A warp collective: record the operands, wait until the 32 lanes are there; the last one in runs fn for all.
+inline void warp_collective(CollFn fn, const char* name, const void* in0, const void* in1, const void* in2,
+                            const void* in3, void* out) {
+  Thread* t = cur();
+  t->coll = fn;
+  t->coll_name = name;
+  t->in[0] = in0, t->in[1] = in1, t->in[2] = in2, t->in[3] = in3;
+  t->out = out;
+  t->st = St::Coll;
+  yield_to_scheduler();
+}
+
+inline void syncthreads() {
+  Thread* t = cur();
+  t->st = St::Bar;
+  yield_to_scheduler();
+}
+
+inline void cluster_arrive() {
+  Launch* l = launch();
+  Thread* t = cur();
+  const int phase = t->arrivals++;
+  if (static_cast<int>(l->cluster_arrived.size()) <= phase) l->cluster_arrived.resize(phase + 1, 0);
+  if (++l->cluster_arrived[phase] == l->threads_per_cta * static_cast<int>(l->ctas.size())) l->phase_done = true;
+}
+inline void cluster_wait() {
+  Thread* t = cur();
+  const int phase = t->waits++;
+  if (phase >= t->arrivals) fail("barrier.cluster.wait without a matching arrive");
+  t->wait_phase = phase;
+  t->st = St::ClusterWait;
+  yield_to_scheduler();
+}
+
+inline void cp_async(void* dst, const void* src, bool valid) {
+  if (valid) check_global(static_cast<const uint8_t*>(src), 16, "cp.async source");
+  decode_smem(encode_smem(dst), 16);  // a shared address of this CTA
+  cur()->open.push_back(Copy{dst, src, valid});
+}
+inline void cp_async_commit() {
+  Thread* t = cur();
+  t->groups.push_back(t->open);
+  t->open.clear();
+}
+// Complete every committed group but the newest `keep`.
+inline void cp_async_wait(int keep) {
+  Thread* t = cur();
+  while (static_cast<int>(t->groups.size()) > keep) {
+    for (const Copy& c : t->groups.front()) {
+      if (c.valid) memcpy(c.dst, c.src, 16);
+      else memset(c.dst, 0, 16);
+    }
+    t->groups.erase(t->groups.begin());
+  }
+}
+
+}  // namespace jm_simt
+
+#define threadIdx (::jm_simt::cur()->tid)
+#define blockIdx (::jm_simt::launch()->ctas[::jm_simt::cur()->cta].block)
+#define blockDim (::jm_simt::launch()->block)
+#define gridDim (::jm_simt::launch()->grid)
+
+inline void __syncthreads() { jm_simt::syncthreads(); }
+
+namespace jm_simt {
+inline void no_op_collective(Thread* const*) {}
+// __shfl_sync: lane l's result = the value of lane (src of lane l) mod 32
+template <typename V>
+inline void shfl_collective(Thread* const* lanes) {
+  V vals[32];
+  for (int l = 0; l < 32; l++) vals[l] = *static_cast<const V*>(lanes[l]->in[0]);
+  for (int l = 0; l < 32; l++) *static_cast<V*>(lanes[l]->out) = vals[*static_cast<const int*>(lanes[l]->in[1]) & 31];
+}
+}  // namespace jm_simt
+
+// __syncwarp: the lanes of the warp meet (a collective, so that the writes of lanes before it reach reads after it).
+inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) {
+  if (mask != 0xFFFFFFFFu) jm_simt::fail("__syncwarp with a partial mask is not emulated");
+  jm_simt::warp_collective(&jm_simt::no_op_collective, "__syncwarp", nullptr, nullptr, nullptr, nullptr, nullptr);
+}
+template <typename V>
+inline V __shfl_sync(unsigned mask, V v, int src, int width = 32) {
+  static_assert(sizeof(V) == 4, "32-bit shuffles");
+  if (mask != 0xFFFFFFFFu || width != 32) jm_simt::fail("__shfl_sync with a partial mask or width is not emulated");
+  V r;
+  jm_simt::warp_collective(&jm_simt::shfl_collective<V>, "__shfl_sync", &v, &src, nullptr, nullptr, &r);
+  return r;
+}
+// Device-scope atomics and fences: one fiber runs at a time, so a read-modify-write is atomic and every write is
+// visible at once; the address must be one of the launch's buffers.
+inline int atomicAdd(int* p, int v) {
+  const int old = *jm_simt::check_global(p, 4, "atomicAdd");
+  *p = old + v;
+  return old;
+}
+inline void __threadfence() {}
+
+template <typename P>
+inline P __ldg(const P* p) {
+  return *jm_simt::check_global(p, sizeof(P), "__ldg");
+}
+
+namespace jm_simt {
+
+inline void fiber_main() {
+  Launch* l = launch();
+  l->kernel(l->params);
+  Thread* t = cur();
+  t->st = St::Done;
+  swapcontext(&t->ctx, &sched_ctx());
+}
+
+inline void load_cta(Launch* l, int c) {
+  if (l->loaded == c) return;
+  for (size_t i = 0; i < l->vars.size(); i++) {
+    if (l->loaded >= 0) memcpy(saved_var(l, l->loaded, i), l->vars[i].first, l->vars[i].second);
+    memcpy(l->vars[i].first, saved_var(l, c, i), l->vars[i].second);
+  }
+  l->loaded = c;
+}
+
+// After thread i stopped: fire what its stop completes.
+inline void settle(Launch* l, int i) {
+  Thread& t = l->threads[i];
+  Cta& c = l->ctas[t.cta];
+  const int base = t.cta * l->threads_per_cta;
+  if (t.st == St::Done) {
+    c.done++;
+  } else if (t.st == St::Coll) {
+    const int w0 = base + ((t.tid.x) & ~31u);
+    const int lanes = l->threads_per_cta - (w0 - base) < 32 ? l->threads_per_cta - (w0 - base) : 32;
+    Thread* ls[32];
+    for (int j = 0; j < lanes; j++) {
+      ls[j] = &l->threads[w0 + j];
+      if (ls[j]->st != St::Coll) return;  // not all there yet (or never: the deadlock check reports it)
+    }
+    if (lanes != 32) {
+      l->error = "a warp collective in a partial warp";
+      return;
+    }
+    for (int j = 0; j < 32; j++)
+      if (ls[j]->coll != t.coll) {
+        l->error = std::string("warp lanes at different collectives: ") + ls[0]->coll_name + " / " + ls[j]->coll_name;
+        return;
+      }
+    Thread* const* cl = ls;
+    Thread* saved = cur();
+    t.coll(cl);
+    cur() = saved;
+    for (int j = 0; j < 32; j++) {
+      ls[j]->st = St::Ready;
+      c.ready.push_back(w0 + j);
+    }
+  } else if (t.st == St::Bar) {
+    if (++c.bar_waiting == l->threads_per_cta) {
+      c.bar_waiting = 0;
+      for (int j = 0; j < l->threads_per_cta; j++) {
+        l->threads[base + j].st = St::Ready;
+        c.ready.push_back(base + j);
+      }
+    }
+  }
+  // cluster barrier: a waiter whose phase is complete goes on; a completed phase wakes its waiters
+  const int total = l->threads_per_cta * static_cast<int>(l->ctas.size());
+  if (t.st == St::ClusterWait && l->cluster_arrived[t.wait_phase] == total) {
+    t.st = St::Ready;
+    c.ready.push_back(i);
+  }
+  if (l->phase_done) {
+    l->phase_done = false;
+    for (size_t j = 0; j < l->threads.size(); j++) {
+      Thread& u = l->threads[j];
+      if (u.st == St::ClusterWait && l->cluster_arrived[u.wait_phase] == total) {
+        u.st = St::Ready;
+        l->ctas[u.cta].ready.push_back(static_cast<int>(j));
+      }
+    }
+  }
+}
+
+// Run the CTAs of one cluster (or one CTA) to completion.
+inline void run_group(Launch* l) {
+  for (;;) {
+    if (!l->error.empty()) return;
+    int pick_cta = -1;
+    if (l->loaded >= 0 && l->loaded < static_cast<int>(l->ctas.size()) && !l->ctas[l->loaded].ready.empty())
+      pick_cta = l->loaded;
+    for (size_t c = 0; pick_cta < 0 && c < l->ctas.size(); c++)
+      if (!l->ctas[c].ready.empty()) pick_cta = static_cast<int>(c);
+    if (pick_cta < 0) {
+      int done = 0;
+      for (const Cta& c : l->ctas) done += c.done;
+      if (done == static_cast<int>(l->threads.size())) return;
+      std::string states;
+      for (size_t j = 0; j < l->threads.size() && states.size() < 400; j++) {
+        const Thread& u = l->threads[j];
+        if (u.st == St::Done) continue;
+        char b[96];
+        snprintf(b, sizeof b, " [cta %d thread %u: %s]", u.cta, u.tid.x,
+                 u.st == St::Coll ? u.coll_name : u.st == St::Bar ? "__syncthreads" : "cluster wait");
+        states += b;
+      }
+      l->error = "deadlock: threads wait for ones that exited or wait elsewhere:" + states;
+      return;
+    }
+    load_cta(l, pick_cta);
+    std::vector<int>& rd = l->ctas[pick_cta].ready;
+    const size_t k = l->rng() % rd.size();
+    const int i = rd[k];
+    rd[k] = rd.back();
+    rd.pop_back();
+    Thread& t = l->threads[i];
+    cur() = &t;
+    swapcontext(&sched_ctx(), &t.ctx);
+    if (!l->error.empty()) return;
+    settle(l, i);
+  }
+}
+
+constexpr size_t kStack = 256 * 1024;
+
+inline std::string run(void (*kernel)(const void*), const void* params, uint3 grid, uint3 block, int cluster,
+                       size_t dyn_bytes, const Region* regions, int nregions, unsigned seed) {
+  Launch l;
+  launch() = &l;
+  l.kernel = kernel;
+  l.params = params;
+  l.grid = grid;
+  l.block = block;
+  l.cluster = cluster;
+  l.threads_per_cta = static_cast<int>(block.x * block.y * block.z);
+  l.regions.assign(regions, regions + nregions);
+  l.rng.seed(seed);
+  if (block.y != 1 || block.z != 1 || l.threads_per_cta > 1024) return "blocks must be 1-D with at most 1024 threads";
+  if (cluster < 1 || cluster > 8 || grid.x % cluster) return "the grid must be a multiple of the cluster size (1-8)";
+  const long page = sysconf(_SC_PAGESIZE);
+  std::vector<char*> stacks;
+  std::string err;
+  const size_t total_ctas = static_cast<size_t>(grid.x) * grid.y * grid.z;
+  for (size_t g0 = 0; g0 < total_ctas && err.empty(); g0 += cluster) {
+    l.ctas.assign(cluster, Cta());
+    l.threads.assign(static_cast<size_t>(cluster) * l.threads_per_cta, Thread());
+    l.cluster_arrived.clear();
+    l.loaded = -1;
+    for (int c = 0; c < cluster; c++) {
+      Cta& cta = l.ctas[c];
+      const size_t flat = g0 + c;
+      cta.block = uint3{static_cast<unsigned>(flat % grid.x), static_cast<unsigned>(flat / grid.x % grid.y),
+                        static_cast<unsigned>(flat / grid.x / grid.y)};
+      const size_t body = (dyn_bytes + page - 1) / page * page;
+      cta.map_bytes = body + page;
+      cta.map = mmap(nullptr, cta.map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (cta.map == MAP_FAILED) return "mmap failed";
+      mprotect(static_cast<char*>(cta.map) + body, page, PROT_NONE);
+      cta.dyn = static_cast<uint8_t*>(cta.map) + body - dyn_bytes;
+      cta.dyn_bytes = dyn_bytes;
+      memset(cta.dyn, 0xFF, dyn_bytes);
+      for (int j = 0; j < l.threads_per_cta; j++) {
+        const size_t idx = static_cast<size_t>(c) * l.threads_per_cta + j;
+        Thread& t = l.threads[idx];
+        t.cta = c;
+        t.tid = uint3{static_cast<unsigned>(j), 0, 0};
+        if (stacks.size() <= idx) stacks.push_back(static_cast<char*>(malloc(kStack)));
+        t.stack = stacks[idx];
+        getcontext(&t.ctx);
+        t.ctx.uc_stack.ss_sp = t.stack;
+        t.ctx.uc_stack.ss_size = kStack;
+        t.ctx.uc_link = &sched_ctx();
+        makecontext(&t.ctx, fiber_main, 0);
+        cta.ready.push_back(static_cast<int>(idx));
+      }
+    }
+    run_group(&l);
+    err = l.error;
+    for (Cta& cta : l.ctas) munmap(cta.map, cta.map_bytes);
+  }
+  for (char* s : stacks) free(s);
+  launch() = nullptr;
+  return err;
+}
+
+}  // namespace jm_simt
