@@ -1,9 +1,10 @@
 """Build and launch our CUDA kernel sources on the CPU through the SIMT emulator (tests/simt/simt.h).
 
-The kernel text is cuda_src's, copied next to the emulator's headers with two mechanical rewrites of the
+The kernel text is cuda_src's, copied next to the emulator's headers with mechanical rewrites of the
 shared-memory declarations (`extern __shared__ ... name[];` becomes a pointer to the CTA's dynamic shared memory,
 `__shared__ T a[..], b;` a C++ static per name that registers itself with the emulator, which keeps a copy per
-CTA) and tests/simt/jm_ptx.cuh in place of the PTX wrappers. The kernel sources must hold no inline asm of their own (the wrappers are where PTX lives): the host
+CTA) and of function-scope `constexpr` constants (made `static constexpr`, see rewrite()), and with
+tests/simt/jm_ptx.cuh in place of the PTX wrappers. The kernel sources must hold no inline asm of their own (the wrappers are where PTX lives): the host
 assembler rejects PTX text.
 """
 
@@ -24,6 +25,7 @@ CUDA_SRC = SIMT_DIR.parents[1] / "cuda_src"
 EMULATOR_FILES = ("simt.h", "jm_ptx.cuh", "runner.h", "cuda_fp16.h", "cuda_bf16.h")
 
 _DYN = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];")
+_LOCAL_CONSTEXPR = re.compile(r"^([ \t]+)constexpr ", re.M)
 _STATIC = re.compile(r"__shared__ ((?:__align__\(\d+\) )?\w+ )([^;]+);")
 
 
@@ -46,6 +48,10 @@ def rewrite(text: str) -> str:
         return f"static {m.group(1)}{decls};" + "".join(f" JM_SIMT_SHARED({n});" for n in names)
 
     text = _STATIC.sub(static, text)
+    # Function-scope constants as static constexpr (same values, no storage the kernel could write): GCC 12 stops
+    # with an internal compiler error on a lambda's array bound that names a plain constexpr local of the
+    # enclosing function template (jm_gemm.cuh's `float sa[kRaw ? M_BLOCKS : 1][4]`).
+    text = _LOCAL_CONSTEXPR.sub(r"\1static constexpr ", text)
     if "__shared__" in text:
         raise ValueError("a __shared__ declaration the emulator's rewrite does not know")
     return text

@@ -38,6 +38,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // ---- CUDA's qualifiers and built-in types, as the host compiler needs them ----
@@ -55,9 +56,23 @@ struct uint4 {
 struct uint2 {
   uint32_t x, y;
 };
+struct int4 {
+  int x, y, z, w;
+};
+struct int2 {
+  int x, y;
+};
+struct float4 {
+  float x, y, z, w;
+};
+struct float2 {
+  float x, y;
+};
 struct uint3 {
   unsigned x, y, z;
 };
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return uint4{x, y, z, w}; }
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
 
@@ -116,10 +131,32 @@ struct __nv_bfloat16 {
   operator float() const { return jm_simt::bf16_to_f32(bits); }
 };
 
+// CUDA's global min / max (integer and float overloads): here one template, in the operands' common type
+template <typename A, typename B>
+inline typename std::common_type<A, B>::type min(A a, B b) {
+  typedef typename std::common_type<A, B>::type C;
+  return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(a) : static_cast<C>(b);
+}
+template <typename A, typename B>
+inline typename std::common_type<A, B>::type max(A a, B b) {
+  typedef typename std::common_type<A, B>::type C;
+  return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(b) : static_cast<C>(a);
+}
+
 // fast-math intrinsics: their exact forms here (the GPU's are within a few ulp)
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float x, float y) { return x / y; }
 
+inline float __half2float(__half h) { return static_cast<float>(h); }
+inline float __bfloat162float(__nv_bfloat16 h) { return static_cast<float>(h); }
+inline __half __float2half_rn(float f) { return __half(f); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline __half __ushort_as_half(unsigned short u) {
+  __half h;
+  h.bits = u;
+  return h;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline float __uint_as_float(uint32_t u) { return jm_simt::bits_f32(u); }
 inline uint32_t __float_as_uint(float f) { return jm_simt::f32_bits(f); }
 // PTX prmt (default mode): selector nibble i picks byte (sel_i & 7) of {b, a} for result byte i; bit 3 of the
@@ -382,6 +419,20 @@ inline void shfl_collective(Thread* const* lanes) {
 }
 }  // namespace jm_simt
 
+namespace jm_simt {
+inline void ballot_collective(Thread* const* lanes) {
+  unsigned bits = 0;
+  for (int l = 0; l < 32; l++) bits |= (*static_cast<const int*>(lanes[l]->in[0]) ? 1u : 0u) << l;
+  for (int l = 0; l < 32; l++) *static_cast<unsigned*>(lanes[l]->out) = bits;
+}
+}  // namespace jm_simt
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  if (mask != 0xFFFFFFFFu) jm_simt::fail("__ballot_sync with a partial mask is not emulated");
+  unsigned r;
+  jm_simt::warp_collective(&jm_simt::ballot_collective, "__ballot_sync", &pred, nullptr, nullptr, nullptr, &r);
+  return r;
+}
+
 // __syncwarp: the lanes of the warp meet (a collective, so that the writes of lanes before it reach reads after it).
 inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) {
   if (mask != 0xFFFFFFFFu) jm_simt::fail("__syncwarp with a partial mask is not emulated");
@@ -407,6 +458,15 @@ inline void __threadfence() {}
 template <typename P>
 inline P __ldg(const P* p) {
   return *jm_simt::check_global(p, sizeof(P), "__ldg");
+}
+// L2-only load / store (the split sums in the workspace): plain accesses, checked against the launch's buffers.
+template <typename P>
+inline P __ldcg(const P* p) {
+  return *jm_simt::check_global(p, sizeof(P), "__ldcg");
+}
+template <typename P>
+inline void __stcg(P* p, P v) {
+  *const_cast<P*>(jm_simt::check_global(p, sizeof(P), "__stcg")) = v;
 }
 
 namespace jm_simt {
