@@ -1214,6 +1214,15 @@ for st in $STAGES; do
                --batches 1,8 --prefill 128 --decode 128 > "$OUT/s50b_strip$sw.log" 2>&1
              echo "s50b strip=$sw rc=$?"; grep -E "^\|" "$OUT/s50b_strip$sw.log" | tail -6
            done;;
+    s50c)  # PREPARED in session 50 (no device lent): act-order at M = 1 / 16 with the strip route on and off: the gather
+           # runs first and the strip kernel, a programmatic dependent, streams its first weight rows before waiting for
+           # it; if that leaves the gather's time exposed, fusing the column gather into the strip kernel's activation
+           # loads is the next step (#4: act-order within 10% at M <= 16)
+           for sw in 0 1; do
+             JITMARLIN_STRIP=$sw timeout 120 python3 benchmarks/probe_act_order.py --m 1,16 \
+               --shapes 4096x4096,14336x4096,8192x8192,4096x28672,28672x8192 > "$OUT/s50c_strip$sw.log" 2>&1
+             echo "s50c strip=$sw rc=$?"; tail -14 "$OUT/s50c_strip$sw.log"
+           done;;
     s49a)  # PREPARED in session 48 (not run): bench_gemm with the peers at M = 300 / 416 / 544 on session 48's route
            # (s47e ran M = 300 / 544 on session 47's: Humming faster in 10 of 12 cells); then why the 176-token tile lost
            # to the 192-token one with three K splits through the workspace (s48f: 5120^2 M = 150 / 176 +9%): both

@@ -30,7 +30,8 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 FAMILIES = (K.Family("f16", 4, False, 128), K.Family("bf16", 4, True, 64), K.Family("f16", 8, False, -1),
             K.Family("bf16", 8, True, 32))
 PAIRS = [(f, t) for f in FAMILIES for t in K.TILES if K.tile_fits(f, t)]
-A100_SMEM = 166912  # bytes of shared memory a CTA may opt into on an A100 (sm_80)
+BULK_PAIRS = [(f, t) for f in FAMILIES for t in K.BULK_TILES if K.tile_fits(f, t)]
+SMEM = {(8, 0): 166912, (9, 0): 232448}  # bytes of shared memory a CTA may opt into: A100, H100 / H200
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +42,30 @@ def lib80(tmp_path_factory):
     library.free_all()
 
 
+@pytest.fixture(scope="module")
+def lib90(tmp_path_factory):
+    library = emu.build([(K.kernel_name(f, t), K.kernel_source(f, t)) for f, t in BULK_PAIRS],
+                        tmp_path_factory.mktemp("simt90"), sm=90)
+    yield library
+    library.free_all()
+
+
 class _EmuKernel:
     """What the launch path reads of a driver kernel handle; launch() runs the emulator."""
 
     num_regs = 128
 
-    def __init__(self, lib, name):
-        self.lib, self.name = lib, name
+    def __init__(self, lib, name, cc):
+        self.lib, self.name, self.cc = lib, name, cc
 
     def occupancy(self, threads, smem):
-        return max(0, min(2, A100_SMEM // max(smem, 1)))
+        return max(0, min(2, SMEM[self.cc] // max(smem, 1)))
+
+    def max_active_clusters(self, threads, smem, cluster):  # (an H200 fits 16 clusters of 8 of these tiles)
+        return 16
 
     def launch(self, grid, threads, smem, stream, params, pdl=False, cluster=0, extra=None):
-        assert not pdl, "sm_80 launches have no programmatic dependent launch"
+        assert not (pdl and self.cc < (9, 0)), "sm_80 launches have no programmatic dependent launch"
         self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params)
 
 
@@ -66,23 +78,31 @@ class _Workspace:
         assert floats <= self.ws.numel() and slots <= self.counters.numel(), (floats, slots)
 
 
-def device(sms):
-    return type("Dev", (), {"sm_count": sms, "smem_per_block_optin": A100_SMEM})()
+def emulated_device(monkeypatch, lib, cc):
+    """A device of compute capability cc and `state["sms"]` SMs (set by the test) whose kernels run on the
+    emulator."""
+    ws = _Workspace(lib)
+    state = {"sms": 4}
+    dev = type("Dev", (), {"smem_per_block_optin": SMEM[cc]})
+    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: cc))
+    monkeypatch.setattr(driver, "device", lambda index: type("D", (dev,), {"sm_count": state["sms"]})())
+    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: _EmuKernel(lib, K.kernel_name(fam, tile), cc))
+    monkeypatch.setattr(K, "default_workspace", lambda d: ws)
+    monkeypatch.setattr(K, "current_stream_handle", lambda d: 0)
+    monkeypatch.setattr(K, "cuda_index", lambda d: 0)
+    G.prepare_launch.cache_clear()
+    return lib, ws, state
 
 
 @pytest.fixture
 def sm80(monkeypatch, lib80):
-    """An sm_80 device of `sms` SMs (set by the test) whose kernels run on the emulator."""
-    ws = _Workspace(lib80)
-    state = {"sms": 4}
-    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: (8, 0)))
-    monkeypatch.setattr(driver, "device", lambda index: device(state["sms"]))
-    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, cc: _EmuKernel(lib80, K.kernel_name(fam, tile)))
-    monkeypatch.setattr(K, "default_workspace", lambda dev: ws)
-    monkeypatch.setattr(K, "current_stream_handle", lambda dev: 0)
-    monkeypatch.setattr(K, "cuda_index", lambda dev: 0)
+    yield emulated_device(monkeypatch, lib80, (8, 0))
     G.prepare_launch.cache_clear()
-    yield lib80, ws, state
+
+
+@pytest.fixture
+def sm90(monkeypatch, lib90):
+    yield emulated_device(monkeypatch, lib90, (9, 0))
     G.prepare_launch.cache_clear()
 
 
@@ -112,20 +132,25 @@ def check_close(out, ref, tol, what):
     assert err < tol, f"{what}: rel err {err:.3e} >= {tol}"
 
 
-@pytest.mark.parametrize("fam,tile", PAIRS, ids=lambda x: x.tag() if isinstance(x, K.Tile) else
-                         f"{x.dtype}-u{x.bits}-g{x.group_size}{'-zp' if x.zero_points else ''}")
-def test_gemm_sm80_tiles_emulated(sm80, fam, tile):
-    """Each sm_80 tile, 2 and 4 warps, on 4 and 3 SMs (K split across CTAs: the workspace fix-up runs), M at the
+def fam_tile_id(x):
+    if isinstance(x, K.Tile):
+        return x.tag()
+    return f"{x.dtype}-u{x.bits}-g{x.group_size}{'-zp' if x.zero_points else ''}"
+
+
+def check_tile(device, fam, tile, cc):
+    """The tile with 2 and 4 warps on 4 and 3 SMs (K split across CTAs: the workspace fix-up runs), M at the
     tile's edges, with a bias; the counters back at zero after every launch."""
-    lib, ws, state = sm80
+    lib, ws, state = device
     k, n = 1024, 256
     b, s, z, w = weights(lib, k, n, fam, seed=k)
     bias = lib.guarded(torch.randn(n, generator=torch.Generator().manual_seed(3)).to(DTYPES[fam.dtype]))
     tol = 1e-3 if fam.dtype == "f16" else 1e-2
+    ran = 0
     for sms, nw in ((4, 2), (3, 4)):
         state["sms"] = sms
         G.prepare_launch.cache_clear()
-        if K.smem_bytes(fam, tile, nw) > A100_SMEM - G.SMEM_RESERVE:
+        if K.smem_bytes(fam, tile, nw) > SMEM[cc] - G.SMEM_RESERVE:
             continue
         for m in sorted({1, tile.rows - 3, tile.rows} - {0} if tile.rows > 3 else {1, tile.rows}):
             a = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DTYPES[fam.dtype])
@@ -133,3 +158,18 @@ def test_gemm_sm80_tiles_emulated(sm80, fam, tile):
             ref = a.float() @ w + (bias.float() if m == 1 else 0)
             check_close(out, ref, tol, f"{tile.tag()} nw={nw} sms={sms} M={m}")
             assert int(ws.counters.abs().sum()) == 0, "split-unit arrival counters not reset"
+            ran += 1
+    assert ran, "no launch fits"
+
+
+@pytest.mark.parametrize("fam,tile", PAIRS, ids=fam_tile_id)
+def test_gemm_sm80_tiles_emulated(sm80, fam, tile):
+    """Every tile an sm_8x GPU runs (K.TILES, built for sm_80: no bulk copies, no PDL)."""
+    check_tile(sm80, fam, tile, (8, 0))
+
+
+@pytest.mark.parametrize("fam,tile", BULK_PAIRS, ids=fam_tile_id)
+def test_gemm_sm90_bulk_tiles_emulated(sm90, fam, tile):
+    """The sm_90 tiles (K.BULK_TILES: a producer warp's bulk copies and cp.async counted on mbarriers, named
+    barriers among the math warps, direct weight loads, the k-split ring, clusters) — what the H200 runs at M <= 16."""
+    check_tile(sm90, fam, tile, (9, 0))

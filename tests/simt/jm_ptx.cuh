@@ -103,7 +103,7 @@ JM_DEVICE void cp_async_wait_all() {
   jm_simt::cp_async_commit();
   jm_simt::cp_async_wait(0);
 }
-JM_DEVICE void cp_async_mbar_arrive(uint64_t*) { simt_detail::unsupported("cp.async.mbarrier.arrive"); }
+JM_DEVICE void cp_async_mbar_arrive(uint64_t* bar) { jm_simt::cp_async_arrive(bar); }
 
 JM_DEVICE uint4 ldg_stream(const uint4* p) { return *jm_simt::check_global(p, 16, "ld.global.nc (ldg_stream)"); }
 
@@ -156,17 +156,21 @@ JM_DEVICE uint32_t mul2(uint32_t a, uint32_t b) {
   return simt_detail::packed<T>(a, b, 0u, [](double x, double y, double) { return x * y; });
 }
 
-JM_DEVICE void mbar_init(uint64_t*, uint32_t) { simt_detail::unsupported("mbarrier"); }
-JM_DEVICE void mbar_fence_init() { simt_detail::unsupported("fence.mbarrier_init"); }
-JM_DEVICE void fence_proxy_async_smem() { simt_detail::unsupported("fence.proxy.async"); }
-JM_DEVICE void mbar_arrive_expect_tx(uint64_t*, uint32_t) { simt_detail::unsupported("mbarrier"); }
-JM_DEVICE void mbar_arrive(uint64_t*) { simt_detail::unsupported("mbarrier"); }
-JM_DEVICE void mbar_wait(uint64_t*, uint32_t) { simt_detail::unsupported("mbarrier"); }
+JM_DEVICE void mbar_init(uint64_t* bar, uint32_t count) { jm_simt::mbar_init(bar, static_cast<int>(count)); }
+JM_DEVICE void mbar_fence_init() {}  // (one fiber at a time: the initialised state is seen by everyone)
+JM_DEVICE void fence_proxy_async_smem() {}
+JM_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  jm_simt::mbar_arrive_on(jm_simt::cur()->cta, bar, bytes);
+}
+JM_DEVICE void mbar_arrive(uint64_t* bar) { jm_simt::mbar_arrive_on(jm_simt::cur()->cta, bar, 0); }
+JM_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) { jm_simt::mbar_wait(bar, static_cast<int>(parity)); }
 template <int N>
 JM_DEVICE void setmaxnreg_dec() {}
 template <int N>
 JM_DEVICE void setmaxnreg_inc() {}
-JM_DEVICE void bulk_copy_g2s(void*, const void*, uint32_t, uint64_t*) { simt_detail::unsupported("cp.async.bulk"); }
+JM_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  jm_simt::bulk_copy(smem, gmem, bytes, bar);
+}
 
 // Programmatic dependent launch: one kernel at a time here, nothing to wait for.
 JM_DEVICE void griddep_wait() {}
@@ -194,6 +198,6 @@ JM_DEVICE void st_cluster_v4(uint32_t addr, uint32_t rank, float x, float y, flo
 
 JM_DEVICE uint64_t globaltimer() { return 0; }
 JM_DEVICE uint32_t smid() { return 0; }
-JM_DEVICE void named_sync(int) { simt_detail::unsupported("bar.sync 1 (named barrier)"); }
+JM_DEVICE void named_sync(int threads) { jm_simt::named_sync(threads); }
 
 }  // namespace jm

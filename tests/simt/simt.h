@@ -175,7 +175,7 @@ inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
 
 namespace jm_simt {
 
-enum class St { Ready, Coll, Bar, ClusterWait, Done };
+enum class St { Ready, Coll, Bar, ClusterWait, MbarWait, NamedBar, Done };
 
 struct Copy {
   void* dst;
@@ -201,6 +201,26 @@ struct Thread {
   std::vector<Copy> open;                 // issued, not yet committed
   int arrivals = 0, waits = 0;            // cluster barrier phases this thread arrived at / waited for
   int wait_phase = -1;
+  const void* wait_bar = nullptr;  // the mbarrier this thread waits on (St::MbarWait)
+};
+
+// An mbarrier (PTX ISA, "mbarrier"): a phase completes when its pending arrivals reach zero and its transaction
+// count is zero; then the phase bit flips and the arrivals are expected again.
+struct Mbar {
+  int count = 0, pending = 0, phase = 0;
+  long long tx = 0;
+};
+
+// An asynchronous operation that lands later (when a thread waits on its barrier, or when no thread can run):
+// a bulk copy counting its bytes down on an mbarrier, or a thread's cp.async copies followed by its arrival.
+struct AsyncOp {
+  int cta;
+  const void* bar;
+  uint32_t dst;  // bulk copy: encoded shared address
+  const void* src;
+  uint32_t bytes;
+  std::vector<std::pair<uint32_t, Copy>> copies;  // cp.async arrival: (encoded destination, copy)
+  bool arrive;
 };
 
 struct Cta {
@@ -209,7 +229,7 @@ struct Cta {
   uint8_t* dyn = nullptr;      // its dynamic shared memory (ends at a PROT_NONE page)
   void* map = nullptr;
   size_t map_bytes = 0, dyn_bytes = 0;
-  int bar_waiting = 0, done = 0;
+  int bar_waiting = 0, done = 0, named_waiting = 0;
   std::vector<int> ready;  // runnable threads (indices into Launch::threads)
 };
 
@@ -228,6 +248,9 @@ struct Launch {
   std::vector<std::pair<uint8_t*, size_t>> vars;  // the static shared variables declared so far
   std::vector<int> cluster_arrived;  // per cluster-barrier phase
   bool phase_done = false;           // an arrival completed a phase: wake its waiters
+  std::vector<int> exited_arrivals;  // per exited thread: the cluster phases it had arrived at
+  std::vector<std::pair<std::pair<int, const void*>, Mbar>> mbars;  // (CTA, address) -> state
+  std::vector<AsyncOp> async_ops;
   int loaded = -1;                   // the CTA whose static shared variables are live
   std::string error;
   std::mt19937 rng;
@@ -361,12 +384,20 @@ inline void syncthreads() {
   yield_to_scheduler();
 }
 
+// A cluster barrier phase is complete when every thread of the cluster arrived at it or exited before (an exited
+// thread counts as arrived at every later phase: the producer warps of jm_gemm.cuh leave after phase 0).
+inline bool cluster_phase_complete(Launch* l, int phase) {
+  int n = phase < static_cast<int>(l->cluster_arrived.size()) ? l->cluster_arrived[phase] : 0;
+  for (int a : l->exited_arrivals) n += a <= phase;
+  return n == l->threads_per_cta * static_cast<int>(l->ctas.size());
+}
 inline void cluster_arrive() {
   Launch* l = launch();
   Thread* t = cur();
   const int phase = t->arrivals++;
   if (static_cast<int>(l->cluster_arrived.size()) <= phase) l->cluster_arrived.resize(phase + 1, 0);
-  if (++l->cluster_arrived[phase] == l->threads_per_cta * static_cast<int>(l->ctas.size())) l->phase_done = true;
+  l->cluster_arrived[phase]++;
+  if (cluster_phase_complete(l, phase)) l->phase_done = true;
 }
 inline void cluster_wait() {
   Thread* t = cur();
@@ -397,6 +428,115 @@ inline void cp_async_wait(int keep) {
     }
     t->groups.erase(t->groups.begin());
   }
+}
+
+
+// ---- mbarriers, bulk copies, named barriers ----
+inline Mbar* find_mbar(int cta, const void* bar) {
+  for (auto& m : launch()->mbars)
+    if (m.first.first == cta && m.first.second == bar) return &m.second;
+  return nullptr;
+}
+inline Mbar& mbar_of(int cta, const void* bar) {
+  Mbar* m = find_mbar(cta, bar);
+  if (m == nullptr) fail("an mbarrier used before mbarrier.init");
+  return *m;
+}
+inline void mbar_init(const void* bar, int count) {
+  if (count < 1) fail("mbarrier.init with a count below 1");
+  Launch* l = launch();
+  const int cta = cur()->cta;
+  Mbar* m = find_mbar(cta, bar);
+  if (m == nullptr) {
+    l->mbars.emplace_back(std::make_pair(cta, bar), Mbar());
+    m = &l->mbars.back().second;
+  }
+  *m = Mbar();
+  m->count = m->pending = count;
+}
+// A phase completes: flip it, expect the arrivals again, wake the threads that wait on it.
+inline void mbar_settle(int cta, const void* bar, Mbar& m) {
+  if (m.pending != 0 || m.tx != 0) return;
+  m.phase ^= 1;
+  m.pending = m.count;
+  Launch* l = launch();
+  for (size_t j = 0; j < l->threads.size(); j++) {
+    Thread& u = l->threads[j];
+    if (u.st == St::MbarWait && u.cta == cta && u.wait_bar == bar) {
+      u.st = St::Ready;
+      l->ctas[cta].ready.push_back(static_cast<int>(j));
+    }
+  }
+}
+inline void mbar_arrive_on(int cta, const void* bar, long long tx) {
+  Mbar& m = mbar_of(cta, bar);
+  m.tx += tx;
+  if (--m.pending < 0) fail("an mbarrier phase got more arrivals than its count");
+  mbar_settle(cta, bar, m);
+}
+inline void land(const AsyncOp& op) {
+  if (op.arrive) {
+    for (const auto& c : op.copies) {
+      uint8_t* dst = decode_smem(c.first, 16);
+      if (c.second.valid) memcpy(dst, c.second.src, 16);
+      else memset(dst, 0, 16);
+    }
+    mbar_arrive_on(op.cta, op.bar, 0);
+  } else {
+    memcpy(decode_smem(op.dst, op.bytes), op.src, op.bytes);
+    Mbar& m = mbar_of(op.cta, op.bar);
+    m.tx -= op.bytes;
+    mbar_settle(op.cta, op.bar, m);
+  }
+}
+// Land the pending operations of one barrier (bar null: all of them).
+inline void land_ops(int cta, const void* bar) {
+  Launch* l = launch();
+  for (size_t i = 0; i < l->async_ops.size();) {
+    if (bar == nullptr || (l->async_ops[i].cta == cta && l->async_ops[i].bar == bar)) {
+      const AsyncOp op = l->async_ops[i];
+      l->async_ops.erase(l->async_ops.begin() + static_cast<long>(i));
+      land(op);
+    } else {
+      i++;
+    }
+  }
+}
+inline void bulk_copy(void* smem, const void* gmem, uint32_t bytes, const void* bar) {
+  if (bytes % 16 || reinterpret_cast<uintptr_t>(smem) % 16) fail("cp.async.bulk: size or address not a multiple of 16");
+  check_global(static_cast<const uint8_t*>(gmem), bytes, "cp.async.bulk source");
+  const uint32_t dst = encode_smem(smem);
+  decode_smem(dst, bytes);
+  mbar_of(cur()->cta, bar);
+  launch()->async_ops.push_back(AsyncOp{cur()->cta, bar, dst, gmem, bytes, {}, false});
+}
+// cp.async.mbarrier.arrive.noinc: the arrival happens once all of this thread's cp.async copies have landed.
+inline void cp_async_arrive(const void* bar) {
+  Thread* t = cur();
+  mbar_of(t->cta, bar);
+  AsyncOp op{t->cta, bar, 0, nullptr, 0, {}, true};
+  for (auto& g : t->groups)
+    for (const Copy& c : g) op.copies.emplace_back(encode_smem(c.dst), c);
+  for (const Copy& c : t->open) op.copies.emplace_back(encode_smem(c.dst), c);
+  t->groups.clear();
+  t->open.clear();
+  launch()->async_ops.push_back(op);
+}
+// mbarrier.try_wait.parity in a loop: returns once the phase of that parity has completed.
+inline void mbar_wait(const void* bar, int parity) {
+  Thread* t = cur();
+  land_ops(t->cta, bar);
+  if (mbar_of(t->cta, bar).phase != (parity & 1)) return;
+  t->wait_bar = bar;
+  t->st = St::MbarWait;
+  yield_to_scheduler();
+}
+inline void named_sync(int threads) {
+  Thread* t = cur();
+  if (threads % 32 || threads > launch()->threads_per_cta) fail("bar.sync 1: a thread count that is not whole warps");
+  t->wait_phase = threads;
+  t->st = St::NamedBar;
+  yield_to_scheduler();
 }
 
 }  // namespace jm_simt
@@ -495,6 +635,10 @@ inline void settle(Launch* l, int i) {
   const int base = t.cta * l->threads_per_cta;
   if (t.st == St::Done) {
     c.done++;
+    if (l->cluster > 1) {
+      l->exited_arrivals.push_back(t.arrivals);
+      l->phase_done = true;  // its later phases may be complete now
+    }
   } else if (t.st == St::Coll) {
     const int w0 = base + ((t.tid.x) & ~31u);
     const int lanes = l->threads_per_cta - (w0 - base) < 32 ? l->threads_per_cta - (w0 - base) : 32;
@@ -520,6 +664,15 @@ inline void settle(Launch* l, int i) {
       ls[j]->st = St::Ready;
       c.ready.push_back(w0 + j);
     }
+  } else if (t.st == St::NamedBar) {
+    if (++c.named_waiting == t.wait_phase) {
+      c.named_waiting = 0;
+      for (int j = 0; j < l->threads_per_cta; j++)
+        if (l->threads[base + j].st == St::NamedBar) {
+          l->threads[base + j].st = St::Ready;
+          c.ready.push_back(base + j);
+        }
+    }
   } else if (t.st == St::Bar) {
     if (++c.bar_waiting == l->threads_per_cta) {
       c.bar_waiting = 0;
@@ -530,8 +683,7 @@ inline void settle(Launch* l, int i) {
     }
   }
   // cluster barrier: a waiter whose phase is complete goes on; a completed phase wakes its waiters
-  const int total = l->threads_per_cta * static_cast<int>(l->ctas.size());
-  if (t.st == St::ClusterWait && l->cluster_arrived[t.wait_phase] == total) {
+  if (t.st == St::ClusterWait && cluster_phase_complete(l, t.wait_phase)) {
     t.st = St::Ready;
     c.ready.push_back(i);
   }
@@ -539,7 +691,7 @@ inline void settle(Launch* l, int i) {
     l->phase_done = false;
     for (size_t j = 0; j < l->threads.size(); j++) {
       Thread& u = l->threads[j];
-      if (u.st == St::ClusterWait && l->cluster_arrived[u.wait_phase] == total) {
+      if (u.st == St::ClusterWait && cluster_phase_complete(l, u.wait_phase)) {
         u.st = St::Ready;
         l->ctas[u.cta].ready.push_back(static_cast<int>(j));
       }
@@ -556,6 +708,11 @@ inline void run_group(Launch* l) {
       pick_cta = l->loaded;
     for (size_t c = 0; pick_cta < 0 && c < l->ctas.size(); c++)
       if (!l->ctas[c].ready.empty()) pick_cta = static_cast<int>(c);
+    if (pick_cta < 0 && !l->async_ops.empty()) {  // only copies in flight: the copy engine goes on
+      cur() = &l->threads[0];
+      land_ops(-1, nullptr);
+      continue;
+    }
     if (pick_cta < 0) {
       int done = 0;
       for (const Cta& c : l->ctas) done += c.done;
@@ -566,7 +723,8 @@ inline void run_group(Launch* l) {
         if (u.st == St::Done) continue;
         char b[96];
         snprintf(b, sizeof b, " [cta %d thread %u: %s]", u.cta, u.tid.x,
-                 u.st == St::Coll ? u.coll_name : u.st == St::Bar ? "__syncthreads" : "cluster wait");
+                 u.st == St::Coll ? u.coll_name : u.st == St::Bar ? "__syncthreads" : u.st == St::MbarWait ?
+                 "mbarrier wait" : u.st == St::NamedBar ? "named barrier" : "cluster wait");
         states += b;
       }
       l->error = "deadlock: threads wait for ones that exited or wait elsewhere:" + states;
@@ -610,6 +768,9 @@ inline std::string run(void (*kernel)(const void*), const void* params, uint3 gr
     l.ctas.assign(cluster, Cta());
     l.threads.assign(static_cast<size_t>(cluster) * l.threads_per_cta, Thread());
     l.cluster_arrived.clear();
+    l.exited_arrivals.clear();
+    l.mbars.clear();
+    l.async_ops.clear();
     l.loaded = -1;
     for (int c = 0; c < cluster; c++) {
       Cta& cta = l.ctas[c];
