@@ -22,6 +22,12 @@
 // Group scales multiply the fp32 sums of each group's rows in the warp's run (one block of 8 tokens) or the
 // weights (two blocks); per-channel scales and the bias are applied to the final sums.
 //
+// Act-order (PERM): the activations of k are A[:, perm[k]] (the weights' rows sorted by group at load time), gathered
+// here instead of by a kernel before this one (whose launch boundary cost 1.2-3.4 us on GEMMs of 7-26 us, H200
+// session 38). Lane (g, t) needs columns perm[16 kt + {2t, 2t+1, 2t+8, 2t+9}] of k16 row kt: two 8-byte loads of
+// the layer-constant perm, made PD rows before the row's activation loads (a ring of PD rows of indices, half the
+// activations' ring), so an activation load never waits for its index.
+//
 // Launch (gemm.launch_strip): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
 // along x when CLUSTER > 1; p.m <= 8 * TOKS; N a multiple of 64; K a multiple of 16 and of the group size; dynamic
 // shared memory: WARPS x SRING x BITS / 4 x 512 bytes (K.strip_smem_bytes).
@@ -40,7 +46,8 @@ namespace jm {
 // by each lane's own 16-byte cp.async (no registers held while in flight, so 3x the bytes in flight of the register
 // ring at 16 warps per SM), the activations then in a register ring of DEPTH rows (from L2: a shorter lead).
 // Each lane reads back only what it copied itself, so no barrier is needed, only cp.async.wait_group.
-template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS, int SRING>
+template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS, int SRING,
+          bool PERM>
 JM_DEVICE void strip_body(const JmGemmParams& p) {
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
   static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 CTAs");
@@ -109,6 +116,30 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       }
     }
   };
+  // act-order: the columns of lane (g, t) in k16 row kt, {perm[2t], perm[2t+1]} and {perm[2t+8], perm[2t+9]}
+  constexpr int PD = PERM ? (DEPTH >= 2 ? DEPTH / 2 : 1) : 1;  // index ring rows (ahead of the activations')
+  static_assert(DEPTH % PD == 0, "the index ring divides the activation ring");
+  const int* const perm_t = static_cast<const int*>(p.perm) + 2 * t;
+  auto load_perm = [&](int2 (&dst)[2], int kt) {
+    if constexpr (PERM) {
+      dst[0] = __ldg(reinterpret_cast<const int2*>(perm_t + kt * 16));
+      dst[1] = __ldg(reinterpret_cast<const int2*>(perm_t + kt * 16 + 8));
+    }
+  };
+  const T* const arow0 = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.lda;  // token g, column 0
+  auto load_a_perm = [&](uint32_t (&dst)[2 * TOKS], const int2 (&c)[2]) {
+#pragma unroll
+    for (int b = 0; b < TOKS; b++) {
+      if (g + 8 * b < p.m) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(arow0 + b * a_next);
+        dst[2 * b] = static_cast<uint32_t>(src[c[0].x]) | (static_cast<uint32_t>(src[c[0].y]) << 16);
+        dst[2 * b + 1] = static_cast<uint32_t>(src[c[1].x]) | (static_cast<uint32_t>(src[c[1].y]) << 16);
+      } else {
+        dst[2 * b] = 0u;
+        dst[2 * b + 1] = 0u;
+      }
+    }
+  };
 
   // scales (and zero points) of a group: lane g's 8 halves are the scales of columns g + 8e (the
   // 64-column permutation of jitmarlin.quant.permute_scales), e = the n8-block
@@ -145,12 +176,36 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   }
   uint4 s_cur = rows > 0 ? load_s(grp0) : make_uint4(0, 0, 0, 0);
   uint2 z_cur = rows > 0 ? load_z(grp0) : make_uint2(0u, 0u);
+  // act-order: the first DEPTH rows' columns (for the loads after the wait) and the index ring's PD rows after them
+  int2 pfirst[PERM ? DEPTH : 1][2], pr[PD][2];
+  if constexpr (PERM) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++)
+      if (d < rows) load_perm(pfirst[d], kt0 + d);
+#pragma unroll
+    for (int d = 0; d < PD; d++)
+      if (DEPTH + d < rows) load_perm(pr[d], kt0 + DEPTH + d);
+  }
   if constexpr (CLUSTER > 1) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
   griddep_launch_dependents();
   griddep_wait();
 #pragma unroll
-  for (int d = 0; d < DEPTH; d++)
-    if (d < rows) load_a(ar[d], kt0 + d);
+  for (int d = 0; d < DEPTH; d++) {
+    if (d < rows) {
+      if constexpr (PERM) load_a_perm(ar[d], pfirst[d]);
+      else load_a(ar[d], kt0 + d);
+    }
+  }
+  // the activations of row i + DEPTH, loaded after row i (with PERM from the index ring, which then takes row
+  // i + DEPTH + PD: slot (i + DEPTH) % PD = d % PD, d = i % DEPTH)
+  auto next_a = [&](uint32_t (&dst)[2 * TOKS], int d, int i) {
+    if constexpr (PERM) {
+      load_a_perm(dst, pr[d % PD]);
+      if (i + DEPTH + PD < rows) load_perm(pr[d % PD], kt0 + i + DEPTH + PD);
+    } else {
+      load_a(dst, kt0 + i + DEPTH);
+    }
+  };
 
   float acc[TOKS][4][4], part[kFold ? 4 : 1][4];
 #pragma unroll
@@ -256,7 +311,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
           if (i + SRING < rows) issue_w(d, kt0 + i + SRING);
           cp_async_commit();
           compute(w, ar[d % DEPTH]);
-          if (i + DEPTH < rows) load_a(ar[d % DEPTH], kt0 + i + DEPTH);
+          if (i + DEPTH < rows) next_a(ar[d % DEPTH], d % DEPTH, i);
           after_row(i);
         }
       }
@@ -271,7 +326,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
           compute(wr[d], ar[d]);
           if (i + DEPTH < rows) {
             load_w(wr[d], kt0 + i + DEPTH);
-            load_a(ar[d], kt0 + i + DEPTH);
+            next_a(ar[d], d, i);
           }
           after_row(i);
         }
@@ -330,7 +385,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
 // Launch bounds: 16 warps per SM in every config (1 / 2 / 4 CTAs of 16 / 8 / 4 warps), the occupancy
 // gemm.strip_choice plans its one-wave grids with (<= 128 registers per thread).
-#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING)   \
-  extern "C" __global__ void __launch_bounds__(32 * (WARPS), 16 / (WARPS)) NAME(const JmGemmParams p) { \
-    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING>(p);         \
+#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING, PERM)   \
+  extern "C" __global__ void __launch_bounds__(32 * (WARPS), 16 / (WARPS)) NAME(const JmGemmParams p) {       \
+    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING, PERM>(p);               \
   }

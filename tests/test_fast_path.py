@@ -19,6 +19,8 @@ from jitmarlin.quant.layout import pack_zeros
 
 
 class _Recorder:
+    max_dynamic_smem = 232448 - 1024
+
     def __init__(self, log, name):
         self.log, self.name, self.num_regs = log, name, 100
 
@@ -153,3 +155,32 @@ def test_fast_path_never_keeps_stale_pointers(recorded):
     for clone in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
         assert isinstance(clone, G.FastGemm) and clone.key == () and clone.by_m == {}
     assert ctypes.sizeof(K.GemmParams) == len(log[-1][5])
+
+
+def test_act_order_strip_launch_gathers_in_the_kernel(recorded, monkeypatch):
+    """With the strip route on, an act-order call at M <= 16 is one launch: the strip kernel's act-order form, reading
+    the activations as given and the layer's permutation (no gather kernel before it); without a permutation the
+    plain form, and the fast path makes the same launch as the general path."""
+    log, _ = recorded
+    monkeypatch.setattr(G, "STRIP_ROUTE", True)
+    monkeypatch.setattr(K, "get_strip_kernel", lambda fam, w, c, t, smem, index, cc, perm=False: _Recorder(
+        log, K.strip_kernel_name(fam, w, c, t, smem, perm)))
+    k, n = 4096, 8192
+    b, s, z, bb = _weights(k, n)
+    perm = torch.randperm(k).to(torch.int32)
+    for m in (1, 5, 16):
+        a = torch.randn(m, k).half()
+        _, nn_, kk, fam = G.check_args(a, b, s, z, bb)
+        log.clear()
+        G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam, perm=perm)
+        assert len(log) == 1 and log[0][0].startswith("jm_strip_") and log[0][0].endswith("_p"), log
+        p = K.GemmParams.from_buffer(bytearray(log[0][5]))
+        assert (p.a, p.perm, p.m) == (a.data_ptr(), perm.data_ptr(), m)
+        log.clear()
+        G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam)
+        slow = list(log)
+        assert len(slow) == 1 and not slow[0][0].endswith("_p")
+        assert K.GemmParams.from_buffer(bytearray(slow[0][5])).perm is None
+        log.clear()
+        G.gemm_fast(G.FastGemm(), a, b, s, z, bb)
+        assert len(log) == 1 and log[0][:-1] == slow[0][:-1]

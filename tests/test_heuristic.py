@@ -932,8 +932,14 @@ def test_strip_kernels_in_the_build():
             src = dict(K.strip_build_spec(fam, (9, 0)).sources)[K.strip_kernel_name(fam, 16, 2, toks, smem)]
             assert '#include "jm_strip.cuh"' in src
             assert (f"{K.CTYPES[fam.dtype]}, {fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
-                    f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem)})") in src
+                    f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem)}, "
+                    "false)") in src
         assert K.strip_smem_bytes(fam, 16, 1) == 192 * 1024 and K.strip_smem_bytes(fam, 16, 0) == 0
+        # the act-order forms: a module of their own (built on the first act-order strip launch), names ending _p
+        perm = K.strip_build_spec(fam, (9, 0), True)
+        assert perm.family == "strip_perm" and perm.key == K.strip_build_spec(fam, (9, 0)).key
+        assert [name for name, _ in perm.sources] == [n + "_p" for n in names]
+        assert all(src.rstrip().endswith(", true)") for _, src in perm.sources)
     moe = K.Family("f16", 4, False, 128, moe=True)
     with pytest.raises(ValueError, match="dense families"):
         K.strip_build_spec(moe, (9, 0))

@@ -331,9 +331,10 @@ def test_timeline_build_of_a_bulk_tile_compiles(cuda_toolchain, monkeypatch):
 
 def test_strip_kernels_compile_without_spills(cuda_toolchain):
     """The strip kernel (cuda_src/jm_strip.cuh) in its three forms — register ring with one and with two token blocks,
-    shared-memory ring — compiles for sm_90 within its launch bounds (16 warps per SM: <= 128 registers), no spills."""
+    shared-memory ring — and an act-order form compiles for sm_90 within its launch bounds (16 warps per SM: <= 128
+    registers), no spills."""
     fam = K.Family("f16", 4, False, 128)
-    cfgs = ((16, 2, 1, 0), (16, 1, 2, 0), (16, 2, 1, 1))
+    cfgs = ((16, 2, 1, 0, False), (16, 1, 2, 0, False), (16, 2, 1, 1, False), (16, 2, 1, 0, True))
     spec = BuildSpec(family="strip", cc=(9, 0), key=fam.key() + (("case", "compile-test"),),
                      sources=tuple((K.strip_kernel_name(fam, *c), K.strip_kernel_source(fam, *c)) for c in cfgs))
     mod = get_module(spec)

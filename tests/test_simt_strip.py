@@ -39,11 +39,15 @@ def fam_id(fam: K.Family) -> str:
 
 
 def sources(pairs):
-    return [(K.strip_kernel_name(f, *c), K.strip_kernel_source(f, *c)) for f, c in pairs]
+    """(family, config[, act-order form]) -> the kernels' (name, source)."""
+    return [(K.strip_kernel_name(f, *c, perm=bool(x)), K.strip_kernel_source(f, *c, perm=bool(x)))
+            for f, c, *x in pairs]
 
 
+PERM_FORMATS = (BASE, K.Family("bf16", 8, True, 32), K.Family("f16", 4, True, -1))
 ALL_PAIRS = ([(BASE, c) for c in K.STRIP_CONFIGS] + [(PER_CHANNEL, c) for c in K.STRIP_CONFIGS]
-             + [(f, c) for f in FORMATS for c in FORMAT_CONFIGS if f not in (BASE, PER_CHANNEL)])
+             + [(f, c) for f in FORMATS for c in FORMAT_CONFIGS if f not in (BASE, PER_CHANNEL)]
+             + [(BASE, c, True) for c in K.STRIP_CONFIGS] + [(f, c, True) for f in PERM_FORMATS[1:] for c in FORMAT_CONFIGS])
 
 
 @pytest.fixture(scope="module")
@@ -74,21 +78,23 @@ class _Fits:  # what check_strip reads of a kernel handle: an H200's limits
         return 132 // cluster
 
 
-def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, name=None):
-    """The kernel's output for a (M, K) through the emulator, launched as gemm.launch_strip launches it; checks
-    that the rows past M stay poisoned."""
+def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, name=None, perm=None):
+    """The kernel's output for a (M, K) through the emulator, launched as gemm.launch_strip launches it (perm: the
+    act-order form, a[:, perm] @ W); checks that the rows past M stay poisoned."""
     warps, cluster, toks, smem = cfg
     m, k = a.shape
     n = s.shape[1]
     G.check_strip(m, n, k, fam, warps, cluster, toks, smem, _Fits)
-    bufs = [lib.guarded(t) for t in (a, b, s) + tuple(x for x in (z, bias) if x is not None)]
+    bufs = [lib.guarded(t) for t in (a, b, s) + tuple(x for x in (z, bias, perm) if x is not None)]
     ga, gb, gs = bufs[:3]
-    gz = bufs[3] if z is not None else None
-    gbias = bufs[-1] if bias is not None else None
+    rest = bufs[3:]
+    gz = rest.pop(0) if z is not None else None
+    gbias = rest.pop(0) if bias is not None else None
+    gperm = rest.pop(0) if perm is not None else None
     full = lib.guarded(torch.full((m + 1, n), float("nan"), dtype=a.dtype))
     out = full[:m]
-    p = G.strip_params(m, n, k, warps, cluster, ga, gb, gs, gz, gbias, out)
-    lib.launch(name or K.strip_kernel_name(fam, *cfg), p.grid, 32 * warps, cluster,
+    p = G.strip_params(m, n, k, warps, cluster, ga, gb, gs, gz, gbias, out, gperm)
+    lib.launch(name or K.strip_kernel_name(fam, *cfg, perm=perm is not None), p.grid, 32 * warps, cluster,
                K.strip_smem_bytes(fam, warps, smem), p, bufs, seed=seed)
     assert torch.isnan(full[m].float()).all(), "the kernel wrote past row M"
     return out.clone()
@@ -137,6 +143,38 @@ def test_strip_every_format(lib, fam):
             out = run_strip(lib, fam, cfg, a, b, s, z, None)
             assert out.dtype == a.dtype
             check_close(out, a.float() @ w, tol, f"{fam_id(fam)} {cfg} M={m}")
+
+
+@pytest.mark.parametrize("cfg", K.STRIP_CONFIGS, ids=lambda c: "w{}-c{}-t{}{}".format(*c[:3], "-s" if c[3] else ""))
+def test_strip_act_order_every_config(lib, cfg):
+    """The act-order form of every config (the activation columns gathered through a random permutation by the
+    kernel, perm indices PD rows ahead of the activations): a[:, perm] @ W, K = 1152 and 2048 (long runs: the index
+    ring wraps), with a bias."""
+    for k, n in ((1152, 128), (2048, 64)):
+        b, s, z, w = weights(k, n, BASE, seed=k)
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)).to(torch.int32)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).half()
+        for m in tokens(cfg[2]):
+            a = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
+            out = run_strip(lib, BASE, cfg, a, b, s, z, bias if m == 1 else None, perm=perm)
+            ref = a[:, perm.long()].float() @ w + (bias.float() if m == 1 else 0)
+            check_close(out, ref, 1e-3, f"act-order {cfg} K={k} M={m}")
+            unpermuted = a.float() @ w + (bias.float() if m == 1 else 0)
+            assert ((out.float() - unpermuted).norm() / unpermuted.norm()).item() > 0.5  # (the columns were gathered)
+
+
+@pytest.mark.parametrize("fam", PERM_FORMATS[1:], ids=fam_id)
+def test_strip_act_order_formats(lib, fam):
+    """The act-order form with bf16 8-bit zero points in groups of 32 and fp16 4-bit per-channel zero points."""
+    k, n = 640, 128
+    b, s, z, w = weights(k, n, fam, seed=9)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    tol = 1e-3 if fam.dtype == "f16" else 1e-2
+    for cfg in FORMAT_CONFIGS:
+        for m in tokens(cfg[2])[::2]:
+            a = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DTYPES[fam.dtype])
+            check_close(run_strip(lib, fam, cfg, a, b, s, z, None, perm=perm), a[:, perm.long()].float() @ w, tol,
+                        f"act-order {fam_id(fam)} {cfg} M={m}")
 
 
 def test_strip_larger_k(lib):

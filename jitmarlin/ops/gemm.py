@@ -1428,14 +1428,15 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
     return None
 
 
-def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, int, int, int] | None:
-    """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver)."""
+def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = False) -> tuple[int, int, int, int] | None:
+    """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver; perm:
+    of the act-order forms)."""
     if m > K.STRIP_MAX_M or not strip_route_on() or fam.moe or not K.strip_built(fam, _cc(index)):
         return None
     sms = driver.device(index).sm_count
 
     def at_once(warps: int, cluster: int, toks: int, smem: int) -> int:
-        fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
+        fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index), perm)
         dyn = K.strip_smem_bytes(fam, warps, smem)
         if cluster > 1:
             return cluster * fn.max_active_clusters(32 * warps, dyn, cluster)
@@ -1444,22 +1445,26 @@ def strip_route(m: int, n: int, k: int, fam: Family, index: int) -> tuple[int, i
     return strip_choice(m, n, k, fam, sms, at_once)
 
 
-def strip_params(m: int, n: int, k: int, warps: int, cluster: int, a, b, scales, zeros, bias, out) -> K.GemmParams:
+def strip_params(m: int, n: int, k: int, warps: int, cluster: int, a, b, scales, zeros, bias, out,
+                 perm=None) -> K.GemmParams:
     p = _weight_params(m, n, k, b, scales, zeros, bias)
     p.a, p.c = a.data_ptr(), out.data_ptr()
     p.nwarps, p.grid, p.top_k = warps, strip_grid(n, cluster), 1
+    p.perm = perm.data_ptr() if perm is not None else None
     return p
 
 
 def launch_strip(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], out: torch.Tensor, m: int, n: int, k: int, fam: Family, index: int,
-                 warps: int, cluster: int, toks: int | None = None, smem: int = 0, pdl: bool = True) -> None:
+                 warps: int, cluster: int, toks: int | None = None, smem: int = 0, pdl: bool = True,
+                 perm: Optional[torch.Tensor] = None) -> None:
     """out[m, n] = a @ dequant(b) (+ bias) by the strip kernel of (warps, cluster, token blocks, shared-memory ring)
-    (K.STRIP_CONFIGS; toks None: one block of 8 tokens for M <= 8, else two)."""
+    (K.STRIP_CONFIGS; toks None: one block of 8 tokens for M <= 8, else two); with perm (act-order, int32 [K])
+    a[:, perm] @ dequant(b), the columns gathered by the kernel's act-order form (no gather kernel)."""
     toks = toks if toks is not None else (1 if m <= 8 else 2)
-    fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
+    fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index), perm is not None)
     check_strip(m, n, k, fam, warps, cluster, toks, smem, fn)
-    p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, out)
+    p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, out, perm)
     fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), K.current_stream_handle(a.device), p,
               pdl=pdl and use_pdl(_cc(index)), cluster=cluster)
 
@@ -1469,21 +1474,23 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
                 workspace: Workspace | None = None, plan_override: tuple[Tile, int] | str | None = None,
                 perm: Optional[torch.Tensor] = None) -> None:
     """Compute out[m, n] = a @ dequant(b) (+ bias), or with perm (act-order) a[:, perm] @
-    dequant(b): the gather kernel runs first. plan_override (for tuning): a (tile, warps) pair for
-    the fused kernel, or "dequant" for the dequantize + cuBLAS path."""
+    dequant(b): the gather kernel runs first, except before the strip kernel, whose act-order form
+    gathers the columns itself. plan_override (for tuning): a (tile, warps) pair for the fused
+    kernel, or "dequant" for the dequantize + cuBLAS path."""
     index = K.cuda_index(a.device)
-    if perm is not None:  # every route reads the gathered copy
-        a = gather_columns(a, perm, m, k, fam)
+    # the strip kernel gathers act-order columns itself; every other route reads a gathered copy
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "strip":
-        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:5])
+        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:5], perm=perm)
         return
+    strip = strip_route(m, n, k, fam, index, perm is not None) if plan_override is None else None
+    if strip is not None:
+        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *strip, perm=perm)
+        return
+    if perm is not None:
+        a = gather_columns(a, perm, m, k, fam)
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace,
                      pdl=perm is None or wgmma_pdl_after_gather(n, k))
-        return
-    strip = strip_route(m, n, k, fam, index) if plan_override is None else None
-    if strip is not None:
-        launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *strip)
         return
     if plan_override is None and use_wgmma_path(m, n, k, fam, index):
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, workspace=workspace,

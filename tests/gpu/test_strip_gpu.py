@@ -91,17 +91,21 @@ def test_strip_deterministic_and_graph_replay():
             check_close(out, static_a.float() @ w, 1e-3, f"graph replay {cfg} seed {seed}")
 
 
-def test_strip_act_order_gathers_first():
-    """With an act-order permutation the gather kernel runs first and the strip kernel reads its copy."""
-    k, n = 2048, 1024
-    packed, w = random_weights(k, n, 4, 128)
-    perm = torch.randperm(k, device="cuda").to(torch.int32)
-    a = torch.randn(3, k, device="cuda", dtype=torch.float16)
-    m, n_, k_, fam = G.check_args(a, packed.b, packed.scales, None, None)
-    out = torch.full((3, n), float("nan"), dtype=torch.float16, device="cuda")
-    G.launch_gemm(a, packed.b, packed.scales, None, None, out, m, n_, k_, fam, plan_override=("strip", 16, 2, 1, 0),
-                  perm=perm)
-    check_close(out, a[:, perm.long()].float() @ w, 1e-3, "act-order strip")
+@pytest.mark.parametrize("cfg", [(16, 2, 1, 0), (4, 1, 1, 0), (16, 1, 2, 0), (16, 2, 1, 1), (4, 1, 2, 1)])
+def test_strip_act_order_in_the_kernel(cfg):
+    """With an act-order permutation the strip kernel's act-order form gathers the activation columns itself (no
+    gather kernel): a[:, perm] @ W, K = 2048 and 5120 (the index ring wraps), fp16 and bf16 with zero points."""
+    for k, n, dtype, zp in ((2048, 1024, torch.float16, False), (5120, 768, torch.bfloat16, True)):
+        packed, w = random_weights(k, n, 4, 128, zp, dtype)
+        perm = torch.randperm(k, device="cuda").to(torch.int32)
+        for m in (1, 3, 8) + ((12, 16) if cfg[2] == 2 else ()):
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            m_, n_, k_, fam = G.check_args(a, packed.b, packed.scales, packed.zeros, None)
+            out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+            G.launch_gemm(a, packed.b, packed.scales, packed.zeros, None, out, m_, n_, k_, fam,
+                          plan_override=("strip",) + cfg, perm=perm)
+            check_close(out, a[:, perm.long()].float() @ w, 1e-3 if dtype == torch.float16 else 1e-2,
+                        f"act-order strip {cfg} K={k} M={m}")
 
 
 def test_strip_clear_errors():
