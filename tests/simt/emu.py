@@ -22,7 +22,7 @@ import torch
 
 SIMT_DIR = Path(__file__).resolve().parent
 CUDA_SRC = SIMT_DIR.parents[1] / "cuda_src"
-EMULATOR_FILES = ("simt.h", "jm_ptx.cuh", "runner.h", "cuda_fp16.h", "cuda_bf16.h")
+EMULATOR_FILES = ("simt.h", "jm_ptx.cuh", "jm_wgmma_ptx.cuh", "runner.h", "cuda_fp16.h", "cuda_bf16.h")
 
 _DYN = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];")
 _LOCAL_CONSTEXPR = re.compile(r"^([ \t]+)constexpr ", re.M)
@@ -68,17 +68,29 @@ def prepare(dst: Path, headers: dict[str, str] | None = None) -> None:
     for name in EMULATOR_FILES:
         shutil.copy(SIMT_DIR / name, dst / name)
     for src in CUDA_SRC.iterdir():
-        if src.suffix not in (".cuh", ".h") or src.name == "jm_ptx.cuh":
+        if src.suffix not in (".cuh", ".h") or src.name in EMULATOR_FILES:
             continue
         text = (headers or {}).get(src.name, src.read_text())
         (dst / src.name).write_text(rewrite(text))
 
 
-def kernel_table(names: list[str]) -> str:
-    tramps = "".join(f"static void simt_tramp_{n}(const void* p) {{ {n}(*static_cast<const JmGemmParams*>(p)); }}\n"
-                     for n in names)
-    rows = "".join(f'    {{"{n}", &simt_tramp_{n}}},\n' for n in names)
-    return (tramps + "struct SimtKernel {\n  const char* name;\n  void (*fn)(const void*);\n};\n"
+def two_params(source: str) -> bool:
+    """Whether the kernel takes a second parameter (the wgmma kernels' TMA descriptor)."""
+    return "JM_WGMMA_KERNEL" in source
+
+
+def kernel_table(sources: list[tuple[str, str]]) -> str:
+    tramps = []
+    for n, src in sources:
+        if two_params(src):  # (copied into an aligned descriptor: ctypes gives 8-byte alignment only)
+            tramps.append(f"static void simt_tramp_{n}(const void* p, const void* x) {{\n"
+                          f"  jm::JmTensorMap m;\n  memcpy(&m, x, sizeof m);\n"
+                          f"  {n}(*static_cast<const JmGemmParams*>(p), m);\n}}\n")
+        else:
+            tramps.append(f"static void simt_tramp_{n}(const void* p, const void*) {{ "
+                          f"{n}(*static_cast<const JmGemmParams*>(p)); }}\n")
+    rows = "".join(f'    {{"{n}", &simt_tramp_{n}}},\n' for n, _ in sources)
+    return ("".join(tramps) + "struct SimtKernel {\n  const char* name;\n  void (*fn)(const void*, const void*);\n};\n"
             f"static const SimtKernel kSimtKernels[] = {{\n{rows}}};\n" + '#include "runner.h"\n')
 
 
@@ -90,8 +102,8 @@ class Library:
         self.lib = ctypes.CDLL(str(path))
         self.lib.simt_run.restype = ctypes.c_int
         self.lib.simt_run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_ulonglong,
-                                      ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_uint,
-                                      ctypes.c_char_p, ctypes.c_int]
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong),
+                                      ctypes.c_int, ctypes.c_uint, ctypes.c_char_p, ctypes.c_int]
         self.lib.simt_alloc.restype = ctypes.c_void_p
         self.lib.simt_alloc.argtypes = [ctypes.c_ulonglong]
         self.lib.simt_free.argtypes = [ctypes.c_void_p]
@@ -115,15 +127,16 @@ class Library:
         self._live.clear()
 
     def launch(self, name: str, grid: int, threads: int, cluster: int, dyn: int, params: ctypes.Structure,
-               buffers: list[torch.Tensor] | None = None, seed: int = 0) -> None:
+               buffers: list[torch.Tensor] | None = None, seed: int = 0, extra: ctypes.Structure | None = None) -> None:
         """buffers: the global memory the kernel may load through the checked wrappers (None: every guarded
-        buffer alive)."""
+        buffer alive); extra: the kernel's second parameter (the wgmma kernels' descriptor, tensor_map())."""
         spans = self._live if buffers is None else [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers]
         regs = [x for span in spans for x in span]
         arr = (ctypes.c_ulonglong * max(len(regs), 1))(*regs)
         err = ctypes.create_string_buffer(2048)
-        rc = self.lib.simt_run(name.encode(), grid, threads, cluster, dyn, ctypes.byref(params), arr, len(spans),
-                               seed, err, len(err))
+        rc = self.lib.simt_run(name.encode(), grid, threads, cluster, dyn, ctypes.byref(params),
+                               ctypes.byref(extra) if extra is not None else None, arr, len(spans), seed, err,
+                               len(err))
         if rc:
             raise SimtError(err.value.decode())
 
@@ -146,7 +159,7 @@ def build(sources: list[tuple[str, str]], out_dir: Path, headers: dict[str, str]
             cpp = out_dir / f"part{key}_{i}.cpp"
             body = '#include "simt.h"\n' + "".join(src for _, src in part)
             if i == 0:  # the table and the entry points, with the other units' kernels declared
-                body += _decls(sources, part) + kernel_table([n for n, _ in sources])
+                body += _decls(sources, part) + kernel_table(sources)
             cpp.write_text(body)
             obj = cpp.with_suffix(".o")
             objs.append(obj)
@@ -163,6 +176,21 @@ def build(sources: list[tuple[str, str]], out_dir: Path, headers: dict[str, str]
 
 
 def _decls(sources: list[tuple[str, str]], here: list[tuple[str, str]]) -> str:
-    """Declarations of the kernels compiled in other translation units."""
+    """Declarations of the kernels compiled in other translation units (the first unit has the table)."""
     local = {n for n, _ in here}
-    return "".join(f'extern "C" void {n}(const JmGemmParams p);\n' for n, _ in sources if n not in local)
+    return "".join(f'extern "C" void {n}(const JmGemmParams p{", jm::JmTensorMap m" if two_params(src) else ""});\n'
+                   for n, src in sources if n not in local)
+
+
+# The emulator's TMA descriptor (tests/simt/simt.h, TensorMapWord): what a test's stand-in for
+# driver.tensor_map_2d returns.
+TENSOR_MAP_MAGIC = 0x53494D54544D4150
+
+
+def tensor_map(dtype_code: int, ptr: int, inner: int, outer: int, row_bytes: int, box_inner: int, box_outer: int):
+    from jitmarlin.jit import driver
+
+    m = driver.TensorMap()
+    for i, v in enumerate((TENSOR_MAP_MAGIC, ptr, inner, outer, row_bytes, box_inner, box_outer)):
+        m.opaque[i] = v
+    return m

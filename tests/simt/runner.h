@@ -7,18 +7,19 @@
 extern "C" {
 
 // Launch kernel `name` on the emulator: a 1-D grid of `grid` CTAs of `threads` threads, clusters of `cluster`
-// CTAs along x, `dyn` bytes of dynamic shared memory. regions: (address, bytes) pairs of the global buffers the
+// CTAs along x, `dyn` bytes of dynamic shared memory; params / extra: its parameters (extra: the second one, or
+// null). regions: (address, bytes) pairs of the global buffers the
 // kernel may read through the checked wrappers. Returns 0, or 1 with the error in err.
 int simt_run(const char* name, unsigned grid, unsigned threads, int cluster, unsigned long long dyn,
-             const void* params, const unsigned long long* regions, int nregions, unsigned seed, char* err,
-             int errlen) {
+             const void* params, const void* extra, const unsigned long long* regions, int nregions, unsigned seed,
+             char* err, int errlen) {
   for (const SimtKernel& k : kSimtKernels) {
     if (strcmp(k.name, name) != 0) continue;
     std::vector<jm_simt::Region> rs;
     for (int i = 0; i < nregions; i++)
       rs.push_back(jm_simt::Region{static_cast<uintptr_t>(regions[2 * i]),
                                    static_cast<uintptr_t>(regions[2 * i] + regions[2 * i + 1])});
-    const std::string e = jm_simt::run(k.fn, params, uint3{grid, 1, 1}, uint3{threads, 1, 1}, cluster,
+    const std::string e = jm_simt::run(k.fn, params, extra, uint3{grid, 1, 1}, uint3{threads, 1, 1}, cluster,
                                        static_cast<size_t>(dyn), rs.data(), nregions, seed);
     snprintf(err, errlen, "%s", e.c_str());
     return e.empty() ? 0 : 1;

@@ -45,6 +45,7 @@
 #define __device__
 #define __host__
 #define __global__
+#define __grid_constant__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
@@ -194,6 +195,7 @@ struct Thread {
   St st = St::Ready;
   CollFn coll = nullptr;
   const char* coll_name = "";
+  int coll_width = 32;  // threads of the collective: a warp, or a warpgroup (wgmma)
   // a collective's operands, by pointer into the lane's own frame (valid while it waits)
   const void* in[4] = {nullptr, nullptr, nullptr, nullptr};
   void* out = nullptr;
@@ -221,7 +223,16 @@ struct AsyncOp {
   uint32_t bytes;
   std::vector<std::pair<uint32_t, Copy>> copies;  // cp.async arrival: (encoded destination, copy)
   bool arrive;
+  bool tma = false;  // a TMA tile load: the descriptor's words (simt format), the box origin
+  unsigned long long tmap[8] = {};
+  int k0 = 0, row0 = 0;
 };
+
+// The emulator's TMA descriptor (what the tests' driver.tensor_map_2d returns in the 128 bytes of a CUtensorMap):
+// a 2-D row-major matrix of 2-byte elements, copied in boxes of box_outer rows x box_inner elements into the
+// 128-byte swizzle layout, rows or columns outside the matrix as zeros.
+enum TensorMapWord { kTmMagic, kTmAddr, kTmInner, kTmOuter, kTmRowBytes, kTmBoxInner, kTmBoxOuter };
+constexpr unsigned long long kTensorMapMagic = 0x53494D54544D4150ull;  // "SIMTTMAP"
 
 struct Cta {
   uint3 block{0, 0, 0};
@@ -238,8 +249,9 @@ struct Region {
 };
 
 struct Launch {
-  void (*kernel)(const void*) = nullptr;
+  void (*kernel)(const void*, const void*) = nullptr;
   const void* params = nullptr;
+  const void* extra = nullptr;  // the kernel's second parameter (the wgmma kernels' TMA descriptor), or null
   int threads_per_cta = 0, cluster = 1;
   uint3 grid{1, 1, 1}, block{1, 1, 1};
   std::vector<Cta> ctas;
@@ -368,8 +380,9 @@ inline uint8_t* dyn_smem() { return launch()->ctas[cur()->cta].dyn; }
 
 // A warp collective: record the operands, wait until the 32 lanes are there; the last one in runs fn for all.
 inline void warp_collective(CollFn fn, const char* name, const void* in0, const void* in1, const void* in2,
-                            const void* in3, void* out) {
+                            const void* in3, void* out, int width = 32) {
   Thread* t = cur();
+  t->coll_width = width;
   t->coll = fn;
   t->coll_name = name;
   t->in[0] = in0, t->in[1] = in1, t->in[2] = in2, t->in[3] = in3;
@@ -474,8 +487,31 @@ inline void mbar_arrive_on(int cta, const void* bar, long long tx) {
   if (--m.pending < 0) fail("an mbarrier phase got more arrivals than its count");
   mbar_settle(cta, bar, m);
 }
+// 128-byte swizzle (PTX ISA, "Tensor-map" swizzle modes / wgmma "Matrix Descriptor"): within each 1024-byte
+// block, the 16-byte chunk j of 128-byte row r sits at chunk j ^ (r & 7).
+inline uint32_t swizzle128(uint32_t off) { return off ^ (((off >> 7) & 7u) << 4); }
+
 inline void land(const AsyncOp& op) {
-  if (op.arrive) {
+  if (op.tma) {
+    const unsigned long long* m = op.tmap;
+    const int inner = static_cast<int>(m[kTmInner]), outer = static_cast<int>(m[kTmOuter]);
+    const int bi = static_cast<int>(m[kTmBoxInner]), bo = static_cast<int>(m[kTmBoxOuter]);
+    const uint8_t* g = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(m[kTmAddr]));
+    const uint32_t bytes = static_cast<uint32_t>(bi * bo * 2);
+    uint8_t* dst = decode_smem(op.dst, bytes);
+    for (int r = 0; r < bo; r++)
+      for (int c = 0; c < bi; c++) {
+        const int row = op.row0 + r, col = op.k0 + c;
+        uint16_t v = 0;
+        if (row >= 0 && row < outer && col >= 0 && col < inner)
+          memcpy(&v, check_global(g + static_cast<size_t>(row) * m[kTmRowBytes] + 2 * static_cast<size_t>(col), 2,
+                                  "TMA source"), 2);
+        memcpy(dst + swizzle128(static_cast<uint32_t>(r * bi * 2 + c * 2)), &v, 2);
+      }
+    Mbar& mb = mbar_of(op.cta, op.bar);
+    mb.tx -= bytes;
+    mbar_settle(op.cta, op.bar, mb);
+  } else if (op.arrive) {
     for (const auto& c : op.copies) {
       uint8_t* dst = decode_smem(c.first, 16);
       if (c.second.valid) memcpy(dst, c.second.src, 16);
@@ -510,6 +546,21 @@ inline void bulk_copy(void* smem, const void* gmem, uint32_t bytes, const void* 
   mbar_of(cur()->cta, bar);
   launch()->async_ops.push_back(AsyncOp{cur()->cta, bar, dst, gmem, bytes, {}, false});
 }
+// cp.async.bulk.tensor.2d ... tile.mbarrier::complete_tx::bytes: one box of the descriptor at (k0, row0).
+inline void tma_2d(void* smem, const unsigned long long* map, int k0, int row0, const void* bar) {
+  if (map[kTmMagic] != kTensorMapMagic) fail("a TMA descriptor the emulator did not make (tests: driver.tensor_map_2d)");
+  if (map[kTmBoxInner] * 2 != 128) fail("TMA: the emulator knows the 128-byte swizzle boxes only");
+  const uint32_t dst = encode_smem(smem);
+  if ((dst & kOffMask) % 1024) fail("TMA with the 128-byte swizzle: destination not 1024-byte aligned");
+  mbar_of(cur()->cta, bar);
+  AsyncOp op{cur()->cta, bar, dst, nullptr, 0, {}, false};
+  op.tma = true;
+  memcpy(op.tmap, map, sizeof op.tmap);
+  op.k0 = k0;
+  op.row0 = row0;
+  launch()->async_ops.push_back(op);
+}
+
 // cp.async.mbarrier.arrive.noinc: the arrival happens once all of this thread's cp.async copies have landed.
 inline void cp_async_arrive(const void* bar) {
   Thread* t = cur();
@@ -613,7 +664,7 @@ namespace jm_simt {
 
 inline void fiber_main() {
   Launch* l = launch();
-  l->kernel(l->params);
+  l->kernel(l->params, l->extra);
   Thread* t = cur();
   t->st = St::Done;
   swapcontext(&t->ctx, &sched_ctx());
@@ -640,19 +691,20 @@ inline void settle(Launch* l, int i) {
       l->phase_done = true;  // its later phases may be complete now
     }
   } else if (t.st == St::Coll) {
-    const int w0 = base + ((t.tid.x) & ~31u);
-    const int lanes = l->threads_per_cta - (w0 - base) < 32 ? l->threads_per_cta - (w0 - base) : 32;
-    Thread* ls[32];
+    const int width = t.coll_width;
+    const int w0 = base + static_cast<int>(t.tid.x & ~static_cast<unsigned>(width - 1));
+    const int lanes = l->threads_per_cta - (w0 - base) < width ? l->threads_per_cta - (w0 - base) : width;
+    Thread* ls[128];
     for (int j = 0; j < lanes; j++) {
       ls[j] = &l->threads[w0 + j];
       if (ls[j]->st != St::Coll) return;  // not all there yet (or never: the deadlock check reports it)
     }
-    if (lanes != 32) {
-      l->error = "a warp collective in a partial warp";
+    if (lanes != width) {
+      l->error = "a warp or warpgroup collective in a partial warp or warpgroup";
       return;
     }
-    for (int j = 0; j < 32; j++)
-      if (ls[j]->coll != t.coll) {
+    for (int j = 0; j < width; j++)
+      if (ls[j]->coll != t.coll || ls[j]->coll_width != width) {
         l->error = std::string("warp lanes at different collectives: ") + ls[0]->coll_name + " / " + ls[j]->coll_name;
         return;
       }
@@ -660,7 +712,7 @@ inline void settle(Launch* l, int i) {
     Thread* saved = cur();
     t.coll(cl);
     cur() = saved;
-    for (int j = 0; j < 32; j++) {
+    for (int j = 0; j < width; j++) {
       ls[j]->st = St::Ready;
       c.ready.push_back(w0 + j);
     }
@@ -746,12 +798,14 @@ inline void run_group(Launch* l) {
 
 constexpr size_t kStack = 256 * 1024;
 
-inline std::string run(void (*kernel)(const void*), const void* params, uint3 grid, uint3 block, int cluster,
-                       size_t dyn_bytes, const Region* regions, int nregions, unsigned seed) {
+inline std::string run(void (*kernel)(const void*, const void*), const void* params, const void* extra, uint3 grid,
+                       uint3 block, int cluster, size_t dyn_bytes, const Region* regions, int nregions,
+                       unsigned seed) {
   Launch l;
   launch() = &l;
   l.kernel = kernel;
   l.params = params;
+  l.extra = extra;
   l.grid = grid;
   l.block = block;
   l.cluster = cluster;
@@ -777,12 +831,14 @@ inline std::string run(void (*kernel)(const void*), const void* params, uint3 gr
       const size_t flat = g0 + c;
       cta.block = uint3{static_cast<unsigned>(flat % grid.x), static_cast<unsigned>(flat / grid.x % grid.y),
                         static_cast<unsigned>(flat / grid.x / grid.y)};
-      const size_t body = (dyn_bytes + page - 1) / page * page;
+      // 1024-byte aligned (as the GPU's shared window: the swizzled layouts' XOR reads the address bits), ending
+      // at most 1023 bytes before a PROT_NONE page
+      const size_t body = (dyn_bytes + page - 1) / page * page + page;
       cta.map_bytes = body + page;
       cta.map = mmap(nullptr, cta.map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (cta.map == MAP_FAILED) return "mmap failed";
       mprotect(static_cast<char*>(cta.map) + body, page, PROT_NONE);
-      cta.dyn = static_cast<uint8_t*>(cta.map) + body - dyn_bytes;
+      cta.dyn = static_cast<uint8_t*>(cta.map) + body - (dyn_bytes + 1023) / 1024 * 1024;
       cta.dyn_bytes = dyn_bytes;
       memset(cta.dyn, 0xFF, dyn_bytes);
       for (int j = 0; j < l.threads_per_cta; j++) {
