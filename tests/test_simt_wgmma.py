@@ -133,3 +133,27 @@ def test_wgmma_forms_emulated(sm90, form):
             assert err < tol, f"{form_id(form)} M={m} splits={splits}: rel err {err:.3e}"
             assert torch.isnan(full[m].float()).all(), "the kernel wrote past row M"
             assert int(ws.counters.abs().sum()) == 0, "arrival counters not reset"
+
+
+def test_emulator_catches_a_wrong_descriptor(sm90, tmp_path, monkeypatch):
+    """The kernel's wgmma descriptor with the 8-row stride halved (512 bytes for 1024): the emulator reads the wrong
+    activations and the result is wrong, on a TMA-fed and a cp.async-fed tile."""
+    lib0, ws, state = sm90
+    text = (emu.CUDA_SRC / "jm_wgmma.cuh").read_text()
+    assert text.count("(1024 >> 4) << 32") == 1
+    forms = [(F16, 64, 1, 6, False, 0), (F16, 32, 1, 8, False, 0)]
+    bad = emu.build([source(*f) for f in forms], tmp_path,
+                    headers={"jm_wgmma.cuh": text.replace("(1024 >> 4) << 32", "(512 >> 4) << 32")})
+    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: _EmuKernel(
+        bad, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod)))
+    k, n = 512, 256
+    b, s, z, w, dt = weights(bad, k, n, F16, seed=1)
+    for _, nt, fw, st, wide, prod in forms:
+        m = nt - 5
+        G.wgmma_launch.cache_clear()
+        a = bad.guarded(torch.randn(m, k).half())
+        out = bad.guarded(torch.full((m, n), float("nan"), dtype=torch.float16))
+        G.launch_gemm(a, b, s, z, None, out, m, n, k, F16, plan_override=("wgmma", nt, fw, st, 1, wide, prod))
+        ref = a.float() @ w
+        assert not ((out.float() - ref).norm() / ref.norm()).item() < 1e-3, nt
+    bad.free_all()
