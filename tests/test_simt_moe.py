@@ -1,0 +1,143 @@
+"""The MoE expert GEMM on the CPU emulator (tests/simt): the mma.sync kernel's MoE tiles built for sm_80 and for
+sm_90 (bulk-copy tiles), and the sm_90a wgmma kernel's MoE form, launched by the real grouped-GEMM entry
+(moe._moe_gemm_cuda: route, tile, grid and parameter struct of the GPU launch) with the driver replaced by the
+emulator, on alignment tables from the PyTorch reference (moe._align_torch): every slot's row against
+A[slot // top_k] @ dequant(W[expert of slot]) (times its routing weight), for each expert-block size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from jitmarlin.jit import driver
+from jitmarlin.ops import _kernels as K
+from jitmarlin.ops import gemm as G
+from jitmarlin.ops import moe as M
+from jitmarlin.quant import dequantize, pack_weights, pack_zeros, permute_scales
+
+from .simt import emu
+
+pytestmark = pytest.mark.skipif(not emu.has_compiler(), reason="needs a host C++ compiler (g++) for the emulator")
+
+FAMILIES = (K.Family("f16", 4, False, 128, moe=True), K.Family("bf16", 8, True, 64, moe=True))
+SMEM = {(8, 0): 166912, (9, 0): 232448}
+
+
+def sources(cc):
+    out = []
+    for fam in FAMILIES:
+        out += [(K.kernel_name(fam, t), K.kernel_source(fam, t)) for t in K.tiles_for(cc) if K.tile_fits(fam, t)]
+        if cc == (9, 0):
+            spec = dict(K.wgmma_build_spec(fam, cc).sources)
+            out += [(n, spec[n]) for n in (K.wgmma_kernel_name(fam, nt, fw, st) for nt, fw, st in K.WGMMA_MOE_CONFIGS
+                                           if nt == 64)]
+    return out
+
+
+@pytest.fixture(scope="module", params=[(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def device(request, tmp_path_factory):
+    cc = request.param
+    lib = emu.build(sources(cc), tmp_path_factory.mktemp(f"simtmoe{cc[0]}"), sm=cc[0] * 10)
+    yield lib, cc
+    lib.free_all()
+
+
+LAUNCHED: list[str] = []
+
+
+class _EmuKernel:
+    num_regs = 128
+
+    def __init__(self, lib, name, cc):
+        self.lib, self.name, self.cc = lib, name, cc
+
+    def occupancy(self, threads, smem):
+        return max(0, min(2, SMEM[self.cc] // max(smem, 1)))
+
+    def max_active_clusters(self, threads, smem, cluster):
+        return 132 // cluster
+
+    def launch(self, grid, threads, smem, stream, params, pdl=False, cluster=0, extra=None):
+        LAUNCHED.append(self.name)
+        self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params, extra=extra)
+
+
+class _Workspace:
+    def __init__(self, lib):
+        self.ws = lib.guarded(torch.full((1 << 20,), float("nan")))
+        self.counters = lib.guarded(torch.zeros(4096, dtype=torch.int32))
+
+    def ensure(self, floats, slots):
+        assert floats <= self.ws.numel() and slots <= self.counters.numel(), (floats, slots)
+
+
+@pytest.fixture
+def emulated(monkeypatch, device):
+    lib, cc = device
+    ws = _Workspace(lib)
+    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: cc))
+    monkeypatch.setattr(driver, "device", lambda index: type("D", (), {"sm_count": 6, "smem_per_block_optin": SMEM[cc]})())
+    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: _EmuKernel(lib, K.kernel_name(fam, tile), cc))
+    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: _EmuKernel(
+        lib, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod), cc))
+    monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
+    monkeypatch.setattr(K, "default_workspace", lambda d: ws)
+    monkeypatch.setattr(K, "current_stream_handle", lambda d: 0)
+    monkeypatch.setattr(K, "cuda_index", lambda d: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "emulated")
+    G.prepare_launch.cache_clear()
+    G.device_info.cache_clear()
+    yield lib, cc
+    G.prepare_launch.cache_clear()
+    G.device_info.cache_clear()
+
+
+def experts(lib, e, k, n, fam, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch.bfloat16 if fam.dtype == "bf16" else torch.float16
+    groups = 1 if fam.group_size == -1 else k // fam.group_size
+    bs, ss, zs, ws = [], [], [], []
+    for _ in range(e):
+        q = torch.randint(0, 1 << fam.bits, (k, n), generator=gen, dtype=torch.int32)
+        s = ((torch.rand(groups, n, generator=gen) * 0.02 + 0.005) / (16 if fam.bits == 8 else 1)).to(dt)
+        z = torch.randint(0, 1 << fam.bits, (groups, n), generator=gen, dtype=torch.int32) if fam.zero_points else None
+        ws.append(dequantize(q, s, z, fam.bits, fam.group_size).float())
+        bs.append(pack_weights(q, fam.bits))
+        ss.append(permute_scales(s))
+        zs.append(pack_zeros(z, fam.bits) if z is not None else None)
+    b = lib.guarded(torch.stack(bs))
+    s = lib.guarded(torch.stack(ss))
+    z = lib.guarded(torch.stack(zs)) if fam.zero_points else None
+    return b, s, z, torch.stack(ws), dt
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f"{f.dtype}-u{f.bits}")
+def test_moe_gemm_emulated(emulated, fam):
+    """Blocks of 8 / 16 / 32 / 48 rows (the mma.sync MoE tiles) and 64 (sm_90: the wgmma MoE kernel), 4 experts,
+    top-2, 7 tokens (blocks with padding), with and without routing weights."""
+    lib, cc = emulated
+    e, k, n, tokens, top_k = 4, 256, 256, 7, 2
+    b, s, z, w, dt = experts(lib, e, k, n, fam, seed=cc[0])
+    gen = torch.Generator().manual_seed(5)
+    a = lib.guarded(torch.randn(tokens, k, generator=gen).to(dt))
+    topk_ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    topk_w = lib.guarded(torch.rand(tokens, top_k, generator=gen))
+    slots = tokens * top_k
+    ref = torch.stack([a[t // top_k].float() @ w[int(topk_ids.view(-1)[t])] for t in range(slots)])
+    tol = 1e-3 if dt == torch.float16 else 1e-2
+    for block in (8, 16, 32, 48, 64):
+        sorted_ids, expert_ids, num_padded = (lib.guarded(t) for t in M._align_torch(topk_ids, block, e))
+        for weighted in (False, True):
+            G.prepare_launch.cache_clear()
+            LAUNCHED.clear()
+            out = M._moe_gemm_cuda(a, b, s, z, sorted_ids, expert_ids, num_padded, topk_w if weighted else None,
+                                   slots, top_k, block)
+            want = ref * topk_w.reshape(-1, 1) if weighted else ref
+            err = ((out.float() - want).norm() / want.norm()).item()
+            assert err < tol, f"{fam.dtype}-u{fam.bits} sm_{cc[0]}{cc[1]} block {block} weighted={weighted}: {err:.3e}"
+            wgmma = cc == (9, 0) and block == 64
+            assert len(LAUNCHED) == 1 and LAUNCHED[0].startswith("jm_wgmma_" if wgmma else "jm_gemm_"), LAUNCHED
+            assert "_moe_" in LAUNCHED[0]
