@@ -286,3 +286,30 @@ def test_emulator_catches_lane_missing_from_mma(tmp_path):
     with pytest.raises(emu.SimtError, match="deadlock.*mma"):
         run_strip(lib, BASE, cfg, a, b, s, z, None)
     lib.free_all()
+
+
+def test_emulator_rounds_like_torch(lib):
+    """The emulator's fp16 / bf16 conversions (every kernel value passes through them) give PyTorch's bits: round to
+    nearest even, subnormals, overflow to infinity, NaN; and convert back exactly."""
+    import ctypes
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(20000, generator=gen) * 10 ** torch.randint(-9, 6, (20000,), generator=gen).float(),
+                   torch.tensor([0.0, -0.0, 65504.0, 65519.9, 65520.0, -70000.0, 6.0e-8, 2.9e-8, 3.0e-8, 1e-40,
+                                 float("inf"), float("-inf"), 3.4e38, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11])])
+    x = x.float().contiguous()
+    for dtype, flag in ((torch.float16, 0), (torch.bfloat16, 1)):
+        out = torch.empty(x.numel(), dtype=torch.int16)
+        back = torch.empty(x.numel())
+        lib.lib.simt_round(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                           ctypes.c_void_p(back.data_ptr()), x.numel(), flag)
+        want = x.to(dtype)
+        assert torch.equal(out, want.view(torch.int16)), (dtype, x[out != want.view(torch.int16)][:8])
+        assert torch.equal(back, want.float())
+    nan = torch.tensor([float("nan")])
+    out = torch.empty(1, dtype=torch.int16)
+    back = torch.empty(1)
+    for flag in (0, 1):
+        lib.lib.simt_round(ctypes.c_void_p(nan.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                           ctypes.c_void_p(back.data_ptr()), 1, flag)
+        assert torch.isnan(back).all()

@@ -28,6 +28,14 @@ int simt_run(const char* name, unsigned grid, unsigned threads, int cluster, uns
   return 1;
 }
 
+// The emulator's float -> fp16 / bf16 rounding (and back), for the test that compares it with PyTorch's.
+void simt_round(const float* x, uint16_t* out, float* back, int n, int bf16) {
+  for (int i = 0; i < n; i++) {
+    out[i] = bf16 ? jm_simt::f32_to_bf16(x[i]) : jm_simt::f32_to_f16(x[i]);
+    back[i] = bf16 ? jm_simt::bf16_to_f32(out[i]) : jm_simt::f16_to_f32(out[i]);
+  }
+}
+
 // `bytes` of memory, 16-byte aligned, followed by a PROT_NONE page after at most 15 bytes of padding: a kernel
 // reading or writing past the end of a buffer copied there stops with SIGSEGV instead of reading a neighbour.
 static std::map<void*, std::pair<void*, size_t>>& simt_maps() {

@@ -1,30 +1,33 @@
 // jitmarlin tests — a small SIMT emulator that runs our CUDA kernel sources on the CPU.
 //
 // Why: the GPU is lent by the session and sometimes not at all; a kernel's index arithmetic, fragment
-// layouts, barriers and cluster exchanges can be checked here first, on the real .cuh text. The kernel
-// source is compiled by the host C++ compiler with this header in front (CUDA's built-in names defined
-// here) and with tests/simt/jm_ptx.cuh in place of cuda_src/jm_ptx.cuh (the PTX wrappers, emulated).
-// tests/test_simt_kernels.py copies the sources next to these files, rewrites the two shared-memory
-// declaration forms (below), builds a shared library and launches kernels through simt_run().
+// layouts, barriers, copy ordering and cluster exchanges can be checked here first, on the real .cuh text. The
+// kernel source is compiled by the host C++ compiler with this header in front (CUDA's built-in names defined
+// here) and with tests/simt/jm_ptx.cuh and jm_wgmma_ptx.cuh in place of cuda_src's (the PTX wrappers,
+// emulated). tests/simt/emu.py copies the sources next to these files, rewrites the shared-memory declarations,
+// builds a shared library and launches kernels through simt_run() (runner.h); the tests/test_simt_*.py files use it.
 //
 // Model:
-// - every CUDA thread is a fiber (ucontext) of one OS thread; a fiber runs until it reaches a warp
-//   collective (mma.sync), a CTA barrier or a cluster wait, then another runnable fiber of the same CTA is
-//   picked at random (seeded), so an order that a missing barrier makes matter shows up in some seed;
-// - warp collectives fire when all 32 lanes of the warp have reached the same one; a barrier or collective
-//   that can never complete (a lane exited, lanes at different collectives) is reported as a deadlock;
+// - every CUDA thread is a fiber (ucontext) of one OS thread; a fiber runs until it reaches a warp or warpgroup
+//   collective (mma.sync, ldmatrix, shuffles, ballot, __syncwarp, wgmma), a CTA or named barrier, a cluster wait
+//   or an mbarrier wait; then another runnable fiber of the same CTA is picked at random (seeded), so an order
+//   that a missing barrier makes matter shows up in some seed;
+// - collectives fire when all threads of the warp (warpgroup) have reached the same one; anything that can never
+//   complete (a lane exited, lanes at different collectives, a phase nobody arrives at) is reported as a deadlock;
 // - a static __shared__ variable becomes a C++ static that registers itself where it is declared
-//   (JM_SIMT_SHARED); the registered variables hold the image of the CTA whose fiber runs, and are swapped
+//   (JM_SIMT_SHARED); the registered variables hold the values of the CTA whose fiber runs, and are swapped
 //   when another CTA's fiber is picked, so each CTA has its own copy; dynamic shared memory is one buffer per
-//   CTA ending at a PROT_NONE page; shared memory starts as 0xFF bytes (NaN as floats), as a GPU gives no
-//   initial contents;
-// - cp.async copies land only when a cp.async.wait_group asks for their group (a read before that sees
-//   the old bytes); global loads through the wrappers are checked against the launch's registered
-//   buffers; distributed shared memory stores reach the other CTA's image; a CTA's clusters run
-//   together, clusters and cluster-less CTAs one after another;
-// - fp16 / bf16 arithmetic rounds to nearest even from an exact (or double) result; mma.sync multiplies
-//   exactly and sums in double, then rounds to fp32 (hardware sums in another order: compare with a
-//   tolerance, as on the GPU).
+//   CTA, 1024-byte aligned, ending at (at most 1023 bytes before) a PROT_NONE page; shared memory starts as 0xFF
+//   bytes (NaN as floats), as a GPU gives no initial contents;
+// - cp.async copies land only when a cp.async.wait_group asks for their group (a read before that sees the old
+//   bytes); bulk copies, TMA boxes and cp.async arrivals on an mbarrier land when a thread waits on that barrier
+//   or when nothing else can run; mbarriers count pending arrivals and transaction bytes;
+// - global loads through the wrappers are checked against the launch's registered buffers; distributed shared
+//   memory stores reach the other CTA's copy; a cluster's CTAs run together, clusters and cluster-less CTAs one
+//   after another; a thread that exits counts as arrived at every later cluster-barrier phase;
+// - fp16 / bf16 arithmetic rounds to nearest even from an exact (or double) result; mma.sync and wgmma multiply
+//   exactly and sum in double, then round to fp32 (hardware sums in another order: compare with a tolerance, as
+//   on the GPU); wgmma runs when issued, so its fences and waits order nothing here.
 #pragma once
 
 #include <sys/mman.h>
