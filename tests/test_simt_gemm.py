@@ -12,12 +12,9 @@ workspace, arrival counters, the last CTA's sum) runs too, and must leave the co
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from jitmarlin.jit import driver
 from jitmarlin.ops import _kernels as K
 from jitmarlin.ops import gemm as G
 from jitmarlin.quant import dequantize, pack_weights, pack_zeros, permute_scales
@@ -31,79 +28,25 @@ FAMILIES = (K.Family("f16", 4, False, 128), K.Family("bf16", 4, True, 64), K.Fam
             K.Family("bf16", 8, True, 32))
 PAIRS = [(f, t) for f in FAMILIES for t in K.TILES if K.tile_fits(f, t)]
 BULK_PAIRS = [(f, t) for f in FAMILIES for t in K.BULK_TILES if K.tile_fits(f, t)]
-SMEM = {(8, 0): 166912, (9, 0): 232448}  # bytes of shared memory a CTA may opt into: A100, H100 / H200
+SMEM = emu.SMEM_OPTIN
+CASES = [((8, 0), f, t) for f, t in PAIRS] + [((9, 0), f, t) for f, t in BULK_PAIRS]
 
 
 @pytest.fixture(scope="module")
-def lib80(tmp_path_factory):
-    library = emu.build([(K.kernel_name(f, t), K.kernel_source(f, t)) for f, t in PAIRS],
-                        tmp_path_factory.mktemp("simt80"), sm=80)
-    yield library
-    library.free_all()
+def libs(tmp_path_factory):
+    """The emulator library of an architecture's tiles, built on first use."""
+    built = {}
 
+    def get(cc):
+        if cc not in built:
+            pairs = PAIRS if cc == (8, 0) else BULK_PAIRS
+            built[cc] = emu.build([(K.kernel_name(f, t), K.kernel_source(f, t)) for f, t in pairs],
+                                  tmp_path_factory.mktemp(f"simt{cc[0]}0"), sm=cc[0] * 10)
+        return built[cc]
 
-@pytest.fixture(scope="module")
-def lib90(tmp_path_factory):
-    library = emu.build([(K.kernel_name(f, t), K.kernel_source(f, t)) for f, t in BULK_PAIRS],
-                        tmp_path_factory.mktemp("simt90"), sm=90)
-    yield library
-    library.free_all()
-
-
-class _EmuKernel:
-    """What the launch path reads of a driver kernel handle; launch() runs the emulator."""
-
-    num_regs = 128
-
-    def __init__(self, lib, name, cc):
-        self.lib, self.name, self.cc = lib, name, cc
-
-    def occupancy(self, threads, smem):
-        return max(0, min(2, SMEM[self.cc] // max(smem, 1)))
-
-    def max_active_clusters(self, threads, smem, cluster):  # (an H200 fits 16 clusters of 8 of these tiles)
-        return 16
-
-    def launch(self, grid, threads, smem, stream, params, pdl=False, cluster=0, extra=None):
-        assert not (pdl and self.cc < (9, 0)), "sm_80 launches have no programmatic dependent launch"
-        self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params)
-
-
-class _Workspace:
-    def __init__(self, lib):
-        self.ws = lib.guarded(torch.full((1 << 18,), float("nan")))
-        self.counters = lib.guarded(torch.zeros(1024, dtype=torch.int32))
-
-    def ensure(self, floats, slots):
-        assert floats <= self.ws.numel() and slots <= self.counters.numel(), (floats, slots)
-
-
-def emulated_device(monkeypatch, lib, cc):
-    """A device of compute capability cc and `state["sms"]` SMs (set by the test) whose kernels run on the
-    emulator."""
-    ws = _Workspace(lib)
-    state = {"sms": 4}
-    dev = type("Dev", (), {"smem_per_block_optin": SMEM[cc]})
-    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: cc))
-    monkeypatch.setattr(driver, "device", lambda index: type("D", (dev,), {"sm_count": state["sms"]})())
-    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: _EmuKernel(lib, K.kernel_name(fam, tile), cc))
-    monkeypatch.setattr(K, "default_workspace", lambda d: ws)
-    monkeypatch.setattr(K, "current_stream_handle", lambda d: 0)
-    monkeypatch.setattr(K, "cuda_index", lambda d: 0)
-    G.prepare_launch.cache_clear()
-    return lib, ws, state
-
-
-@pytest.fixture
-def sm80(monkeypatch, lib80):
-    yield emulated_device(monkeypatch, lib80, (8, 0))
-    G.prepare_launch.cache_clear()
-
-
-@pytest.fixture
-def sm90(monkeypatch, lib90):
-    yield emulated_device(monkeypatch, lib90, (9, 0))
-    G.prepare_launch.cache_clear()
+    yield get
+    for lib in built.values():
+        lib.free_all()
 
 
 def weights(lib, k, n, fam, seed=0):
@@ -149,7 +92,7 @@ def check_tile(device, fam, tile, cc):
     ran = 0
     for sms, nw in ((4, 2), (3, 4)):
         state["sms"] = sms
-        G.prepare_launch.cache_clear()
+        emu.clear_launch_caches()
         if K.smem_bytes(fam, tile, nw) > SMEM[cc] - G.SMEM_RESERVE:
             continue
         for m in sorted({1, tile.rows - 3, tile.rows} - {0} if tile.rows > 3 else {1, tile.rows}):
@@ -162,14 +105,15 @@ def check_tile(device, fam, tile, cc):
     assert ran, "no launch fits"
 
 
-@pytest.mark.parametrize("fam,tile", PAIRS, ids=fam_tile_id)
-def test_gemm_sm80_tiles_emulated(sm80, fam, tile):
-    """Every tile an sm_8x GPU runs (K.TILES, built for sm_80: no bulk copies, no PDL)."""
-    check_tile(sm80, fam, tile, (8, 0))
-
-
-@pytest.mark.parametrize("fam,tile", BULK_PAIRS, ids=fam_tile_id)
-def test_gemm_sm90_bulk_tiles_emulated(sm90, fam, tile):
-    """The sm_90 tiles (K.BULK_TILES: a producer warp's bulk copies and cp.async counted on mbarriers, named
-    barriers among the math warps, direct weight loads, the k-split ring, clusters) — what the H200 runs at M <= 16."""
-    check_tile(sm90, fam, tile, (9, 0))
+@pytest.mark.parametrize("cc,fam,tile", CASES, ids=lambda x: fam_tile_id(x) if not isinstance(x, tuple) else
+                         f"sm{x[0]}{x[1]}")
+def test_gemm_tiles_emulated(monkeypatch, libs, cc, fam, tile):
+    """Every tile an sm_8x GPU runs (K.TILES built for sm_80: no bulk copies, no PDL), and the sm_90 tiles
+    (K.BULK_TILES: a producer warp's bulk copies and cp.async counted on mbarriers, named barriers among the math
+    warps, direct weight loads, the k-split ring, clusters) — what the H200 runs at M <= 16."""
+    lib = libs(cc)
+    ws, state = emu.emulated_device(monkeypatch, lib, cc)
+    try:
+        check_tile((lib, ws, state), fam, tile, cc)
+    finally:
+        emu.clear_launch_caches()

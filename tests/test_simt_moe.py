@@ -7,14 +7,10 @@ A[slot // top_k] @ dequant(W[expert of slot]) (times its routing weight), for ea
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from jitmarlin.jit import driver
 from jitmarlin.ops import _kernels as K
-from jitmarlin.ops import gemm as G
 from jitmarlin.ops import moe as M
 from jitmarlin.quant import dequantize, pack_weights, pack_zeros, permute_scales
 
@@ -23,7 +19,6 @@ from .simt import emu
 pytestmark = pytest.mark.skipif(not emu.has_compiler(), reason="needs a host C++ compiler (g++) for the emulator")
 
 FAMILIES = (K.Family("f16", 4, False, 128, moe=True), K.Family("bf16", 8, True, 64, moe=True))
-SMEM = {(8, 0): 166912, (9, 0): 232448}
 
 
 def sources(cc):
@@ -48,51 +43,12 @@ def device(request, tmp_path_factory):
 LAUNCHED: list[str] = []
 
 
-class _EmuKernel:
-    num_regs = 128
-
-    def __init__(self, lib, name, cc):
-        self.lib, self.name, self.cc = lib, name, cc
-
-    def occupancy(self, threads, smem):
-        return max(0, min(2, SMEM[self.cc] // max(smem, 1)))
-
-    def max_active_clusters(self, threads, smem, cluster):
-        return 132 // cluster
-
-    def launch(self, grid, threads, smem, stream, params, pdl=False, cluster=0, extra=None):
-        LAUNCHED.append(self.name)
-        self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params, extra=extra)
-
-
-class _Workspace:
-    def __init__(self, lib):
-        self.ws = lib.guarded(torch.full((1 << 20,), float("nan")))
-        self.counters = lib.guarded(torch.zeros(4096, dtype=torch.int32))
-
-    def ensure(self, floats, slots):
-        assert floats <= self.ws.numel() and slots <= self.counters.numel(), (floats, slots)
-
-
 @pytest.fixture
 def emulated(monkeypatch, device):
     lib, cc = device
-    ws = _Workspace(lib)
-    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: cc))
-    monkeypatch.setattr(driver, "device", lambda index: type("D", (), {"sm_count": 6, "smem_per_block_optin": SMEM[cc]})())
-    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: _EmuKernel(lib, K.kernel_name(fam, tile), cc))
-    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: _EmuKernel(
-        lib, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod), cc))
-    monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
-    monkeypatch.setattr(K, "default_workspace", lambda d: ws)
-    monkeypatch.setattr(K, "current_stream_handle", lambda d: 0)
-    monkeypatch.setattr(K, "cuda_index", lambda d: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "emulated")
-    G.prepare_launch.cache_clear()
-    G.device_info.cache_clear()
+    emu.emulated_device(monkeypatch, lib, cc, sms=6, log=LAUNCHED)
     yield lib, cc
-    G.prepare_launch.cache_clear()
-    G.device_info.cache_clear()
+    emu.clear_launch_caches()
 
 
 def experts(lib, e, k, n, fam, seed=0):
@@ -131,7 +87,7 @@ def test_moe_gemm_emulated(emulated, fam):
     for block in (8, 16, 32, 48, 64):
         sorted_ids, expert_ids, num_padded = (lib.guarded(t) for t in M._align_torch(topk_ids, block, e))
         for weighted in (False, True):
-            G.prepare_launch.cache_clear()
+            emu.clear_launch_caches()
             LAUNCHED.clear()
             out = M._moe_gemm_cuda(a, b, s, z, sorted_ids, expert_ids, num_padded, topk_w if weighted else None,
                                    slots, top_k, block)

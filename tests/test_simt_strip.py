@@ -266,25 +266,19 @@ def test_emulator_catches_early_ring_read(tmp_path):
                  k=4096)
 
 
-def test_emulator_catches_unarrived_cluster_barrier(tmp_path):
-    """Rank 0 waits on a cluster barrier phase it never arrived at: an error naming it, not a hang."""
-    cfg = (16, 2, 1, 0)
-    lib = mutated(tmp_path, cfg, "    cluster_arrive_release();\n", "    if (rank != 0) cluster_arrive_release();\n")
+@pytest.mark.parametrize("cfg,old,new,error", [
+    # rank 0 waits on a cluster barrier phase it never arrived at
+    ((16, 2, 1, 0), "    cluster_arrive_release();\n", "    if (rank != 0) cluster_arrive_release();\n",
+     "cluster.wait without a matching arrive"),
+    # a lane leaves before the warp's mma.sync (the other 31 would wait forever on the GPU)
+    ((4, 1, 1, 0), "  float acc[TOKS][4][4]", "  if (lane == 5) return;\n  float acc[TOKS][4][4]", "deadlock.*mma"),
+], ids=["unarrived-cluster-barrier", "lane-missing-from-mma"])
+def test_emulator_reports_hangs(tmp_path, cfg, old, new, error):
+    """What would hang a GPU is an error naming it here, not a hang."""
+    lib = mutated(tmp_path, cfg, old, new)
     b, s, z, w = weights(1152, 128, BASE, seed=1)
-    a = torch.randn(2, 1152).half()
-    with pytest.raises(emu.SimtError, match="cluster.wait without a matching arrive"):
-        run_strip(lib, BASE, cfg, a, b, s, z, None)
-    lib.free_all()
-
-
-def test_emulator_catches_lane_missing_from_mma(tmp_path):
-    """A lane that leaves before the warp's mma.sync: the other 31 wait forever on the GPU; here a deadlock error."""
-    cfg = (4, 1, 1, 0)
-    lib = mutated(tmp_path, cfg, "  float acc[TOKS][4][4]", "  if (lane == 5) return;\n  float acc[TOKS][4][4]")
-    b, s, z, w = weights(1152, 128, BASE, seed=1)
-    a = torch.randn(2, 1152).half()
-    with pytest.raises(emu.SimtError, match="deadlock.*mma"):
-        run_strip(lib, BASE, cfg, a, b, s, z, None)
+    with pytest.raises(emu.SimtError, match=error):
+        run_strip(lib, BASE, cfg, torch.randn(2, 1152).half(), b, s, z, None)
     lib.free_all()
 
 

@@ -10,12 +10,9 @@ TMA and mbarrier model against that kernel, and lets a change to the kernel's lo
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from jitmarlin.jit import driver
 from jitmarlin.ops import _kernels as K
 from jitmarlin.ops import gemm as G
 from jitmarlin.quant import dequantize, pack_weights, pack_zeros, permute_scales
@@ -26,7 +23,6 @@ pytestmark = pytest.mark.skipif(not emu.has_compiler(), reason="needs a host C++
 
 F16 = K.Family("f16", 4, False, 128)
 BF16_U8 = K.Family("bf16", 8, True, 64)
-H200_SMEM = 232448
 # (family, NT, FW, STAGES, wide, prod): each kernel form once for fp16 4-bit, a few for bf16 8-bit zero points
 FORMS = [(F16, 16, 1, 8, False, 0), (F16, 32, 1, 8, False, 0), (F16, 32, 2, 8, False, 0), (F16, 64, 1, 6, False, 0),
          (F16, 128, 1, 4, False, 0), (F16, 128, 2, 4, True, 0), (F16, 64, 1, 6, False, 1), (F16, 16, 1, 7, False, 1),
@@ -52,50 +48,11 @@ def lib(tmp_path_factory):
     library.free_all()
 
 
-class _EmuKernel:
-    num_regs = 128
-    max_dynamic_smem = H200_SMEM - 1024
-
-    def __init__(self, lib, name):
-        self.lib, self.name = lib, name
-
-    def occupancy(self, threads, smem):
-        return max(0, min(2, H200_SMEM // max(smem, 1)))
-
-    def max_active_clusters(self, threads, smem, cluster):
-        return 132 // cluster
-
-    def launch(self, grid, threads, smem, stream, params, pdl=False, cluster=0, extra=None):
-        self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params, extra=extra)
-
-
-class _Workspace:
-    def __init__(self, lib):
-        self.ws = lib.guarded(torch.full((1 << 20,), float("nan")))
-        self.counters = lib.guarded(torch.zeros(4096, dtype=torch.int32))
-
-    def ensure(self, floats, slots):
-        assert floats <= self.ws.numel() and slots <= self.counters.numel(), (floats, slots)
-
-
 @pytest.fixture
 def sm90(monkeypatch, lib):
-    ws = _Workspace(lib)
-    state = {"sms": 4}
-    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: (9, 0)))
-    monkeypatch.setattr(driver, "device", lambda index: type("D", (), {"sm_count": state["sms"],
-                                                                      "smem_per_block_optin": H200_SMEM})())
-    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: _EmuKernel(
-        lib, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod)))
-    monkeypatch.setattr(K, "default_workspace", lambda d: ws)
-    monkeypatch.setattr(K, "current_stream_handle", lambda d: 0)
-    monkeypatch.setattr(K, "cuda_index", lambda d: 0)
-    monkeypatch.setattr(driver, "tensor_map_2d", emu.tensor_map)
-    G._ACT_MAPS.clear()
-    G.wgmma_launch.cache_clear()
+    ws, state = emu.emulated_device(monkeypatch, lib, (9, 0))
     yield lib, ws, state
-    G._ACT_MAPS.clear()
-    G.wgmma_launch.cache_clear()
+    emu.clear_launch_caches()
 
 
 def weights(lib, k, n, fam, seed=0):
@@ -122,7 +79,7 @@ def test_wgmma_forms_emulated(sm90, form):
     splits_list = (1, 2, -1) if (nt <= 64 or prod == 2) else (1, 2)
     for m in sorted({max(1, nt // 2 + 3), nt + 5}):
         for splits in splits_list:
-            G.wgmma_launch.cache_clear()
+            emu.clear_launch_caches()
             a = lib.guarded(torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt))
             full = lib.guarded(torch.full((m + 1, n), float("nan"), dtype=dt))
             out = full[:m]
@@ -135,22 +92,20 @@ def test_wgmma_forms_emulated(sm90, form):
             assert int(ws.counters.abs().sum()) == 0, "arrival counters not reset"
 
 
-def test_emulator_catches_a_wrong_descriptor(sm90, tmp_path, monkeypatch):
+def test_emulator_catches_a_wrong_descriptor(tmp_path, monkeypatch):
     """The kernel's wgmma descriptor with the 8-row stride halved (512 bytes for 1024): the emulator reads the wrong
     activations and the result is wrong, on a TMA-fed and a cp.async-fed tile."""
-    lib0, ws, state = sm90
     text = (emu.CUDA_SRC / "jm_wgmma.cuh").read_text()
     assert text.count("(1024 >> 4) << 32") == 1
     forms = [(F16, 64, 1, 6, False, 0), (F16, 32, 1, 8, False, 0)]
     bad = emu.build([source(*f) for f in forms], tmp_path,
                     headers={"jm_wgmma.cuh": text.replace("(1024 >> 4) << 32", "(512 >> 4) << 32")})
-    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: _EmuKernel(
-        bad, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod)))
+    emu.emulated_device(monkeypatch, bad, (9, 0))
     k, n = 512, 256
     b, s, z, w, dt = weights(bad, k, n, F16, seed=1)
     for _, nt, fw, st, wide, prod in forms:
         m = nt - 5
-        G.wgmma_launch.cache_clear()
+        emu.clear_launch_caches()
         a = bad.guarded(torch.randn(m, k).half())
         out = bad.guarded(torch.full((m, n), float("nan"), dtype=torch.float16))
         G.launch_gemm(a, b, s, z, None, out, m, n, k, F16, plan_override=("wgmma", nt, fw, st, 1, wide, prod))

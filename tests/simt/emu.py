@@ -11,6 +11,7 @@ assembler rejects PTX text.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -194,3 +195,75 @@ def tensor_map(dtype_code: int, ptr: int, inner: int, outer: int, row_bytes: int
     for i, v in enumerate((TENSOR_MAP_MAGIC, ptr, inner, outer, row_bytes, box_inner, box_outer)):
         m.opaque[i] = v
     return m
+
+
+# ---- an emulated device for the launch path (the tests' stand-ins for the driver, device queries, workspace) ----
+
+SMEM_OPTIN = {(8, 0): 166912, (9, 0): 232448}  # shared memory a CTA may opt into: A100; H100 / H200
+
+
+class EmuKernel:
+    """What the launch path reads of a driver kernel handle (jitmarlin.jit.driver.Function); launch() runs the
+    kernel on the emulator (and appends its name to `log`)."""
+
+    num_regs = 128
+
+    def __init__(self, lib: Library, name: str, cc: tuple[int, int], log: list | None = None):
+        self.lib, self.name, self.cc, self.log = lib, name, cc, log
+        self.max_dynamic_smem = SMEM_OPTIN[cc] - 1024
+
+    def occupancy(self, threads, smem):
+        return max(0, min(2, SMEM_OPTIN[self.cc] // max(smem, 1)))
+
+    def max_active_clusters(self, threads, smem, cluster):  # (an H200 fits 16 clusters of 8 of the cluster tiles)
+        return 132 // cluster
+
+    def launch(self, grid, threads, smem, stream, params, pdl=False, cluster=0, extra=None):
+        assert not (pdl and self.cc < (9, 0)), "sm_8x launches have no programmatic dependent launch"
+        if self.log is not None:
+            self.log.append(self.name)
+        self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params, extra=extra)
+
+
+class GuardedWorkspace:
+    """The GEMM workspace in guarded memory: partial sums poisoned with NaN, counters zero."""
+
+    def __init__(self, lib: Library):
+        self.ws = lib.guarded(torch.full((1 << 20,), float("nan")))
+        self.counters = lib.guarded(torch.zeros(4096, dtype=torch.int32))
+
+    def ensure(self, floats, slots):
+        assert floats <= self.ws.numel() and slots <= self.counters.numel(), (floats, slots)
+
+
+def clear_launch_caches() -> None:
+    from jitmarlin.ops import gemm as G
+
+    for fn in (G.prepare_launch, G.wgmma_launch, G.device_info):
+        fn.cache_clear()
+    G._ACT_MAPS.clear()
+
+
+def emulated_device(monkeypatch, lib: Library, cc: tuple[int, int], sms: int = 4, log: list | None = None):
+    """Make the launch path see a device of compute capability cc whose kernels (mma.sync, wgmma) run on `lib`:
+    returns (workspace, state); state["sms"] sets the SM count (clear_launch_caches() after changing it)."""
+    from jitmarlin.jit import driver
+    from jitmarlin.ops import _kernels as K
+    from jitmarlin.ops import gemm as G
+
+    ws = GuardedWorkspace(lib)
+    state = {"sms": sms}
+    monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: cc))
+    monkeypatch.setattr(driver, "device", lambda index: type("Dev", (), {"sm_count": state["sms"],
+                                                                        "smem_per_block_optin": SMEM_OPTIN[cc]})())
+    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: EmuKernel(lib, K.kernel_name(fam, tile), cc, log))
+    monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: EmuKernel(
+        lib, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod), cc, log))
+    monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
+    monkeypatch.setattr(K, "default_workspace", lambda device: ws)
+    monkeypatch.setattr(K, "current_stream_handle", lambda device: 0)
+    monkeypatch.setattr(K, "cuda_index", lambda device: 0)
+    monkeypatch.setattr(driver, "tensor_map_2d", tensor_map)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "emulated")
+    clear_launch_caches()
+    return ws, state
