@@ -28,6 +28,13 @@
 // the layer-constant perm, made PD rows before the row's activation loads (a ring of PD rows of indices, half the
 // activations' ring), so an activation load never waits for its index.
 //
+// MoE (MOE; one-token calls, moe.fused_marlin_moe): the grid holds N / 64 * CLUSTER CTAs per (token, k) slot, slot
+// after slot (blockIdx.x / (N / 64 * CLUSTER)); a slot's CTAs stream the weights of
+// the slot's expert (p.expert_ids[slot << ids_shift]: the router's top-k ids, clamped to num_experts - 1) for
+// activation row slot / top_k (or slot: p.a_by_position), one token, and write output row `slot`, times the
+// slot's routing weight where p.topk_weights is given. Every CTA of the launch carries the same bytes. The ids are
+// read after griddepcontrol.wait unless p.tables_ready (then the weights stream before it, as in the dense form).
+//
 // Launch (gemm.launch_strip): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
 // along x when CLUSTER > 1; p.m <= 8 * TOKS; N a multiple of 64; K a multiple of 16 and of the group size; dynamic
 // shared memory: WARPS x SRING x BITS / 4 x 512 bytes (K.strip_smem_bytes).
@@ -47,8 +54,9 @@ namespace jm {
 // ring at 16 warps per SM), the activations then in a register ring of DEPTH rows (from L2: a shorter lead).
 // Each lane reads back only what it copied itself, so no barrier is needed, only cp.async.wait_group.
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS, int SRING,
-          bool PERM>
+          bool PERM, bool MOE>
 JM_DEVICE void strip_body(const JmGemmParams& p) {
+  static_assert(!MOE || (TOKS == 1 && !PERM), "the MoE form: one token per slot, no act-order");
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
   static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 CTAs");
   static_assert(WARPS >= 1 && WARPS <= 16 && DEPTH >= 1, "warps and depth");
@@ -75,7 +83,30 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_ctarank()) : 0;
-  const int strip = static_cast<int>(blockIdx.x) / CLUSTER;
+  int strip = static_cast<int>(blockIdx.x) / CLUSTER;
+  // MoE: this CTA's slot, its expert (offsets of its weights, scales, zero points) and activation row
+  int slot = 0;
+  int64_t w_off = 0, s_off = 0, z_off = 0, a_row = 0;
+  if constexpr (MOE) {
+    // the router's ids may be the previous kernel's output: wait for it, unless they were complete before it
+    // started (p.tables_ready), before they address the weights
+    if (!p.tables_ready) griddep_wait();
+    const int slot_ctas = p.n / 64 * CLUSTER;  // the CTAs of one slot
+    strip = static_cast<int>(blockIdx.x) % slot_ctas / CLUSTER;
+    slot = static_cast<int>(blockIdx.x) / slot_ctas;
+    int expert = p.expert_ids[slot << p.ids_shift];
+    if (p.num_experts > 0) {
+      expert = static_cast<int>(min(static_cast<unsigned>(expert), static_cast<unsigned>(p.num_experts - 1)));
+    }
+    w_off = expert * p.b_expert_stride;
+    s_off = expert * p.s_expert_stride;
+    z_off = expert * p.z_expert_stride;
+    a_row = p.a_by_position ? slot : slot / p.top_k;
+  }
+  auto m_rows = [&]() -> int {  // tokens of this CTA (MoE: token g = 0 only)
+    if constexpr (MOE) return 1;
+    else return p.m;
+  };
   const int n = p.n, k16 = p.k / 16;
 
   // this warp's run of k16 rows, as even as they split over the CLUSTER * WARPS workers (within one row: a run
@@ -90,6 +121,10 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   constexpr int kRowVecs = kRowWords / 4;  // 16-byte vectors of one k16 row of a strip
   const uint4* wbase = reinterpret_cast<const uint4*>(p.b) + static_cast<int64_t>(strip) * k16 * kRowVecs + lane;
   const T* arow = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.lda + 2 * t;  // token g (+ 8)
+  if constexpr (MOE) {  // the slot's expert (its word offset is a whole number of 16-byte vectors) and row
+    wbase += w_off / 4;
+    arow = static_cast<const T*>(p.a) + a_row * p.lda + 2 * t;
+  }
   const int64_t a_next = static_cast<int64_t>(8) * p.lda;
 
   uint4 wr[kSmemRing ? 1 : DEPTH][kVec];
@@ -106,7 +141,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   auto load_a = [&](uint32_t (&dst)[2 * TOKS], int kt) {
 #pragma unroll
     for (int b = 0; b < TOKS; b++) {
-      if (g + 8 * b < p.m) {
+      if (g + 8 * b < m_rows()) {
         const T* src = arow + b * a_next + kt * 16;
         dst[2 * b] = *reinterpret_cast<const uint32_t*>(src);
         dst[2 * b + 1] = *reinterpret_cast<const uint32_t*>(src + 8);
@@ -130,7 +165,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   auto load_a_perm = [&](uint32_t (&dst)[2 * TOKS], const int2 (&c)[2]) {
 #pragma unroll
     for (int b = 0; b < TOKS; b++) {
-      if (g + 8 * b < p.m) {
+      if (g + 8 * b < m_rows()) {
         const uint16_t* src = reinterpret_cast<const uint16_t*>(arow0 + b * a_next);
         dst[2 * b] = static_cast<uint32_t>(src[c[0].x]) | (static_cast<uint32_t>(src[c[0].y]) << 16);
         dst[2 * b + 1] = static_cast<uint32_t>(src[c[1].x]) | (static_cast<uint32_t>(src[c[1].y]) << 16);
@@ -145,6 +180,10 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   // 64-column permutation of jitmarlin.quant.permute_scales), e = the n8-block
   const T* sbase = static_cast<const T*>(p.s) + strip * 64 + 8 * g;
   const uint32_t* zbase = static_cast<const uint32_t*>(p.z) + strip * (BITS * 2) + (BITS == 4 ? g : 2 * g);
+  if constexpr (MOE) {  // the slot's expert
+    sbase += s_off;
+    zbase += z_off;
+  }
   const int zrow = n * BITS / 32;
   auto load_s = [&](int grp) -> uint4 {
     if constexpr (kGrouped) return __ldg(reinterpret_cast<const uint4*>(sbase + static_cast<int64_t>(grp) * n));
@@ -336,7 +375,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
   // the warps' sums meet in shared memory, one token block at a time: red[warp][token][feature] -> sums
   constexpr int kThreads = 32 * WARPS;
-  const int m = p.m;
+  const int m = m_rows();
 #pragma unroll
   for (int b = 0; b < TOKS; b++) {
 #pragma unroll
@@ -375,9 +414,14 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       for (int r = 0; r < CLUSTER - 1; r++) v += recv[r][tok][f];
     }
     const int col = strip * 64 + f;
-    if constexpr (!kGrouped) v *= static_cast<float>(static_cast<const T*>(p.s)[col]);  // per channel: natural order
+    if constexpr (!kGrouped) v *= static_cast<float>(static_cast<const T*>(p.s)[s_off + col]);  // per channel
     if (bias != nullptr) v += static_cast<float>(bias[col]);
-    out[static_cast<int64_t>(tok) * p.ldc + col] = static_cast<T>(v);
+    if constexpr (MOE) {
+      if (p.topk_weights != nullptr) v *= p.topk_weights[slot];
+      out[static_cast<int64_t>(slot) * p.ldc + col] = static_cast<T>(v);
+    } else {
+      out[static_cast<int64_t>(tok) * p.ldc + col] = static_cast<T>(v);
+    }
   }
 }
 
@@ -385,7 +429,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
 // Launch bounds: 16 warps per SM in every config (1 / 2 / 4 CTAs of 16 / 8 / 4 warps), the occupancy
 // gemm.strip_choice plans its one-wave grids with (<= 128 registers per thread).
-#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING, PERM)   \
-  extern "C" __global__ void __launch_bounds__(32 * (WARPS), 16 / (WARPS)) NAME(const JmGemmParams p) {       \
-    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING, PERM>(p);               \
+#define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING, PERM, MOE)   \
+  extern "C" __global__ void __launch_bounds__(32 * (WARPS), 16 / (WARPS)) NAME(const JmGemmParams p) {            \
+    jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING, PERM, MOE>(p);               \
   }

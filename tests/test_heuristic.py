@@ -918,8 +918,9 @@ def test_wgmma_tall_row_144_small_n():
 
 
 def test_strip_kernels_in_the_build():
-    """The strip kernels (cuda_src/jm_strip.cuh) are a module of their own per dense sm_90 family (not in the family's
-    usual module: nothing routes to them by default), one source per config with the family's template arguments."""
+    """The strip kernels (cuda_src/jm_strip.cuh) are a module of their own per sm_90 family (not in the family's
+    usual module: nothing routes to them by default), one source per config with the family's template arguments;
+    the act-order forms and the MoE form modules of their own."""
     for fam in (K.Family("f16", 4, False, 128), K.Family("bf16", 8, True, -1)):
         names = [name for name, _ in K.strip_build_spec(fam, (9, 0)).sources]
         assert names == [K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_CONFIGS] and len(set(names)) == len(names)
@@ -933,18 +934,24 @@ def test_strip_kernels_in_the_build():
             assert '#include "jm_strip.cuh"' in src
             assert (f"{K.CTYPES[fam.dtype]}, {fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
                     f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem)}, "
-                    "false)") in src
+                    "false, false)") in src
         assert K.strip_smem_bytes(fam, 16, 1) == 192 * 1024 and K.strip_smem_bytes(fam, 16, 0) == 0
         # the act-order forms: a module of their own (built on the first act-order strip launch), names ending _p
         perm = K.strip_build_spec(fam, (9, 0), True)
         assert perm.family == "strip_perm" and perm.key == K.strip_build_spec(fam, (9, 0)).key
         assert [name for name, _ in perm.sources] == [n + "_p" for n in names]
-        assert all(src.rstrip().endswith(", true)") for _, src in perm.sources)
+        assert all(src.rstrip().endswith(", true, false)") for _, src in perm.sources)
+    # MoE families: the MoE form (one token block, no act-order), a module of its own
     moe = K.Family("f16", 4, False, 128, moe=True)
-    with pytest.raises(ValueError, match="dense families"):
-        K.strip_build_spec(moe, (9, 0))
+    spec = K.strip_build_spec(moe, (9, 0))
+    assert spec.family == "strip_moe" and len(spec.sources) == len(K.STRIP_MOE_CONFIGS)
+    assert all("_moe_w" in name and src.rstrip().endswith(", false, true)") for name, src in spec.sources)
+    with pytest.raises(ValueError, match="act-order forms for dense families"):
+        K.strip_build_spec(moe, (9, 0), True)
     with pytest.raises(ValueError, match="no strip kernel"):
-        K.get_strip_kernel(moe, 16, 1, 1, 0, 0, (9, 0))
+        K.get_strip_kernel(moe, 16, 2, 1, 0, 0, (9, 0))  # (no clusters in the MoE form)
+    with pytest.raises(ValueError, match="sm_90 and newer"):
+        K.strip_build_spec(moe, (8, 0))
     with pytest.raises(ValueError, match="no strip kernel"):
         K.get_strip_kernel(K.Family("f16", 4, False, 128), 12, 1, 1, 0, 0, (9, 0))
     with pytest.raises(ValueError, match="no strip kernel"):  # two token blocks come without clusters of 4

@@ -26,6 +26,7 @@ def sources(cc):
     for fam in FAMILIES:
         out += [(K.kernel_name(fam, t), K.kernel_source(fam, t)) for t in K.tiles_for(cc) if K.tile_fits(fam, t)]
         if cc == (9, 0):
+            out += [(K.strip_kernel_name(fam, *c), K.strip_kernel_source(fam, *c)) for c in K.STRIP_MOE_CONFIGS]
             spec = dict(K.wgmma_build_spec(fam, cc).sources)
             out += [(n, spec[n]) for n in (K.wgmma_kernel_name(fam, nt, fw, st) for nt, fw, st in K.WGMMA_MOE_CONFIGS
                                            if nt == 64)]
@@ -97,3 +98,42 @@ def test_moe_gemm_emulated(emulated, fam):
             wgmma = cc == (9, 0) and block == 64
             assert len(LAUNCHED) == 1 and LAUNCHED[0].startswith("jm_wgmma_" if wgmma else "jm_gemm_"), LAUNCHED
             assert "_moe_" in LAUNCHED[0]
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f"{f.dtype}-u{f.bits}")
+def test_one_token_moe_on_the_strip_kernel(emulated, monkeypatch, fam):
+    """With the strip route on, the one-token expert GEMMs (one_token_tables' blocks of 8) run the strip kernel's MoE
+    form: the gate/up shape (A row = slot // top_k, no weights) and the down shape (A row = slot, routing weights,
+    tables ready), int32 and int64 router ids (ids_shift), an id past the experts clamped; every config."""
+    lib, cc = emulated
+    if cc != (9, 0):
+        pytest.skip("the strip kernels are built for sm_90 and newer")
+    from jitmarlin.ops import gemm as G
+
+    monkeypatch.setattr(G, "STRIP_ROUTE", True)
+    e, k, n, top_k = 4, 512, 192, 2
+    b, s, z, w, dt = experts(lib, e, k, n, fam, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    sorted_ids = lib.guarded(torch.tensor([[j] + [top_k] * 7 for j in range(top_k)], dtype=torch.int32).reshape(-1))
+    num_padded = lib.guarded(torch.tensor([8 * top_k], dtype=torch.int32))
+    monkeypatch.setitem(M._ONE_TOKEN_TABLES, (top_k, 0), (sorted_ids, num_padded))
+    tw = lib.guarded(torch.rand(top_k, generator=gen))
+    tol = 1e-3 if dt == torch.float16 else 1e-2
+    for order in ([c] for c in K.STRIP_MOE_CONFIGS):
+        monkeypatch.setattr(M, "STRIP_MOE_ORDER", tuple(order))
+        for ids64, experts_of in ((False, [3, 1]), (True, [0, 7])):  # (7: past the experts, clamped to 3)
+            ids = torch.tensor([experts_of], dtype=torch.int64 if ids64 else torch.int32)
+            ids = lib.guarded(ids.view(torch.int32).reshape(-1) if ids64 else ids.reshape(-1))
+            used = [min(x, e - 1) for x in experts_of]
+            one = lib.guarded(torch.randn(1, k, generator=gen).to(dt))  # gate/up: one token, rows = slot // top_k
+            per_slot = lib.guarded(torch.randn(top_k, k, generator=gen).to(dt))  # down: one row per slot
+            for a, kk, weights, rows in ((one, top_k, None, [0, 0]), (per_slot, 1, tw, [0, 1])):
+                LAUNCHED.clear()
+                out = M._moe_gemm_cuda(a, b, s, z, sorted_ids, ids, num_padded, weights, top_k, kk, 8, False,
+                                       int(ids64), e, weights is not None)
+                ref = torch.stack([a[rows[j]].float() @ w[used[j]] for j in range(top_k)])
+                if weights is not None:
+                    ref = ref * tw.reshape(-1, 1)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert err < tol, f"{order} ids64={ids64} weights={weights is not None}: {err:.3e}"
+                assert LAUNCHED == [K.strip_kernel_name(fam, *order[0])], LAUNCHED

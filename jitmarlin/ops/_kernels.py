@@ -230,6 +230,14 @@ STRIP_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1, 2, 0), (16, 2, 2, 0), (8, 1, 2, 0), (8, 2, 2, 0), (4, 1, 2, 0),
     (16, 1, 1, 1), (16, 2, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1), (16, 1, 2, 1), (16, 2, 2, 1), (4, 1, 2, 1))
 STRIP_MAX_M = 16  # tokens: two n8 blocks of the transposed MMA
+# The MoE form (one-token calls: a CTA per (slot, strip), moe._moe_gemm_cuda): one token block, its own module per MoE
+# family (family "strip_moe"), built on the first one-token MoE call with the strip route on.
+STRIP_MOE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
+    (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0), (16, 1, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1))
+
+
+def strip_configs(fam: Family) -> tuple[tuple[int, int, int, int], ...]:
+    return STRIP_MOE_CONFIGS if fam.moe else STRIP_CONFIGS
 
 
 def strip_depth(bits: int, toks: int, smem: int = 0) -> int:
@@ -254,8 +262,8 @@ def strip_smem_bytes(fam: Family, warps: int, smem: int) -> int:
 
 def strip_kernel_name(fam: Family, warps: int, cluster: int, toks: int, smem: int = 0, perm: bool = False) -> str:
     g = "gc" if fam.group_size == -1 else f"g{fam.group_size}"
-    return (f"jm_strip_{fam.dtype}_{fam.weight_type}_{g}_w{warps}_c{cluster}_t{toks}" + ("_s" if smem else "")
-            + ("_p" if perm else ""))
+    return (f"jm_strip_{fam.dtype}_{fam.weight_type}_{g}_{'moe_' if fam.moe else ''}w{warps}_c{cluster}_t{toks}"
+            + ("_s" if smem else "") + ("_p" if perm else ""))
 
 
 def strip_kernel_source(fam: Family, warps: int, cluster: int, toks: int, smem: int = 0, perm: bool = False) -> str:
@@ -266,24 +274,25 @@ def strip_kernel_source(fam: Family, warps: int, cluster: int, toks: int, smem: 
         f"JM_STRIP_KERNEL({strip_kernel_name(fam, warps, cluster, toks, smem, perm)}, {CTYPES[fam.dtype]}, "
         f"{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {warps}, "
         f"{strip_depth(fam.bits, toks, smem)}, {cluster}, {toks}, {strip_ring_rows(fam.bits, smem)}, "
-        f"{'true' if perm else 'false'})\n")
+        f"{'true' if perm else 'false'}, {'true' if fam.moe else 'false'})\n")
 
 
 def strip_built(fam: Family, cc: tuple[int, int]) -> bool:
-    """Whether the family has strip kernels (dense, sm_90 and newer)."""
-    return not fam.moe and cc >= (9, 0)
+    """Whether the family has strip kernels (sm_90 and newer; MoE families: the MoE form)."""
+    return cc >= (9, 0)
 
 
 @functools.lru_cache(maxsize=None)
 def strip_build_spec(fam: Family, cc: tuple[int, int], perm: bool = False) -> BuildSpec:
     """The family's strip kernels, one module; perm: their act-order forms, a module of their own (built on the
     first act-order strip launch only)."""
-    if not strip_built(fam, cc):
-        raise ValueError(f"the strip kernels are built for dense families on sm_90 and newer, not {fam} on "
-                         f"sm_{cc[0]}{cc[1]}")
+    if not strip_built(fam, cc) or (perm and fam.moe):
+        raise ValueError(f"the strip kernels are built on sm_90 and newer (act-order forms for dense families), not "
+                         f"{fam}{' act-order' if perm else ''} on sm_{cc[0]}{cc[1]}")
     sources = tuple((strip_kernel_name(fam, *cfg, perm=perm), strip_kernel_source(fam, *cfg, perm=perm))
-                    for cfg in STRIP_CONFIGS)
-    return BuildSpec(family="strip_perm" if perm else "strip", cc=cc, key=fam.key(), sources=sources,
+                    for cfg in strip_configs(fam))
+    family = "strip_moe" if fam.moe else "strip_perm" if perm else "strip"
+    return BuildSpec(family=family, cc=cc, key=fam.key(), sources=sources,
                      flags=extra_nvcc_flags(),
                      cli_hint="(`jitmarlin build` does not prebuild the strip kernels, which nothing routes to by "
                               "default: unset JITMARLIN_DISABLE_JIT for the first strip launch)")
@@ -814,9 +823,10 @@ def get_strip_kernel(fam: Family, warps: int, cluster: int, toks: int, smem: int
                      cc: tuple[int, int], perm: bool = False) -> driver.Function:
     """The strip kernel of (warps, cluster, token blocks, shared-memory ring), one of STRIP_CONFIGS, from the
     family's module (perm: its act-order form)."""
-    if not strip_built(fam, cc) or (warps, cluster, toks, smem) not in STRIP_CONFIGS:
+    if not strip_built(fam, cc) or (warps, cluster, toks, smem) not in strip_configs(fam) or (perm and fam.moe):
         raise ValueError(f"no strip kernel with {warps} warps in clusters of {cluster} for {toks} block(s) of 8 tokens "
-                         f"{'with' if smem else 'without'} a shared-memory ring for {fam} on sm_{cc[0]}{cc[1]}: built "
-                         f"for dense families on sm_90+ with (warps, cluster, token blocks, smem) in {STRIP_CONFIGS}")
+                         f"{'with' if smem else 'without'} a shared-memory ring for {fam}{' act-order' if perm else ''}"
+                         f" on sm_{cc[0]}{cc[1]}: built on sm_90+ with (warps, cluster, token blocks, smem) in "
+                         f"{strip_configs(fam)} (act-order forms for dense families)")
     name = strip_kernel_name(fam, warps, cluster, toks, smem, perm)
     return driver.get_function(get_module(strip_build_spec(fam, cc, perm)).cubin(name), name, device_index)

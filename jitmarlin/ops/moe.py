@@ -479,6 +479,11 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
                          f"capability 9.0, N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), a built ({block_size}, "
                          f"{MOE_WGMMA_PROD_FW}, stages) config in K.WGMMA_MOE_PROD_CONFIGS, {block_size} in "
                          f"MOE_WGMMA_PROD_BLOCKS, and A gathered by position (a_by_position=True, 16-byte aligned)")
+    strip = strip_moe_config(sorted_ids, block_size, num_experts, k_splits, n, k, size_m, fam, index)
+    if strip is not None:
+        _launch_strip_moe(a, b, scales, zeros, expert_ids, topk_weights, out, size_m, n, k, fam, top_k, a_by_position,
+                          ids_shift, num_experts, tables_ready, index, strip)
+        return out
     if _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0], by_position):
         if ids_shift:
             raise ValueError(f"ids_shift={ids_shift}: the wgmma MoE kernel (blocks of {block_size}) reads int32 "
@@ -500,6 +505,57 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
                      pdl=launch.pdl)
     return out
+
+
+# One-token calls (the tables of one_token_tables: block j holds slot j) on the strip kernel's MoE form where the strip
+# route is on (gemm.strip_route_on; off by default until the H200 measures it: stage s50d): each (slot, 64-column
+# strip) one CTA streaming the slot's expert, no padding rows, no partial sums in global memory. Candidates in order:
+# the most warps per CTA whose grid runs in one wave, else the smallest CTAs (every CTA carries the same bytes).
+STRIP_MOE_ORDER: tuple[tuple[int, int, int, int], ...] = ((16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0))
+
+
+def strip_moe_config(sorted_ids: torch.Tensor, block_size: int, num_experts: int, k_splits: int, n: int, k: int,
+                     slots: int, fam: K.Family, index: int) -> tuple[int, int, int, int] | None:
+    """(warps, cluster, token blocks, smem ring) of the strip kernel's MoE form for a one-token expert GEMM, or None."""
+    from ..jit import driver
+    from .gemm import _cc, strip_route_on
+
+    cc = _cc(index)
+    if not (strip_route_on() and block_size == 8 and num_experts > 0 and k_splits == 1 and K.strip_built(fam, cc)
+            and n % 64 == 0 and k % 16 == 0
+            and any(sorted_ids.data_ptr() == t[0].data_ptr() for t in _ONE_TOKEN_TABLES.values())):
+        return None
+    sms, ctas = driver.device(index).sm_count, n // 64 * slots
+    for cfg in STRIP_MOE_ORDER:
+        fn = K.get_strip_kernel(fam, *cfg, index, cc)
+        if ctas <= sms * fn.occupancy(32 * cfg[0], K.strip_smem_bytes(fam, cfg[0], cfg[3])):
+            return cfg
+    return STRIP_MOE_ORDER[-1]
+
+
+def _launch_strip_moe(a, b, scales, zeros, expert_ids, topk_weights, out, slots: int, n: int, k: int, fam: K.Family,
+                      top_k: int, a_by_position: bool, ids_shift: int, num_experts: int, tables_ready: bool,
+                      index: int, cfg: tuple[int, int, int, int]) -> None:
+    """out[slot] = A[slot // top_k (or slot)] @ dequant(b[expert of slot]) (* its routing weight) on the strip
+    kernel's MoE form: N / 64 x cluster CTAs per slot, slot after slot."""
+    from .gemm import _cc, use_pdl
+
+    warps, cluster, toks, smem = cfg
+    fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
+    p = K.GemmParams()
+    p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
+    p.z = zeros.data_ptr() if zeros is not None else None
+    p.expert_ids = expert_ids.data_ptr()
+    p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
+    p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
+    p.s_expert_stride = scales.shape[1] * scales.shape[2]
+    p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
+    p.m, p.n, p.k, p.lda, p.ldc = slots, n, k, k, n
+    p.top_k, p.a_by_position, p.tables_ready = top_k, int(a_by_position), int(tables_ready)
+    p.ids_shift, p.num_experts = ids_shift, num_experts
+    p.nwarps, p.grid = warps, n // 64 * cluster * slots
+    fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), K.current_stream_handle(a.device), p,
+              pdl=use_pdl(_cc(index)), cluster=cluster)
 
 
 def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,

@@ -257,6 +257,36 @@ def test_moe_one_token_without_alignment(monkeypatch, shape):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("shape", [MIXTRAL, QWEN], ids=["mixtral", "e64"])
+def test_moe_one_token_on_the_strip_kernel(monkeypatch, shape):
+    """With the strip route on (gemm.STRIP_ROUTE), both one-token expert GEMMs run the strip kernel's MoE form (a CTA per
+    slot and 64-column strip): against the reference, int64 ids equal to int32, CUDA graph replays, out-of-range ids
+    clamped."""
+    from jitmarlin.ops import gemm as G
+    from jitmarlin.ops import moe as M
+
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("the strip kernels are built for sm_90 and newer")
+    monkeypatch.setattr(G, "STRIP_ROUTE", True)
+    launches = []
+    real = M._launch_strip_moe
+    monkeypatch.setattr(M, "_launch_strip_moe", lambda *args: launches.append(args[-1]) or real(*args))
+    e, h, i, top_k = shape
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    x = torch.randn(1, h, device="cuda", dtype=torch.float16)
+    weights, ids = moe.route(x)
+    out = run_fused(moe, x, weights, ids)
+    assert len(launches) == 2, launches  # gate/up and down
+    check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "one token, strip")
+    assert torch.equal(run_fused(moe, x, weights, ids.to(torch.int64)), out)
+    check_graph_replays(moe, w13, w2, x)
+    bad = ids.clone()
+    bad[0, 0] = e + 5
+    bad[0, -1] = -1
+    assert torch.isfinite(run_fused(moe, x, weights, bad)).all()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_moe_under_torch_compile(tokens):
     """MarlinMoE through torch.compile (the decode step users compile; at one token the one-token

@@ -245,7 +245,7 @@ def clear_launch_caches() -> None:
 
 
 def emulated_device(monkeypatch, lib: Library, cc: tuple[int, int], sms: int = 4, log: list | None = None):
-    """Make the launch path see a device of compute capability cc whose kernels (mma.sync, wgmma) run on `lib`:
+    """Make the launch path see a device of compute capability cc whose kernels (mma.sync, wgmma, strip) run on `lib`:
     returns (workspace, state); state["sms"] sets the SM count (clear_launch_caches() after changing it)."""
     from jitmarlin.jit import driver
     from jitmarlin.ops import _kernels as K
@@ -259,6 +259,8 @@ def emulated_device(monkeypatch, lib: Library, cc: tuple[int, int], sms: int = 4
     monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: EmuKernel(lib, K.kernel_name(fam, tile), cc, log))
     monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: EmuKernel(
         lib, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod), cc, log))
+    monkeypatch.setattr(K, "get_strip_kernel", lambda fam, w, c, t, smem, index, cc_, perm=False: EmuKernel(
+        lib, K.strip_kernel_name(fam, w, c, t, smem, perm), cc, log))
     monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
     monkeypatch.setattr(K, "default_workspace", lambda device: ws)
     monkeypatch.setattr(K, "current_stream_handle", lambda device: 0)
