@@ -1214,13 +1214,13 @@ for st in $STAGES; do
                --batches 1,8 --prefill 128 --decode 128 > "$OUT/s50b_strip$sw.log" 2>&1
              echo "s50b strip=$sw rc=$?"; grep -E "^\|" "$OUT/s50b_strip$sw.log" | tail -6
            done;;
-    s50d)  # PREPARED in session 50 (no device lent): the MoE layer at one token with the strip route on and off (its MoE
-           # form: a CTA per (slot, strip), moe.strip_moe_config): #7's Mixtral 1-token row is 63.1 us, 1.44x the W4
-           # floor (target <= 1.3x); first its GPU test
+    s50d)  # PREPARED in session 50 (no device lent): the MoE layer with the strip route on and off (its MoE form: a CTA
+           # per (block of 8, strip), moe.strip_moe_config): #7's Mixtral 1-token row is 63.1 us, 1.44x the W4 floor,
+           # E=64 16 / 64 tokens 1.41 / 1.48x (target <= 1.3x); first its GPU tests
            timeout 150 python3 -m pytest -q -rs -x tests/gpu/test_moe_gpu.py -k strip_kernel > "$OUT/s50d_test.log" 2>&1
            echo "s50d test rc=$?"; tail -3 "$OUT/s50d_test.log"
-           for sw in 0 1; do
-             JITMARLIN_STRIP=$sw timeout 150 python3 benchmarks/bench_moe.py --tokens 1 --json "$OUT/s50d_strip$sw.json" \
+           for sw in 0 1; do  # (blocks of 8: one token, and E=64's small experts at 16 / 64 tokens)
+             JITMARLIN_STRIP=$sw timeout 150 python3 benchmarks/bench_moe.py --tokens 1,16,64 --json "$OUT/s50d_strip$sw.json" \
                > "$OUT/s50d_strip$sw.log" 2>&1
              echo "s50d strip=$sw rc=$?"; grep -E "^\|" "$OUT/s50d_strip$sw.log" | tail -4
            done;;

@@ -28,11 +28,12 @@
 // the layer-constant perm, made PD rows before the row's activation loads (a ring of PD rows of indices, half the
 // activations' ring), so an activation load never waits for its index.
 //
-// MoE (MOE; one-token calls, moe.fused_marlin_moe): the grid holds N / 64 * CLUSTER CTAs per (token, k) slot, slot
-// after slot (blockIdx.x / (N / 64 * CLUSTER)); a slot's CTAs stream the weights of
-// the slot's expert (p.expert_ids[slot << ids_shift]: the router's top-k ids, clamped to num_experts - 1) for
-// activation row slot / top_k (or slot: p.a_by_position), one token, and write output row `slot`, times the
-// slot's routing weight where p.topk_weights is given. Every CTA of the launch carries the same bytes. The ids are
+// MoE (MOE; expert blocks of 8 rows, moe._moe_gemm_cuda): the grid holds N / 64 * CLUSTER CTAs per block of the
+// expert-sorted slot list (moe_align_block_size's, or one_token_tables': block j = slot j), block after block
+// (blockIdx.x / (N / 64 * CLUSTER)), blocks past the padded list's end leaving at once. A block's CTAs stream the
+// weights of its expert (p.expert_ids[block << ids_shift], clamped to num_experts - 1 where that is set); lane g's
+// token is slot sorted_ids[8 block + g] (padding: >= p.m), activation row slot / top_k (p.a_by_position: the position
+// 8 block + g), written to output row `slot`, times the slot's routing weight where p.topk_weights is given. The ids are
 // read after griddepcontrol.wait unless p.tables_ready (then the weights stream before it, as in the dense form).
 //
 // Launch (gemm.launch_strip): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
@@ -56,7 +57,7 @@ namespace jm {
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS, int SRING,
           bool PERM, bool MOE>
 JM_DEVICE void strip_body(const JmGemmParams& p) {
-  static_assert(!MOE || (TOKS == 1 && !PERM), "the MoE form: one token per slot, no act-order");
+  static_assert(!MOE || (TOKS == 1 && !PERM), "the MoE form: blocks of 8 rows, no act-order");
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
   static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 CTAs");
   static_assert(WARPS >= 1 && WARPS <= 16 && DEPTH >= 1, "warps and depth");
@@ -84,28 +85,32 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const int g = lane >> 2, t = lane & 3;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_ctarank()) : 0;
   int strip = static_cast<int>(blockIdx.x) / CLUSTER;
-  // MoE: this CTA's slot, its expert (offsets of its weights, scales, zero points) and activation row
-  int slot = 0;
+  // MoE: this CTA's block, its expert (offsets of its weights, scales, zero points), lane g's slot and activation row
+  int block = 0;
+  bool my_row = false;  // (MoE: lane g's row holds a slot)
   int64_t w_off = 0, s_off = 0, z_off = 0, a_row = 0;
   if constexpr (MOE) {
-    // the router's ids may be the previous kernel's output: wait for it, unless they were complete before it
-    // started (p.tables_ready), before they address the weights
+    // the tables may be the previous kernel's output: wait for it, unless they were complete before it started
+    // (p.tables_ready), before they address the weights
     if (!p.tables_ready) griddep_wait();
-    const int slot_ctas = p.n / 64 * CLUSTER;  // the CTAs of one slot
-    strip = static_cast<int>(blockIdx.x) % slot_ctas / CLUSTER;
-    slot = static_cast<int>(blockIdx.x) / slot_ctas;
-    int expert = p.expert_ids[slot << p.ids_shift];
+    const int block_ctas = p.n / 64 * CLUSTER;  // the CTAs of one block
+    strip = static_cast<int>(blockIdx.x) % block_ctas / CLUSTER;
+    block = static_cast<int>(blockIdx.x) / block_ctas;
+    if (8 * block >= *p.num_padded) return;  // past the padded list (the whole CTA: no barrier reached yet)
+    int expert = p.expert_ids[block << p.ids_shift];
     if (p.num_experts > 0) {
       expert = static_cast<int>(min(static_cast<unsigned>(expert), static_cast<unsigned>(p.num_experts - 1)));
     }
     w_off = expert * p.b_expert_stride;
     s_off = expert * p.s_expert_stride;
     z_off = expert * p.z_expert_stride;
-    a_row = p.a_by_position ? slot : slot / p.top_k;
+    const int my_slot = p.sorted_ids[8 * block + g];
+    my_row = my_slot < p.m;
+    a_row = p.a_by_position ? 8 * block + g : my_slot / p.top_k;
   }
-  auto m_rows = [&]() -> int {  // tokens of this CTA (MoE: token g = 0 only)
-    if constexpr (MOE) return 1;
-    else return p.m;
+  auto row_ok = [&](int b) -> bool {  // lane g's token in token block b has a row
+    if constexpr (MOE) return my_row;
+    else return g + 8 * b < p.m;
   };
   const int n = p.n, k16 = p.k / 16;
 
@@ -141,7 +146,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   auto load_a = [&](uint32_t (&dst)[2 * TOKS], int kt) {
 #pragma unroll
     for (int b = 0; b < TOKS; b++) {
-      if (g + 8 * b < m_rows()) {
+      if (row_ok(b)) {
         const T* src = arow + b * a_next + kt * 16;
         dst[2 * b] = *reinterpret_cast<const uint32_t*>(src);
         dst[2 * b + 1] = *reinterpret_cast<const uint32_t*>(src + 8);
@@ -165,7 +170,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   auto load_a_perm = [&](uint32_t (&dst)[2 * TOKS], const int2 (&c)[2]) {
 #pragma unroll
     for (int b = 0; b < TOKS; b++) {
-      if (g + 8 * b < m_rows()) {
+      if (row_ok(b)) {
         const uint16_t* src = reinterpret_cast<const uint16_t*>(arow0 + b * a_next);
         dst[2 * b] = static_cast<uint32_t>(src[c[0].x]) | (static_cast<uint32_t>(src[c[0].y]) << 16);
         dst[2 * b + 1] = static_cast<uint32_t>(src[c[1].x]) | (static_cast<uint32_t>(src[c[1].y]) << 16);
@@ -375,7 +380,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
   // the warps' sums meet in shared memory, one token block at a time: red[warp][token][feature] -> sums
   constexpr int kThreads = 32 * WARPS;
-  const int m = m_rows();
+  const int m = MOE ? 8 : p.m;  // (MoE: the block's rows, padding skipped at the write)
 #pragma unroll
   for (int b = 0; b < TOKS; b++) {
 #pragma unroll
@@ -417,6 +422,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     if constexpr (!kGrouped) v *= static_cast<float>(static_cast<const T*>(p.s)[s_off + col]);  // per channel
     if (bias != nullptr) v += static_cast<float>(bias[col]);
     if constexpr (MOE) {
+      const int slot = p.sorted_ids[8 * block + tok];
+      if (slot >= p.m) continue;  // padding
       if (p.topk_weights != nullptr) v *= p.topk_weights[slot];
       out[static_cast<int64_t>(slot) * p.ldc + col] = static_cast<T>(v);
     } else {

@@ -101,10 +101,11 @@ def test_moe_gemm_emulated(emulated, fam):
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f"{f.dtype}-u{f.bits}")
-def test_one_token_moe_on_the_strip_kernel(emulated, monkeypatch, fam):
-    """With the strip route on, the one-token expert GEMMs (one_token_tables' blocks of 8) run the strip kernel's MoE
-    form: the gate/up shape (A row = slot // top_k, no weights) and the down shape (A row = slot, routing weights,
-    tables ready), int32 and int64 router ids (ids_shift), an id past the experts clamped; every config."""
+def test_blocks_of_8_on_the_strip_kernel(emulated, monkeypatch, fam):
+    """With the strip route on, expert GEMMs in blocks of 8 run the strip kernel's MoE form (a CTA per block and
+    64-column strip): one-token tables (one_token_tables' layout: int32 and int64 router ids, an id past the experts
+    clamped), the alignment's tables for 7 tokens (padding rows, blocks past the padded list), activations gathered by
+    position; gate/up shape (A row = slot // top_k) and down shape (A row = slot, routing weights); every config."""
     lib, cc = emulated
     if cc != (9, 0):
         pytest.skip("the strip kernels are built for sm_90 and newer")
@@ -114,26 +115,49 @@ def test_one_token_moe_on_the_strip_kernel(emulated, monkeypatch, fam):
     e, k, n, top_k = 4, 512, 192, 2
     b, s, z, w, dt = experts(lib, e, k, n, fam, seed=3)
     gen = torch.Generator().manual_seed(2)
-    sorted_ids = lib.guarded(torch.tensor([[j] + [top_k] * 7 for j in range(top_k)], dtype=torch.int32).reshape(-1))
-    num_padded = lib.guarded(torch.tensor([8 * top_k], dtype=torch.int32))
-    monkeypatch.setitem(M._ONE_TOKEN_TABLES, (top_k, 0), (sorted_ids, num_padded))
-    tw = lib.guarded(torch.rand(top_k, generator=gen))
     tol = 1e-3 if dt == torch.float16 else 1e-2
+
+    def check(a, ids, sorted_ids, expert_ids, num_padded, weights, kk, ids_shift, clamp, rows, by_position=False):
+        slots = len(rows)
+        LAUNCHED.clear()
+        out = M._moe_gemm_cuda(a, b, s, z, sorted_ids, expert_ids, num_padded, weights, slots, kk, 8, by_position,
+                               ids_shift, clamp, weights is not None)
+        ref = torch.stack([a[rows[j]].float() @ w[min(int(ids[j]), e - 1)] for j in range(slots)])
+        if weights is not None:
+            ref = ref * weights.reshape(-1, 1)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < tol, f"{order} {what}: {err:.3e}"
+        assert LAUNCHED == [K.strip_kernel_name(fam, *order[0])], LAUNCHED
+
     for order in ([c] for c in K.STRIP_MOE_CONFIGS):
         monkeypatch.setattr(M, "STRIP_MOE_ORDER", tuple(order))
-        for ids64, experts_of in ((False, [3, 1]), (True, [0, 7])):  # (7: past the experts, clamped to 3)
-            ids = torch.tensor([experts_of], dtype=torch.int64 if ids64 else torch.int32)
-            ids = lib.guarded(ids.view(torch.int32).reshape(-1) if ids64 else ids.reshape(-1))
-            used = [min(x, e - 1) for x in experts_of]
-            one = lib.guarded(torch.randn(1, k, generator=gen).to(dt))  # gate/up: one token, rows = slot // top_k
-            per_slot = lib.guarded(torch.randn(top_k, k, generator=gen).to(dt))  # down: one row per slot
-            for a, kk, weights, rows in ((one, top_k, None, [0, 0]), (per_slot, 1, tw, [0, 1])):
-                LAUNCHED.clear()
-                out = M._moe_gemm_cuda(a, b, s, z, sorted_ids, ids, num_padded, weights, top_k, kk, 8, False,
-                                       int(ids64), e, weights is not None)
-                ref = torch.stack([a[rows[j]].float() @ w[used[j]] for j in range(top_k)])
-                if weights is not None:
-                    ref = ref * tw.reshape(-1, 1)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                assert err < tol, f"{order} ids64={ids64} weights={weights is not None}: {err:.3e}"
-                assert LAUNCHED == [K.strip_kernel_name(fam, *order[0])], LAUNCHED
+        # one token: block j holds slot j (one_token_tables), the router's ids as the expert table
+        sorted_ids = lib.guarded(torch.tensor([[j] + [top_k] * 7 for j in range(top_k)], dtype=torch.int32).reshape(-1))
+        num_padded = lib.guarded(torch.tensor([8 * top_k], dtype=torch.int32))
+        tw = lib.guarded(torch.rand(top_k, generator=gen))
+        for ids64, chosen in ((False, [3, 1]), (True, [0, 7])):  # (7: past the experts, clamped to 3)
+            what = f"one token ids64={ids64}"
+            ids = torch.tensor([chosen], dtype=torch.int64 if ids64 else torch.int32)
+            table = lib.guarded(ids.view(torch.int32).reshape(-1) if ids64 else ids.reshape(-1))
+            one = lib.guarded(torch.randn(1, k, generator=gen).to(dt))
+            per_slot = lib.guarded(torch.randn(top_k, k, generator=gen).to(dt))
+            check(one, chosen, sorted_ids, table, num_padded, None, top_k, int(ids64), e, [0, 0])
+            check(per_slot, chosen, sorted_ids, table, num_padded, tw, 1, int(ids64), e, [0, 1])
+        # 7 tokens through the alignment's tables (experts with 2-5 rows: padding, blocks past the padded list)
+        tokens = 7
+        topk_ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+        sorted_ids, expert_ids, num_padded = (lib.guarded(t) for t in M._align_torch(topk_ids, 8, e))
+        flat = topk_ids.reshape(-1).tolist()
+        x = lib.guarded(torch.randn(tokens, k, generator=gen).to(dt))
+        weights = lib.guarded(torch.rand(tokens * top_k, generator=gen))
+        what = "aligned"
+        check(x, flat, sorted_ids, expert_ids, num_padded, None, top_k, 0, 0, [j // top_k for j in range(len(flat))])
+        # activations gathered by position (row 8 block + g of the padded list): A[pos] = x[slot // top_k]
+        what = "by position"
+        pos_of = {int(sl): p_ for p_, sl in enumerate(sorted_ids.tolist()) if sl < len(flat)}
+        gathered = torch.randn(sorted_ids.numel(), k, generator=gen).to(dt)
+        for sl, p_ in pos_of.items():
+            gathered[p_] = x[sl // top_k]
+        gathered = lib.guarded(gathered)
+        check(gathered, flat, sorted_ids, expert_ids, num_padded, weights, top_k, 0, 0,
+              [pos_of[j] for j in range(len(flat))], by_position=True)

@@ -230,8 +230,8 @@ STRIP_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1, 2, 0), (16, 2, 2, 0), (8, 1, 2, 0), (8, 2, 2, 0), (4, 1, 2, 0),
     (16, 1, 1, 1), (16, 2, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1), (16, 1, 2, 1), (16, 2, 2, 1), (4, 1, 2, 1))
 STRIP_MAX_M = 16  # tokens: two n8 blocks of the transposed MMA
-# The MoE form (one-token calls: a CTA per (slot, strip), moe._moe_gemm_cuda): one token block, its own module per MoE
-# family (family "strip_moe"), built on the first one-token MoE call with the strip route on.
+# The MoE form (expert blocks of 8 rows: a CTA per (block, strip), moe._moe_gemm_cuda): one token block, its own module
+# per MoE family (family "strip_moe"), built on the first MoE call in blocks of 8 with the strip route on.
 STRIP_MOE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0), (16, 1, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1))
 

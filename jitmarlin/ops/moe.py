@@ -479,10 +479,10 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
                          f"capability 9.0, N % 128 == 0 and K % 64 == 0 (got N={n}, K={k}), a built ({block_size}, "
                          f"{MOE_WGMMA_PROD_FW}, stages) config in K.WGMMA_MOE_PROD_CONFIGS, {block_size} in "
                          f"MOE_WGMMA_PROD_BLOCKS, and A gathered by position (a_by_position=True, 16-byte aligned)")
-    strip = strip_moe_config(sorted_ids, block_size, num_experts, k_splits, n, k, size_m, fam, index)
+    strip = strip_moe_config(sorted_ids, block_size, k_splits, n, k, fam, index)
     if strip is not None:
-        _launch_strip_moe(a, b, scales, zeros, expert_ids, topk_weights, out, size_m, n, k, fam, top_k, a_by_position,
-                          ids_shift, num_experts, tables_ready, index, strip)
+        _launch_strip_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, size_m, n, k, fam,
+                          top_k, a_by_position, ids_shift, num_experts, tables_ready, index, strip)
         return out
     if _use_wgmma_moe(block_size, n, k, fam, index, size_m / b.shape[0], by_position):
         if ids_shift:
@@ -507,25 +507,25 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
     return out
 
 
-# One-token calls (the tables of one_token_tables: block j holds slot j) on the strip kernel's MoE form where the strip
-# route is on (gemm.strip_route_on; off by default until the H200 measures it: stage s50d): each (slot, 64-column
-# strip) one CTA streaming the slot's expert, no padding rows, no partial sums in global memory. Candidates in order:
-# the most warps per CTA whose grid runs in one wave, else the smallest CTAs (every CTA carries the same bytes).
+# Expert blocks of 8 rows (small experts, and one-token calls: one_token_tables' block j holds slot j) on the strip
+# kernel's MoE form where the strip route is on (gemm.strip_route_on; off by default until the H200 measures it: stage
+# s50d): each (block, 64-column strip) one CTA streaming the block's expert, no partial sums in global memory; blocks
+# past the padded list leave at once. Candidates in order: the most warps per CTA whose grid (every block the tables
+# can hold) runs in one wave, else the smallest CTAs (every CTA carries the same bytes).
 STRIP_MOE_ORDER: tuple[tuple[int, int, int, int], ...] = ((16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0))
 
 
-def strip_moe_config(sorted_ids: torch.Tensor, block_size: int, num_experts: int, k_splits: int, n: int, k: int,
-                     slots: int, fam: K.Family, index: int) -> tuple[int, int, int, int] | None:
-    """(warps, cluster, token blocks, smem ring) of the strip kernel's MoE form for a one-token expert GEMM, or None."""
+def strip_moe_config(sorted_ids: torch.Tensor, block_size: int, k_splits: int, n: int, k: int, fam: K.Family,
+                     index: int) -> tuple[int, int, int, int] | None:
+    """(warps, cluster, token blocks, smem ring) of the strip kernel's MoE form for an expert GEMM, or None."""
     from ..jit import driver
     from .gemm import _cc, strip_route_on
 
     cc = _cc(index)
-    if not (strip_route_on() and block_size == 8 and num_experts > 0 and k_splits == 1 and K.strip_built(fam, cc)
-            and n % 64 == 0 and k % 16 == 0
-            and any(sorted_ids.data_ptr() == t[0].data_ptr() for t in _ONE_TOKEN_TABLES.values())):
+    if not (strip_route_on() and block_size == 8 and k_splits == 1 and K.strip_built(fam, cc) and n % 64 == 0
+            and k % 16 == 0):
         return None
-    sms, ctas = driver.device(index).sm_count, n // 64 * slots
+    sms, ctas = driver.device(index).sm_count, n // 64 * strip_moe_blocks(sorted_ids)
     for cfg in STRIP_MOE_ORDER:
         fn = K.get_strip_kernel(fam, *cfg, index, cc)
         if ctas <= sms * fn.occupancy(32 * cfg[0], K.strip_smem_bytes(fam, cfg[0], cfg[3])):
@@ -533,11 +533,16 @@ def strip_moe_config(sorted_ids: torch.Tensor, block_size: int, num_experts: int
     return STRIP_MOE_ORDER[-1]
 
 
-def _launch_strip_moe(a, b, scales, zeros, expert_ids, topk_weights, out, slots: int, n: int, k: int, fam: K.Family,
-                      top_k: int, a_by_position: bool, ids_shift: int, num_experts: int, tables_ready: bool,
-                      index: int, cfg: tuple[int, int, int, int]) -> None:
-    """out[slot] = A[slot // top_k (or slot)] @ dequant(b[expert of slot]) (* its routing weight) on the strip
-    kernel's MoE form: N / 64 x cluster CTAs per slot, slot after slot."""
+def strip_moe_blocks(sorted_ids: torch.Tensor) -> int:
+    """Blocks of 8 the tables can hold (the launch's grid: the kernel skips those past num_padded)."""
+    return -(-sorted_ids.numel() // 8)
+
+
+def _launch_strip_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights, out, slots: int, n: int,
+                      k: int, fam: K.Family, top_k: int, a_by_position: bool, ids_shift: int, num_experts: int,
+                      tables_ready: bool, index: int, cfg: tuple[int, int, int, int]) -> None:
+    """out[slot] = A[slot // top_k (or its position)] @ dequant(b[expert of its block]) (* its routing weight) on the
+    strip kernel's MoE form: N / 64 x cluster CTAs per block of 8, block after block."""
     from .gemm import _cc, use_pdl
 
     warps, cluster, toks, smem = cfg
@@ -545,7 +550,7 @@ def _launch_strip_moe(a, b, scales, zeros, expert_ids, topk_weights, out, slots:
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
     p.z = zeros.data_ptr() if zeros is not None else None
-    p.expert_ids = expert_ids.data_ptr()
+    p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()
     p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
     p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
     p.s_expert_stride = scales.shape[1] * scales.shape[2]
@@ -553,7 +558,7 @@ def _launch_strip_moe(a, b, scales, zeros, expert_ids, topk_weights, out, slots:
     p.m, p.n, p.k, p.lda, p.ldc = slots, n, k, k, n
     p.top_k, p.a_by_position, p.tables_ready = top_k, int(a_by_position), int(tables_ready)
     p.ids_shift, p.num_experts = ids_shift, num_experts
-    p.nwarps, p.grid = warps, n // 64 * cluster * slots
+    p.nwarps, p.grid = warps, n // 64 * cluster * strip_moe_blocks(sorted_ids)
     fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), K.current_stream_handle(a.device), p,
               pdl=use_pdl(_cc(index)), cluster=cluster)
 

@@ -287,6 +287,29 @@ def test_moe_one_token_on_the_strip_kernel(monkeypatch, shape):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("tokens", [3, 16, 64])
+def test_moe_small_experts_on_the_strip_kernel(monkeypatch, tokens):
+    """With the strip route on, the E=64 top-6 layer's expert GEMMs in blocks of 8 (1-6 rows per expert) run the strip
+    kernel's MoE form on the alignment's tables: against the reference; the layer's two GEMMs took it at 3 tokens."""
+    from jitmarlin.ops import gemm as G
+    from jitmarlin.ops import moe as M
+
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("the strip kernels are built for sm_90 and newer")
+    monkeypatch.setattr(G, "STRIP_ROUTE", True)
+    launches = []
+    real = M._launch_strip_moe
+    monkeypatch.setattr(M, "_launch_strip_moe", lambda *args: launches.append(args[-1]) or real(*args))
+    e, h, i, top_k = QWEN
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.float16)
+    weights, ids = moe.route(x)
+    out = run_fused(moe, x, weights, ids)
+    check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"{tokens} tokens, strip")
+    if tokens == 3:
+        assert len(launches) == 2, launches
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_moe_under_torch_compile(tokens):
     """MarlinMoE through torch.compile (the decode step users compile; at one token the one-token
