@@ -495,11 +495,7 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
                             experts=min(b.shape[0], size_m))
     assert launch.plan.tile.rows == block_size, (launch.plan, block_size)
     p = launch_params(launch, K.default_workspace(a.device), a, b, scales, zeros, out, size_m, n, k)
-    p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()
-    p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
-    p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
-    p.s_expert_stride = scales.shape[1] * scales.shape[2]
-    p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
+    _expert_tables(p, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights)
     p.top_k, p.a_by_position, p.tables_ready = top_k, int(a_by_position), int(tables_ready)
     p.ids_shift, p.num_experts = ids_shift, num_experts
     launch.fn.launch(launch.grid, launch.threads, launch.plan.smem, K.current_stream_handle(a.device), p,
@@ -550,17 +546,23 @@ def _launch_strip_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
     p.z = zeros.data_ptr() if zeros is not None else None
-    p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()
-    p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
-    p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
-    p.s_expert_stride = scales.shape[1] * scales.shape[2]
-    p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
+    _expert_tables(p, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights)
     p.m, p.n, p.k, p.lda, p.ldc = slots, n, k, k, n
     p.top_k, p.a_by_position, p.tables_ready = top_k, int(a_by_position), int(tables_ready)
     p.ids_shift, p.num_experts = ids_shift, num_experts
     p.nwarps, p.grid = warps, n // 64 * cluster * strip_moe_blocks(sorted_ids)
     fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), K.current_stream_handle(a.device), p,
               pdl=use_pdl(_cc(index)), cluster=cluster)
+
+
+def _expert_tables(p: K.GemmParams, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights) -> None:
+    """The fields every expert-GEMM launch sets alike: the alignment's tables, the routing weights, the strides
+    between two experts' packed weights, scales and zero points."""
+    p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()
+    p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
+    p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
+    p.s_expert_stride = scales.shape[1] * scales.shape[2]
+    p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
 
 
 def _use_wgmma_moe(block_size: int, n: int, k: int, fam: K.Family, index: int,
@@ -682,11 +684,7 @@ def _launch_wgmma_moe(a, b, scales, zeros, sorted_ids, expert_ids, num_padded, t
     p = K.GemmParams()
     p.a, p.b, p.s, p.c = a.data_ptr(), b.data_ptr(), scales.data_ptr(), out.data_ptr()
     p.z = zeros.data_ptr() if zeros is not None else None
-    p.sorted_ids, p.expert_ids, p.num_padded = sorted_ids.data_ptr(), expert_ids.data_ptr(), num_padded.data_ptr()
-    p.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
-    p.b_expert_stride = b.shape[1] * b.shape[2] * b.shape[3]
-    p.s_expert_stride = scales.shape[1] * scales.shape[2]
-    p.z_expert_stride = zeros.shape[1] * zeros.shape[2] if zeros is not None else 0
+    _expert_tables(p, b, scales, zeros, sorted_ids, expert_ids, num_padded, topk_weights)
     p.m, p.n, p.k, p.lda, p.ldc = size_m, n, k, k, (n // 2 if silu else n)
     p.top_k, p.a_by_position, p.k_splits, p.silu_out = top_k, int(a_by_position), k_splits, int(silu)
     # tables complete before the previous kernel (moe_gemm_ready_tables): the producer form streams its first
