@@ -257,11 +257,9 @@ def test_moe_one_token_without_alignment(monkeypatch, shape):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("shape", [MIXTRAL, QWEN], ids=["mixtral", "e64"])
-def test_moe_one_token_on_the_strip_kernel(monkeypatch, shape):
-    """With the strip route on (gemm.STRIP_ROUTE), both one-token expert GEMMs run the strip kernel's MoE form (a CTA per
-    slot and 64-column strip): against the reference, int64 ids equal to int32, CUDA graph replays, out-of-range ids
-    clamped."""
+@pytest.fixture
+def strip_moe_launches(monkeypatch):
+    """The strip route on (sm_90+); the configs of the strip kernel's MoE launches are recorded in the list."""
     from jitmarlin.ops import gemm as G
     from jitmarlin.ops import moe as M
 
@@ -271,12 +269,20 @@ def test_moe_one_token_on_the_strip_kernel(monkeypatch, shape):
     launches = []
     real = M._launch_strip_moe
     monkeypatch.setattr(M, "_launch_strip_moe", lambda *args: launches.append(args[-1]) or real(*args))
+    return launches
+
+
+@pytest.mark.parametrize("shape", [MIXTRAL, QWEN], ids=["mixtral", "e64"])
+def test_moe_one_token_on_the_strip_kernel(strip_moe_launches, shape):
+    """With the strip route on (gemm.STRIP_ROUTE), both one-token expert GEMMs run the strip kernel's MoE form (a CTA per
+    slot and 64-column strip): against the reference, int64 ids equal to int32, CUDA graph replays, out-of-range ids
+    clamped."""
     e, h, i, top_k = shape
     moe, w13, w2 = make_moe(e, h, i, top_k)
     x = torch.randn(1, h, device="cuda", dtype=torch.float16)
     weights, ids = moe.route(x)
     out = run_fused(moe, x, weights, ids)
-    assert len(launches) == 2, launches  # gate/up and down
+    assert len(strip_moe_launches) == 2, strip_moe_launches  # gate/up and down
     check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, "one token, strip")
     assert torch.equal(run_fused(moe, x, weights, ids.to(torch.int64)), out)
     check_graph_replays(moe, w13, w2, x)
@@ -288,18 +294,9 @@ def test_moe_one_token_on_the_strip_kernel(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("tokens", [3, 16, 64])
-def test_moe_small_experts_on_the_strip_kernel(monkeypatch, tokens):
+def test_moe_small_experts_on_the_strip_kernel(strip_moe_launches, tokens):
     """With the strip route on, the E=64 top-6 layer's expert GEMMs in blocks of 8 (1-6 rows per expert) run the strip
     kernel's MoE form on the alignment's tables: against the reference; the layer's two GEMMs took it at 3 tokens."""
-    from jitmarlin.ops import gemm as G
-    from jitmarlin.ops import moe as M
-
-    if torch.cuda.get_device_capability(0) < (9, 0):
-        pytest.skip("the strip kernels are built for sm_90 and newer")
-    monkeypatch.setattr(G, "STRIP_ROUTE", True)
-    launches = []
-    real = M._launch_strip_moe
-    monkeypatch.setattr(M, "_launch_strip_moe", lambda *args: launches.append(args[-1]) or real(*args))
     e, h, i, top_k = QWEN
     moe, w13, w2 = make_moe(e, h, i, top_k)
     x = torch.randn(tokens, h, device="cuda", dtype=torch.float16)
@@ -307,7 +304,7 @@ def test_moe_small_experts_on_the_strip_kernel(monkeypatch, tokens):
     out = run_fused(moe, x, weights, ids)
     check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"{tokens} tokens, strip")
     if tokens == 3:
-        assert len(launches) == 2, launches
+        assert len(strip_moe_launches) == 2, strip_moe_launches
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
