@@ -1224,6 +1224,14 @@ for st in $STAGES; do
                > "$OUT/s50d_strip$sw.log" 2>&1
              echo "s50d strip=$sw rc=$?"; grep -E "^\|" "$OUT/s50d_strip$sw.log" | tail -4
            done;;
+    s50e)  # PREPARED in session 50 (no device lent): the strip kernel's three / four token blocks (M = 17-32, at most 8
+           # warps per SM, shared-memory ring) against the route (the wgmma 32-token tile) at M = 17 / 24 / 32: #7's
+           # M = 32 target is 2.8x fp16 on the large shapes (8192x28672 <= 40 us; now 52.8)
+           SH=4096x28672,14336x4096,8192x8192,8192x28672,28672x8192,4096x4096
+           timeout 300 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 17,24,32 --shapes $SH \
+             --configs route,routeS,strip-w8-c1-t3-s,strip-w4-c1-t3-s,strip-w8-c1-t4-s,strip-w8-c2-t4-s,strip-w4-c1-t4-s,strip-w8-c1-t4 \
+             > "$OUT/s50e.log" 2>&1
+           echo "s50e probe rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s50e.log";;
     s50c)  # PREPARED in session 50 (no device lent): act-order at M = 1 / 16 with the strip route on and off: the gather
            # runs first and the strip kernel, a programmatic dependent, streams its first weight rows before waiting for
            # it; if that leaves the gather's time exposed, fusing the column gather into the strip kernel's activation

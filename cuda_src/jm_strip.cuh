@@ -1,4 +1,4 @@
-// jitmarlin — the strip kernel: M <= 16 tokens with no partial sums in global memory.
+// jitmarlin — the strip kernel: M <= 32 tokens with no partial sums in global memory.
 //
 // Why a second small-M kernel: at M <= 16 the striped GEMM (jm_gemm.cuh) streams its weights at the
 // copy rate, but a call on a mid-size layer ends with several microseconds of fix-up (the K splits of
@@ -46,9 +46,9 @@
 
 namespace jm {
 
-// TOKS: token blocks of 8 (1: M <= 8, 2: M <= 16). With one block the group scales multiply each group's fp32
-// sums; with two the registers for a second set of sums are not there, so they multiply the dequantized weights
-// (fp16 / bf16, as the other kernels do).
+// TOKS: token blocks of 8 (1: M <= 8, 2: M <= 16, 3 / 4: M <= 24 / 32). With one block the group scales multiply each
+// group's fp32 sums; with more the registers for a second set of sums are not there, so they multiply the dequantized
+// weights (fp16 / bf16, as the other kernels do). Every weight fragment feeds TOKS MMAs.
 //
 // SRING: 0 = the weights' ring is DEPTH rows of registers per lane; > 0 = SRING rows per lane in shared memory, filled
 // by each lane's own 16-byte cp.async (no registers held while in flight, so 3x the bytes in flight of the register
@@ -61,7 +61,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
   static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 CTAs");
   static_assert(WARPS >= 1 && WARPS <= 16 && DEPTH >= 1, "warps and depth");
-  static_assert(TOKS == 1 || TOKS == 2, "one or two blocks of 8 tokens");
+  static_assert(TOKS >= 1 && TOKS <= 4, "one to four blocks of 8 tokens");
+  static_assert(TOKS <= 2 || WARPS <= 8, "three or four token blocks: at most 8 warps per CTA (8 per SM)");
   static_assert(SRING == 0 || (SRING % DEPTH == 0 && SRING * (BITS / 4) >= 4),
                 "a shared-memory ring: a multiple of the activation ring, and room for a warp's 2 KB of sums");
   constexpr bool kGrouped = GROUP_BLOCKS > 0;
@@ -434,9 +435,10 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
 }  // namespace jm
 
-// Launch bounds: 16 warps per SM in every config (1 / 2 / 4 CTAs of 16 / 8 / 4 warps), the occupancy
-// gemm.strip_choice plans its one-wave grids with (<= 128 registers per thread).
+// Launch bounds: 16 warps per SM (1 / 2 / 4 CTAs of 16 / 8 / 4 warps, <= 128 registers per thread), or 8 with three or
+// four token blocks (their sums take ~150 registers); gemm.strip_choice plans its one-wave grids with the occupancy.
 #define JM_STRIP_KERNEL(NAME, T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING, PERM, MOE)   \
-  extern "C" __global__ void __launch_bounds__(32 * (WARPS), 16 / (WARPS)) NAME(const JmGemmParams p) {            \
+  extern "C" __global__ void __launch_bounds__(32 * (WARPS), ((TOKS) > 2 ? 8 : 16) / (WARPS))                    \
+      NAME(const JmGemmParams p) {                                                                               \
     jm::strip_body<T, BITS, HAS_ZP, GROUP_BLOCKS, WARPS, DEPTH, CLUSTER, TOKS, SRING, PERM, MOE>(p);               \
   }

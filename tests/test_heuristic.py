@@ -990,6 +990,10 @@ def test_strip_choice_rule(monkeypatch):
     assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) == (16, 2, 2, 0)  # M = 9-16: two token blocks
     assert G.strip_choice(16, 1920, 4096, fam, sms, at_once) == (16, 2, 2, 0)  # (no clusters of 4 with two blocks)
     assert G.strip_choice(16, 28672, 8192, fam, sms, at_once) == (4, 1, 2, 0)
-    assert G.strip_choice(17, 8192, 8192, fam, sms, at_once) is None  # M past 16
+    # M = 17-32: three / four token blocks in the shared-memory ring form (at most 8 warps per CTA)
+    assert G.strip_choice(17, 8192, 8192, fam, sms, at_once) == (8, 1, 3, 1)
+    assert G.strip_choice(32, 4096, 4096, fam, sms, at_once) == (8, 2, 4, 1)  # 64 strips x 2
+    assert G.strip_choice(32, 28672, 8192, fam, sms, at_once) == (4, 1, 4, 1)  # 448 strips: four per SM
+    assert G.strip_choice(33, 8192, 8192, fam, sms, at_once) is None  # M past 32
     assert G.strip_choice(1, 8192, 8192, K.Family("f16", 4, False, 128, moe=True), sms, at_once) is None
     assert G.strip_choice(1, 8192, 8200, fam, sms, at_once) is None  # K not a multiple of the group

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not emu.has_compiler(), reason="needs a host C++
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 FORMATS = [K.Family(d, b, z, g) for d, b, g, z in itertools.product(("f16", "bf16"), (4, 8), (-1, 32, 64, 128),
                                                                     (False, True))]
-FORMAT_CONFIGS = ((16, 4, 1, 0), (4, 1, 2, 0), (16, 2, 2, 1), (8, 1, 1, 1))
+FORMAT_CONFIGS = ((16, 4, 1, 0), (4, 1, 2, 0), (16, 2, 2, 1), (8, 1, 1, 1), (8, 1, 4, 1))
 BASE = K.Family("f16", 4, False, 128)
 PER_CHANNEL = K.Family("f16", 4, False, -1)
 
@@ -109,7 +109,8 @@ def check_close(out, ref, tol, what):
 
 
 def tokens(toks: int) -> tuple[int, ...]:
-    return (1, 3, 8) if toks == 1 else (2, 9, 13, 16)
+    """M values for a config of `toks` token blocks: inside the first block, across blocks, the last row."""
+    return {1: (1, 3, 8), 2: (2, 9, 13, 16), 3: (5, 17, 22, 24), 4: (19, 25, 30, 32)}[toks]
 
 
 @pytest.mark.parametrize("cfg", K.STRIP_CONFIGS, ids=lambda c: "w{}-c{}-t{}{}".format(*c[:3], "-s" if c[3] else ""))

@@ -97,15 +97,16 @@ def test_warp_runs_cover_k_evenly():
 
 
 def test_strip_configs_fit_the_kernel_limits():
-    """jm_strip.cuh's static_asserts: 1..16 warps, clusters of 1 / 2 / 4, one or two token blocks; the depth holds
-    the same weight bytes per lane for 4- and 8-bit (4-bit 8 / 6 rows, 8-bit 4 / 3)."""
-    for w, c, t, sm in K.STRIP_CONFIGS:
-        assert 1 <= w <= 16 and c in (1, 2, 4) and t in (1, 2) and sm in (0, 1)
+    """jm_strip.cuh's static_asserts: 1..16 warps, clusters of 1 / 2 / 4, one to four token blocks (three or four with
+    at most 8 warps); the depth holds the same weight bytes per lane for 4- and 8-bit (4-bit 8 / 6 / 4 rows, 8-bit 4 /
+    3 / 2)."""
+    for w, c, t, sm in K.STRIP_CONFIGS + K.STRIP_MOE_CONFIGS:
+        assert 1 <= w <= 16 and c in (1, 2, 4) and 1 <= t <= 4 and (t <= 2 or w <= 8) and sm in (0, 1)
         for bits in (4, 8):  # the shared-memory ring: a multiple of the activations' ring, room for 2 KB of sums
             rows = K.strip_ring_rows(bits, sm)
             assert not sm or (rows % K.strip_depth(bits, t, sm) == 0 and rows * bits // 4 * 512 >= 2048)
             assert K.strip_smem_bytes(K.Family("f16", bits, False, 128), w, sm) <= 192 * 1024  # + static < 227 KB
-    for t in (1, 2):
+    for t in (1, 2, 3, 4):
         assert K.strip_depth(4, t) * 16 == K.strip_depth(8, t) * 32
 
 

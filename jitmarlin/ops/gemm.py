@@ -1368,7 +1368,7 @@ def wgmma_pdl_after_gather(n: int, k: int) -> bool:
     return k * n > WGMMA_PDL_AFTER_GATHER_MIN_KN
 
 
-# ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 16, one 64-column strip per CTA or cluster ----
+# ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 32, one 64-column strip per CTA or cluster ----
 
 def strip_grid(n: int, cluster: int) -> int:
     return n // 64 * cluster
@@ -1403,11 +1403,12 @@ def strip_route_on() -> bool:
     return STRIP_ROUTE or K.env_flag("JITMARLIN_STRIP")
 STRIP_ORDER: tuple[tuple[int, int, int, int], ...] = (  # (warps, cluster, token blocks, smem ring); blocks hold M
     (16, 4, 1, 0), (16, 2, 1, 0), (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0),
-    (16, 2, 2, 0), (16, 1, 2, 0), (8, 1, 2, 0), (4, 1, 2, 0))
+    (16, 2, 2, 0), (16, 1, 2, 0), (8, 1, 2, 0), (4, 1, 2, 0),
+    (8, 1, 3, 1), (4, 1, 3, 1), (8, 2, 4, 1), (8, 1, 4, 1), (4, 1, 4, 1))
 
 
 def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tuple[int, int, int, int] | None:
-    """(warps, cluster, token blocks, smem ring) of the strip kernel for a dense M <= 16 problem, or None (STRIP_ROUTE
+    """(warps, cluster, token blocks, smem ring) of the strip kernel for a dense M <= 32 problem, or None (STRIP_ROUTE
     off, MoE, shape). at_once(warps, cluster, toks, smem) -> CTAs of that config the device runs together (0: cannot
     run). The first of STRIP_ORDER with the fewest token blocks that hold M whose N / 64 x cluster CTAs all run at
     once, clusters only while those CTAs are at most one per SM (pure given at_once; CPU-tested)."""
@@ -1415,7 +1416,7 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
         return None
     if fam.group_size > 0 and k % fam.group_size:
         return None
-    strips, toks = n // 64, 1 if m <= 8 else 2
+    strips, toks = n // 64, K.strip_token_blocks(m)
     for cfg in STRIP_ORDER:
         warps, cluster, t, _ = cfg
         if t != toks or cfg not in K.STRIP_CONFIGS:
@@ -1459,9 +1460,9 @@ def launch_strip(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: 
                  warps: int, cluster: int, toks: int | None = None, smem: int = 0, pdl: bool = True,
                  perm: Optional[torch.Tensor] = None) -> None:
     """out[m, n] = a @ dequant(b) (+ bias) by the strip kernel of (warps, cluster, token blocks, shared-memory ring)
-    (K.STRIP_CONFIGS; toks None: one block of 8 tokens for M <= 8, else two); with perm (act-order, int32 [K])
+    (K.STRIP_CONFIGS; toks None: the fewest blocks of 8 tokens that hold M); with perm (act-order, int32 [K])
     a[:, perm] @ dequant(b), the columns gathered by the kernel's act-order form (no gather kernel)."""
-    toks = toks if toks is not None else (1 if m <= 8 else 2)
+    toks = toks if toks is not None else K.strip_token_blocks(m)
     fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index), perm is not None)
     check_strip(m, n, k, fam, warps, cluster, toks, smem, fn)
     p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, out, perm)

@@ -1,4 +1,4 @@
-"""The strip kernel (cuda_src/jm_strip.cuh, M <= 16 with no partial sums in global memory) against the
+"""The strip kernel (cuda_src/jm_strip.cuh, M <= 32 with no partial sums in global memory) against the
 plain-PyTorch reference: every built (warps, cluster) config, every weight format, odd K (warps with
 no rows, groups that do not split evenly), one strip, bias, determinism, CUDA-graph replay, and the
 clear errors of launches it cannot run."""
@@ -23,6 +23,7 @@ def _sm90():
         pytest.skip("the strip kernel is built for sm_90 and newer only")
 
 
+GPU_M = {1: (1, 2, 3, 5, 8), 2: (1, 9, 13, 16), 3: (5, 17, 22, 24), 4: (1, 19, 25, 30, 32)}  # M per token blocks
 CONFIGS = [pytest.param(w, c, t, sm, id=f"w{w}-c{c}-t{t}" + ("-s" if sm else ""))
            for w, c, t, sm in K.STRIP_CONFIGS]
 FORMATS = [pytest.param(d, b, g, z, id=f"{'bf16' if d == torch.bfloat16 else 'f16'}-u{b}-g{g}-{'zp' if z else 'sym'}")
@@ -43,7 +44,7 @@ def test_strip_configs_fp16_int4(warps, cluster, toks, smem):
             continue  # test_strip_clear_errors: a ValueError
         packed, w = random_weights(k, n, 4, group, seed=k + n)
         bias = torch.randn(n, device="cuda", dtype=torch.float16)
-        for m in (1, 2, 3, 5, 8) + ((9, 13, 16) if toks == 2 else ()):
+        for m in GPU_M[toks]:
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
             out = run_poisoned(a, packed, override=("strip", warps, cluster, toks, smem))
             check_close(out, a.float() @ w, 1e-3, f"w{warps} c{cluster} t{toks} s{smem} K={k} N={n} g={group} M={m}")
@@ -59,8 +60,8 @@ def test_strip_formats(dtype, bits, group, zp):
     k, n = 5120, 768
     packed, w = random_weights(k, n, bits, group, zp, dtype)
     for cfg in ((16, 1, 1, 0), (16, 2, 1, 0), (16, 4, 1, 0), (4, 1, 1, 0), (16, 2, 2, 0), (4, 1, 2, 0),
-                (16, 2, 1, 1), (4, 1, 1, 1), (16, 2, 2, 1)):
-        for m in (1, 4, 8) + ((12, 16) if cfg[2] == 2 else ()):
+                (16, 2, 1, 1), (4, 1, 1, 1), (16, 2, 2, 1), (8, 1, 3, 1), (8, 2, 4, 1), (4, 1, 4, 1)):
+        for m in GPU_M[cfg[2]][1::2] + (8 * cfg[2],):
             a = torch.randn(m, k, device="cuda", dtype=dtype)
             out = run_poisoned(a, packed, override=("strip",) + cfg)
             assert out.dtype == dtype
@@ -91,14 +92,14 @@ def test_strip_deterministic_and_graph_replay():
             check_close(out, static_a.float() @ w, 1e-3, f"graph replay {cfg} seed {seed}")
 
 
-@pytest.mark.parametrize("cfg", [(16, 2, 1, 0), (4, 1, 1, 0), (16, 1, 2, 0), (16, 2, 1, 1), (4, 1, 2, 1)])
+@pytest.mark.parametrize("cfg", [(16, 2, 1, 0), (4, 1, 1, 0), (16, 1, 2, 0), (16, 2, 1, 1), (4, 1, 2, 1), (8, 1, 4, 1)])
 def test_strip_act_order_in_the_kernel(cfg):
     """With an act-order permutation the strip kernel's act-order form gathers the activation columns itself (no
     gather kernel): a[:, perm] @ W, K = 2048 and 5120 (the index ring wraps), fp16 and bf16 with zero points."""
     for k, n, dtype, zp in ((2048, 1024, torch.float16, False), (5120, 768, torch.bfloat16, True)):
         packed, w = random_weights(k, n, 4, 128, zp, dtype)
         perm = torch.randperm(k, device="cuda").to(torch.int32)
-        for m in (1, 3, 8) + ((12, 16) if cfg[2] == 2 else ()):
+        for m in GPU_M[cfg[2]]:
             a = torch.randn(m, k, device="cuda", dtype=dtype)
             m_, n_, k_, fam = G.check_args(a, packed.b, packed.scales, packed.zeros, None)
             out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
@@ -117,6 +118,8 @@ def test_strip_clear_errors():
         run_poisoned(a[:9], packed, override=("strip", 16, 1, 1, 0))
     with pytest.raises(ValueError, match="M = 1..16"):
         run_poisoned(a, packed, override=("strip", 16, 1, 2, 1))
+    with pytest.raises(ValueError, match="M = 1..32"):
+        run_poisoned(torch.randn(33, 1024, device="cuda", dtype=torch.float16), packed, override=("strip", 8, 1, 4, 1))
     with pytest.raises(ValueError, match="no strip kernel"):
         run_poisoned(a[:1], packed, override=("strip", 12, 1, 1, 0))
     n = 64 * 4 * torch.cuda.get_device_properties(0).multi_processor_count  # 4 x SMs clusters of 4: never at once
@@ -126,16 +129,16 @@ def test_strip_clear_errors():
 
 
 def test_strip_route_and_fast_path(monkeypatch):
-    """With the route on (gemm.STRIP_ROUTE), M <= 16 takes the strip kernel's chosen config through the general path
-    and the layers' fast path alike, and M = 17 does not."""
+    """With the route on (gemm.STRIP_ROUTE), M <= 32 takes the strip kernel's chosen config through the general path
+    and the layers' fast path alike, and M = 33 does not."""
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
     fam = K.Family("f16", 4, False, 128)
     for k, n in ((4096, 4096), (8192, 8192), (4096, 11008), (4096, 28672), (2048, 1024)):
         packed, w = random_weights(k, n, 4, 128)
         assert G.strip_route(1, n, k, fam, 0) is not None, (k, n)
-        assert G.strip_route(17, n, k, fam, 0) is None
+        assert G.strip_route(33, n, k, fam, 0) is None
         cache = G.FastGemm()
-        for m in (1, 6, 8, 9, 16):
+        for m in (1, 6, 8, 9, 16, 17, 32):
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
             check_close(run_poisoned(a, packed), a.float() @ w, 1e-3, f"route K={k} N={n} M={m}")
             out = G.gemm_fast(cache, a, packed.b, packed.scales, None, None)
