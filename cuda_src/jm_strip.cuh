@@ -20,7 +20,7 @@
 // 2t+8, 2t+9: dequantized, that is exactly the A fragment {f0.b0, f1.b0, f0.b1, f1.b1} of the 16
 // features 16j..16j+15. The B fragment is lane (g, t)'s token g at the same k: two 32-bit loads.
 // Group scales multiply the fp32 sums of each group's rows in the warp's run (one block of 8 tokens) or the
-// weights (two blocks); per-channel scales and the bias are applied to the final sums.
+// weights (two to four blocks); per-channel scales and the bias are applied to the final sums.
 //
 // Act-order (PERM): the activations of k are A[:, perm[k]] (the weights' rows sorted by group at load time), gathered
 // here instead of by a kernel before this one (whose launch boundary cost 1.2-3.4 us on GEMMs of 7-26 us, H200

@@ -70,21 +70,13 @@ def weights(k: int, n: int, fam: K.Family, seed: int):
             w.float())
 
 
-class _Fits:  # what check_strip reads of a kernel handle: an H200's limits
-    max_dynamic_smem = 227 * 1024
-
-    @staticmethod
-    def max_active_clusters(threads, dyn, cluster):
-        return 132 // cluster
-
-
-def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, name=None, perm=None):
+def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, perm=None):
     """The kernel's output for a (M, K) through the emulator, launched as gemm.launch_strip launches it (perm: the
     act-order form, a[:, perm] @ W); checks that the rows past M stay poisoned."""
     warps, cluster, toks, smem = cfg
     m, k = a.shape
     n = s.shape[1]
-    G.check_strip(m, n, k, fam, warps, cluster, toks, smem, _Fits)
+    G.check_strip(m, n, k, fam, warps, cluster, toks, smem, emu.EmuKernel(lib, "", (9, 0)))  # an H200's limits
     bufs = [lib.guarded(t) for t in (a, b, s) + tuple(x for x in (z, bias, perm) if x is not None)]
     ga, gb, gs = bufs[:3]
     rest = bufs[3:]
@@ -94,7 +86,7 @@ def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, name=None, perm=None):
     full = lib.guarded(torch.full((m + 1, n), float("nan"), dtype=a.dtype))
     out = full[:m]
     p = G.strip_params(m, n, k, warps, cluster, ga, gb, gs, gz, gbias, out, gperm)
-    lib.launch(name or K.strip_kernel_name(fam, *cfg, perm=perm is not None), p.grid, 32 * warps, cluster,
+    lib.launch(K.strip_kernel_name(fam, *cfg, perm=perm is not None), p.grid, 32 * warps, cluster,
                K.strip_smem_bytes(fam, warps, smem), p, bufs, seed=seed)
     assert torch.isnan(full[m].float()).all(), "the kernel wrote past row M"
     return out.clone()

@@ -1401,6 +1401,8 @@ STRIP_ROUTE = False
 def strip_route_on() -> bool:
     """gemm.STRIP_ROUTE, or JITMARLIN_STRIP=1 (read once: K.env_flag)."""
     return STRIP_ROUTE or K.env_flag("JITMARLIN_STRIP")
+
+
 STRIP_ORDER: tuple[tuple[int, int, int, int], ...] = (  # (warps, cluster, token blocks, smem ring); blocks hold M
     (16, 4, 1, 0), (16, 2, 1, 0), (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0),
     (16, 2, 2, 0), (16, 1, 2, 0), (8, 1, 2, 0), (4, 1, 2, 0),
