@@ -161,3 +161,46 @@ def test_blocks_of_8_on_the_strip_kernel(emulated, monkeypatch, fam):
         gathered = lib.guarded(gathered)
         check(gathered, flat, sorted_ids, expert_ids, num_padded, weights, top_k, 0, 0,
               [pos_of[j] for j in range(len(flat))], by_position=True)
+
+
+@pytest.mark.parametrize("header,old,block", [
+    ("jm_gemm.cuh", "    if (!BULK || !p.tables_ready) griddep_wait();\n", 16),
+    ("jm_strip.cuh", "    if (!p.tables_ready) griddep_wait();\n", 8),
+], ids=["mma-sync-moe", "strip-moe"])
+def test_emulator_catches_tables_read_before_the_wait(tmp_path, monkeypatch, header, old, block):
+    """The MoE kernels' wait for the routing tables removed (the kernel before, the alignment, may still be writing
+    them): the emulator stops the launch at the first early access (tests/test_simt_pdl.py has the rules); the
+    shipped text passes the same call."""
+    from jitmarlin.ops import gemm as G
+
+    fam = FAMILIES[0]
+    monkeypatch.setattr(G, "STRIP_ROUTE", block == 8)
+    if block == 8:
+        monkeypatch.setattr(M, "STRIP_MOE_ORDER", (K.STRIP_MOE_CONFIGS[0],))
+        srcs = [(K.strip_kernel_name(fam, *K.STRIP_MOE_CONFIGS[0]), K.strip_kernel_source(fam, *K.STRIP_MOE_CONFIGS[0]))]
+    else:
+        srcs = [(K.kernel_name(fam, t), K.kernel_source(fam, t)) for t in K.tiles_for((9, 0)) if K.tile_fits(fam, t)]
+    text = (emu.CUDA_SRC / header).read_text()
+    assert text.count(old) == 1
+    e, k, n, tokens, top_k = 4, 256, 128, 5, 2
+    gen = torch.Generator().manual_seed(1)
+    topk_ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    for mutate in (False, True):
+        lib = emu.build(srcs, tmp_path / str(mutate), headers={header: text.replace(old, "")} if mutate else None)
+        emu.emulated_device(monkeypatch, lib, (9, 0), sms=6, log=LAUNCHED)
+        b, s, z, w, dt = experts(lib, e, k, n, fam, seed=2)
+        a = lib.guarded(torch.randn(tokens, k, generator=gen).to(dt))
+        tables = [lib.guarded(t) for t in M._align_torch(topk_ids, block, e)]
+        LAUNCHED.clear()
+        try:
+            if mutate:
+                with pytest.raises(emu.SimtError, match="griddepcontrol.wait"):
+                    M._moe_gemm_cuda(a, b, s, z, *tables, None, tokens * top_k, top_k, block)
+            else:
+                out = M._moe_gemm_cuda(a, b, s, z, *tables, None, tokens * top_k, top_k, block)
+                ref = torch.stack([a[t // top_k].float() @ w[int(topk_ids.view(-1)[t])] for t in range(tokens * top_k)])
+                assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-3
+            assert ("jm_strip_" if block == 8 else "jm_gemm_") in LAUNCHED[0], LAUNCHED
+        finally:
+            emu.clear_launch_caches()
+            lib.free_all()

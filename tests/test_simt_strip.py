@@ -7,7 +7,8 @@ memory; scheduling orders that a missing barrier would make matter.
 This does not replace the GPU tests (tests/gpu/test_strip_gpu.py: the hardware's instructions, timing, the
 driver's launch); it runs the kernel's logic where no GPU is lent. The mutation tests at the end show that the
 emulator does catch the bug classes it is meant for: session 49's weight addressing (its first GPU run), a
-missing barrier, a cp.async read before its copy landed, a cluster barrier left unarrived.
+missing barrier, a cp.async read before its copy landed, a cluster barrier left unarrived, activations read before
+the programmatic-dependent-launch wait.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, perm=None):
     out = full[:m]
     p = G.strip_params(m, n, k, warps, cluster, ga, gb, gs, gz, gbias, out, gperm)
     lib.launch(K.strip_kernel_name(fam, *cfg, perm=perm is not None), p.grid, 32 * warps, cluster,
-               K.strip_smem_bytes(fam, warps, smem), p, bufs, seed=seed)
+               K.strip_smem_bytes(fam, warps, smem), p, bufs, seed=seed,
+               dependent=emu.dependent_buffers(lib, p))  # (launch_strip's programmatic dependent launch)
     assert torch.isnan(full[m].float()).all(), "the kernel wrote past row M"
     return out.clone()
 
@@ -257,6 +259,17 @@ def test_emulator_catches_early_ring_read(tmp_path):
     cfg = (8, 1, 1, 1)
     assert fails(mutated(tmp_path, cfg, "cp_async_wait_fenced<SRING - 1>()", "cp_async_wait_fenced<SRING>()"), cfg,
                  k=4096)
+
+
+def test_emulator_catches_activations_read_before_the_wait(tmp_path):
+    """The dense form's griddepcontrol.wait removed (the kernel before may still be writing the activations or
+    reading the output): the emulator stops the launch (tests/test_simt_pdl.py has the rules)."""
+    cfg = (16, 1, 1, 0)
+    lib = mutated(tmp_path, cfg, "  griddep_launch_dependents();\n  griddep_wait();\n", "  griddep_launch_dependents();\n")
+    b, s, z, w = weights(1152, 128, BASE, seed=1)
+    with pytest.raises(emu.SimtError, match="griddepcontrol.wait"):
+        run_strip(lib, BASE, cfg, torch.randn(2, 1152).half(), b, s, z, None)
+    lib.free_all()
 
 
 @pytest.mark.parametrize("cfg,old,new,error", [

@@ -112,3 +112,27 @@ def test_emulator_catches_a_wrong_descriptor(tmp_path, monkeypatch):
         ref = a.float() @ w
         assert not ((out.float() - ref).norm() / ref.norm()).item() < 1e-3, nt
     bad.free_all()
+
+
+def test_emulator_catches_activations_fetched_before_the_wait(tmp_path, monkeypatch):
+    """The plain form's griddepcontrol.wait (after its early weight copies) removed: the activation copies (TMA
+    boxes, or cp.async) read a buffer the kernel before may still be writing, and the emulator stops the launch
+    (tests/test_simt_pdl.py has the rules)."""
+    old = ("    griddep_wait();\n    if (tid == 0) JM_TL(1, globaltimer());\n    griddep_launch_dependents();\n"
+           "#pragma unroll\n    for (int s = 0; s < STAGES - 1; s++) {\n      if (s < k_tiles) fetch_acts(s, s);")
+    text = (emu.CUDA_SRC / "jm_wgmma.cuh").read_text()
+    assert text.count(old) == 1
+    forms = [(F16, 64, 1, 6, False, 0), (F16, 32, 1, 8, False, 0)]
+    bad = emu.build([source(*f) for f in forms], tmp_path,
+                    headers={"jm_wgmma.cuh": text.replace(old, old.replace("    griddep_wait();\n", "", 1))})
+    emu.emulated_device(monkeypatch, bad, (9, 0))
+    k, n = 512, 256
+    b, s, z, w, dt = weights(bad, k, n, F16, seed=1)
+    for _, nt, fw, st, wide, prod in forms:
+        m = nt - 5
+        emu.clear_launch_caches()
+        a = bad.guarded(torch.randn(m, k).half())
+        out = bad.guarded(torch.full((m, n), float("nan"), dtype=torch.float16))
+        with pytest.raises(emu.SimtError, match="griddepcontrol.wait"):
+            G.launch_gemm(a, b, s, z, None, out, m, n, k, F16, plan_override=("wgmma", nt, fw, st, 1, wide, prod))
+    bad.free_all()

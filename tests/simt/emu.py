@@ -104,7 +104,8 @@ class Library:
         self.lib.simt_run.restype = ctypes.c_int
         self.lib.simt_run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_ulonglong,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong),
-                                      ctypes.c_int, ctypes.c_uint, ctypes.c_char_p, ctypes.c_int]
+                                      ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_uint,
+                                      ctypes.c_char_p, ctypes.c_int]
         self.lib.simt_alloc.restype = ctypes.c_void_p
         self.lib.simt_alloc.argtypes = [ctypes.c_ulonglong]
         self.lib.simt_free.argtypes = [ctypes.c_void_p]
@@ -127,17 +128,29 @@ class Library:
             self.lib.simt_free(ptr)
         self._live.clear()
 
+    def span_of(self, ptr: int) -> tuple[int, int] | None:
+        """The guarded buffer (address, bytes) that holds address ptr, or None."""
+        for base, n in self._live:
+            if base <= ptr < base + max(n, 1):
+                return base, n
+        return None
+
     def launch(self, name: str, grid: int, threads: int, cluster: int, dyn: int, params: ctypes.Structure,
-               buffers: list[torch.Tensor] | None = None, seed: int = 0, extra: ctypes.Structure | None = None) -> None:
+               buffers: list[torch.Tensor] | None = None, seed: int = 0, extra: ctypes.Structure | None = None,
+               dependent: list[tuple[int, int]] = ()) -> None:
         """buffers: the global memory the kernel may load through the checked wrappers (None: every guarded
-        buffer alive); extra: the kernel's second parameter (the wgmma kernels' descriptor, tensor_map())."""
+        buffer alive); extra: the kernel's second parameter (the wgmma kernels' descriptor, tensor_map());
+        dependent: guarded buffers (address, bytes) of the kernel before, for a launch with programmatic dependent
+        launch: the kernel may touch them only after griddepcontrol.wait (tests/simt/simt.h)."""
         spans = self._live if buffers is None else [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers]
         regs = [x for span in spans for x in span]
         arr = (ctypes.c_ulonglong * max(len(regs), 1))(*regs)
+        deps = [x for span in dependent for x in span]
+        darr = (ctypes.c_ulonglong * max(len(deps), 1))(*deps)
         err = ctypes.create_string_buffer(2048)
         rc = self.lib.simt_run(name.encode(), grid, threads, cluster, dyn, ctypes.byref(params),
-                               ctypes.byref(extra) if extra is not None else None, arr, len(spans), seed, err,
-                               len(err))
+                               ctypes.byref(extra) if extra is not None else None, arr, len(spans), darr,
+                               len(dependent), seed, err, len(err))
         if rc:
             raise SimtError(err.value.decode())
 
@@ -222,7 +235,46 @@ class EmuKernel:
         assert not (pdl and self.cc < (9, 0)), "sm_8x launches have no programmatic dependent launch"
         if self.log is not None:
             self.log.append(self.name)
-        self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params, extra=extra)
+        deps = dependent_buffers(self.lib, params) if pdl else []
+        try:
+            self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params, extra=extra, dependent=deps)
+        except SimtError as e:
+            raise SimtError(f"{self.name}: {name_dependent(self.lib, params, str(e))}") from None
+
+
+# The GEMM parameters (jitmarlin.ops._kernels.GemmParams) that point at memory the kernel before may still use
+# when a launch overlaps it (programmatic dependent launch): the activations, the outputs and the workspace, and
+# the routing tables unless the launch says they were complete before that kernel started (tables_ready). The
+# weights, scales, zero points, bias and act-order permutation are layer constants.
+DEPENDENT_FIELDS = ("a", "c", "ws", "counters")
+TABLE_FIELDS = ("sorted_ids", "expert_ids", "num_padded", "topk_weights")
+
+
+def name_dependent(lib: Library, params: ctypes.Structure, msg: str) -> str:
+    """An emulator error about an access before griddepcontrol.wait, with the parameter whose buffer it touched."""
+    m = re.search(r"at (0x[0-9a-f]+)", msg)
+    if "griddepcontrol.wait" not in msg or m is None:
+        return msg
+    span = lib.span_of(int(m.group(1), 16))
+    names = [f for f in DEPENDENT_FIELDS + TABLE_FIELDS if getattr(params, f) and lib.span_of(getattr(params, f)) == span]
+    return msg + (f" [the launch's `{'` / `'.join(names)}`]" if names and span is not None else "")
+
+
+def dependent_buffers(lib: Library, params: ctypes.Structure) -> list[tuple[int, int]]:
+    """The guarded buffers behind a launch's dependent parameters; a dependent parameter outside guarded memory
+    is an error (its plain accesses could not be checked)."""
+    fields = DEPENDENT_FIELDS + (() if params.tables_ready else TABLE_FIELDS)
+    out = []
+    for f in fields:
+        ptr = getattr(params, f)
+        if not ptr:
+            continue
+        span = lib.span_of(ptr)
+        if span is None:
+            raise AssertionError(f"the launch's `{f}` ({ptr:#x}) is not in guarded memory (emu.Library.guarded)")
+        if span not in out:
+            out.append(span)
+    return out
 
 
 class GuardedWorkspace:
@@ -244,14 +296,33 @@ def clear_launch_caches() -> None:
     G._ACT_MAPS.clear()
 
 
+class GuardedTorch:
+    """`torch` as a launch module sees it under emulation: torch.empty on the CPU returns guarded memory (so
+    the outputs and tables the launch path allocates can be the dependent buffers of a launch, whose plain
+    accesses the emulator checks); everything else is torch's."""
+
+    def __init__(self, lib: Library):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *size, **kw):
+        t = torch.empty(*size, **kw)
+        return self._lib.guarded(t) if t.device.type == "cpu" and t.numel() else t
+
+
 def emulated_device(monkeypatch, lib: Library, cc: tuple[int, int], sms: int = 4, log: list | None = None):
     """Make the launch path see a device of compute capability cc whose kernels (mma.sync, wgmma, strip) run on `lib`:
     returns (workspace, state); state["sms"] sets the SM count (clear_launch_caches() after changing it)."""
     from jitmarlin.jit import driver
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
+    from jitmarlin.ops import moe as MOE
 
     ws = GuardedWorkspace(lib)
+    for mod in (G, MOE):  # outputs allocated by the launch path in guarded memory (see GuardedTorch)
+        monkeypatch.setattr(mod, "torch", GuardedTorch(lib))
     state = {"sms": sms}
     monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: cc))
     monkeypatch.setattr(driver, "device", lambda index: type("Dev", (), {"sm_count": state["sms"],

@@ -160,9 +160,11 @@ JM_DEVICE void mbar_init(uint64_t* bar, uint32_t count) { jm_simt::mbar_init(bar
 JM_DEVICE void mbar_fence_init() {}  // (one fiber at a time: the initialised state is seen by everyone)
 JM_DEVICE void fence_proxy_async_smem() {}
 JM_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  jm_simt::mbar_arrive_on(jm_simt::cur()->cta, bar, bytes);
+  jm_simt::mbar_arrive_on(jm_simt::cur()->cta, bar, bytes, jm_simt::cur()->waited);
 }
-JM_DEVICE void mbar_arrive(uint64_t* bar) { jm_simt::mbar_arrive_on(jm_simt::cur()->cta, bar, 0); }
+JM_DEVICE void mbar_arrive(uint64_t* bar) {
+  jm_simt::mbar_arrive_on(jm_simt::cur()->cta, bar, 0, jm_simt::cur()->waited);
+}
 JM_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) { jm_simt::mbar_wait(bar, static_cast<int>(parity)); }
 template <int N>
 JM_DEVICE void setmaxnreg_dec() {}
@@ -172,8 +174,9 @@ JM_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, uint32_t bytes, uint6
   jm_simt::bulk_copy(smem, gmem, bytes, bar);
 }
 
-// Programmatic dependent launch: one kernel at a time here, nothing to wait for.
-JM_DEVICE void griddep_wait() {}
+// Programmatic dependent launch: the kernel before has finished long ago here; the wait marks the thread as
+// allowed to touch that kernel's buffers (tests/simt/simt.h, the launch's dependent regions).
+JM_DEVICE void griddep_wait() { jm_simt::griddep_wait(); }
 JM_DEVICE void griddep_launch_dependents() {}
 
 JM_DEVICE int ld_acquire_gpu(const int* ptr) { return *jm_simt::check_global(ptr, 4, "ld.acquire"); }

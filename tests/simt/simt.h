@@ -27,9 +27,16 @@
 //   after another; a thread that exits counts as arrived at every later cluster-barrier phase;
 // - fp16 / bf16 arithmetic rounds to nearest even from an exact (or double) result; mma.sync and wgmma multiply
 //   exactly and sum in double, then round to fp32 (hardware sums in another order: compare with a tolerance, as
-//   on the GPU); wgmma runs when issued, so its fences and waits order nothing here.
+//   on the GPU); wgmma runs when issued, so its fences and waits order nothing here;
+// - programmatic dependent launch (a launch that lets the kernel overlap the one before it): the buffers the
+//   kernel before may still read or write (the launch's "dependent" regions: activations, outputs, workspace,
+//   routing tables) may be touched only after griddepcontrol.wait. A thread has waited if it executed the wait
+//   or synchronized with one that had (a warp collective, a CTA, named, cluster or mbarrier phase that such a
+//   thread arrived at); an access through the checked wrappers by a thread that has not stops the launch, and
+//   plain loads and stores are caught by keeping those buffers' pages PROT_NONE while such a thread runs.
 #pragma once
 
+#include <signal.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -207,6 +214,7 @@ struct Thread {
   int arrivals = 0, waits = 0;            // cluster barrier phases this thread arrived at / waited for
   int wait_phase = -1;
   const void* wait_bar = nullptr;  // the mbarrier this thread waits on (St::MbarWait)
+  bool waited = false;             // past griddepcontrol.wait, itself or through a synchronization (see the top)
 };
 
 // An mbarrier (PTX ISA, "mbarrier"): a phase completes when its pending arrivals reach zero and its transaction
@@ -214,6 +222,7 @@ struct Thread {
 struct Mbar {
   int count = 0, pending = 0, phase = 0;
   long long tx = 0;
+  bool hb_open = false, hb_done = false;  // an arrival of the open / last completed phase had waited
 };
 
 // An asynchronous operation that lands later (when a thread waits on its barrier, or when no thread can run):
@@ -226,6 +235,7 @@ struct AsyncOp {
   uint32_t bytes;
   std::vector<std::pair<uint32_t, Copy>> copies;  // cp.async arrival: (encoded destination, copy)
   bool arrive;
+  bool waited = false;  // the issuing thread had waited (programmatic dependent launch)
   bool tma = false;  // a TMA tile load: the descriptor's words (simt format), the box origin
   unsigned long long tmap[8] = {};
   int k0 = 0, row0 = 0;
@@ -262,8 +272,12 @@ struct Launch {
   std::vector<Region> regions;
   std::vector<std::pair<uint8_t*, size_t>> vars;  // the static shared variables declared so far
   std::vector<int> cluster_arrived;  // per cluster-barrier phase
+  std::vector<char> cluster_hb;      // per phase: a thread that had waited arrived at it
   bool phase_done = false;           // an arrival completed a phase: wake its waiters
   std::vector<int> exited_arrivals;  // per exited thread: the cluster phases it had arrived at
+  std::vector<char> exited_waited;   // per exited thread: whether it had waited
+  std::vector<Region> dependent;     // the previous kernel's buffers (programmatic dependent launch)
+  int landing_waited = -1;           // landing an async copy: its issuer's `waited` (else -1: the thread's)
   std::vector<std::pair<std::pair<int, const void*>, Mbar>> mbars;  // (CTA, address) -> state
   std::vector<AsyncOp> async_ops;
   int loaded = -1;                   // the CTA whose static shared variables are live
@@ -320,7 +334,73 @@ inline const P* check_global(const P* p, size_t bytes, const char* what) {
     fail(msg);
   }
   if (reinterpret_cast<uintptr_t>(p) % (bytes > 16 ? 16 : bytes)) fail(std::string(what) + ": misaligned address");
+  Launch* l = launch();
+  const bool waited = l->landing_waited >= 0 ? l->landing_waited != 0 : cur()->waited;
+  if (!waited) {
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(p);
+    for (const Region& r : l->dependent)
+      if (lo < r.hi && lo + bytes > r.lo) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "%s at %p: a buffer of the kernel before (programmatic dependent launch) read "
+                 "before griddepcontrol.wait", what, static_cast<const void*>(p));
+        fail(msg);
+      }
+  }
   return p;
+}
+
+// ---- programmatic dependent launch: the dependent regions' pages are PROT_NONE while a thread that has not
+// waited runs; a fault there is recorded (and the pages opened, so the access completes) and reported when the
+// thread stops ----
+struct PageSpan {
+  uintptr_t lo, hi;  // page-aligned
+};
+inline std::vector<PageSpan>& dep_pages() {
+  static std::vector<PageSpan> v;
+  return v;
+}
+inline volatile bool& dep_guarded() {
+  static volatile bool g = false;
+  return g;
+}
+inline volatile uintptr_t& dep_fault() {  // the address of the first recorded access, or 0
+  static volatile uintptr_t a = 0;
+  return a;
+}
+inline void dep_guard(bool on) {
+  if (dep_guarded() == on) return;
+  for (const PageSpan& s : dep_pages())
+    mprotect(reinterpret_cast<void*>(s.lo), s.hi - s.lo, on ? PROT_NONE : PROT_READ | PROT_WRITE);
+  dep_guarded() = on;
+}
+inline struct sigaction& dep_old_action() {
+  static struct sigaction a;
+  return a;
+}
+inline void dep_on_fault(int sig, siginfo_t* info, void* uctx) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(info->si_addr);
+  if (dep_guarded())
+    for (const PageSpan& s : dep_pages())
+      if (a >= s.lo && a < s.hi) {
+        if (dep_fault() == 0) dep_fault() = a;
+        dep_guard(false);  // (mprotect is async-signal-safe) the access runs again and completes
+        return;
+      }
+  sigaction(SIGSEGV, &dep_old_action(), nullptr);  // not ours: the fault repeats under the previous handler
+  (void)sig;
+  (void)uctx;
+}
+// Async copies land in a thread's or the scheduler's context: their sources were checked with their issuer's
+// state, so the pages open while they copy.
+struct DepOpen {
+  bool was = dep_guarded();
+  DepOpen() { dep_guard(false); }
+  ~DepOpen() { dep_guard(was); }
+};
+
+inline void griddep_wait() {
+  cur()->waited = true;
+  dep_guard(false);
 }
 
 // A static shared variable, registered by every thread that reaches its declaration (the first one fills it
@@ -407,12 +487,24 @@ inline bool cluster_phase_complete(Launch* l, int phase) {
   for (int a : l->exited_arrivals) n += a <= phase;
   return n == l->threads_per_cta * static_cast<int>(l->ctas.size());
 }
+// Whether a thread that had waited (programmatic dependent launch) arrived at the phase, or exited after its
+// arrivals (exited threads count as arrived at every later phase).
+inline bool cluster_phase_hb(Launch* l, int phase) {
+  if (phase < static_cast<int>(l->cluster_hb.size()) && l->cluster_hb[phase]) return true;
+  for (size_t i = 0; i < l->exited_arrivals.size(); i++)
+    if (l->exited_arrivals[i] <= phase && l->exited_waited[i]) return true;
+  return false;
+}
 inline void cluster_arrive() {
   Launch* l = launch();
   Thread* t = cur();
   const int phase = t->arrivals++;
-  if (static_cast<int>(l->cluster_arrived.size()) <= phase) l->cluster_arrived.resize(phase + 1, 0);
+  if (static_cast<int>(l->cluster_arrived.size()) <= phase) {
+    l->cluster_arrived.resize(phase + 1, 0);
+    l->cluster_hb.resize(phase + 1, 0);
+  }
   l->cluster_arrived[phase]++;
+  if (t->waited) l->cluster_hb[phase] = 1;
   if (cluster_phase_complete(l, phase)) l->phase_done = true;
 }
 inline void cluster_wait() {
@@ -437,6 +529,7 @@ inline void cp_async_commit() {
 // Complete every committed group but the newest `keep`.
 inline void cp_async_wait(int keep) {
   Thread* t = cur();
+  DepOpen open;
   while (static_cast<int>(t->groups.size()) > keep) {
     for (const Copy& c : t->groups.front()) {
       if (c.valid) memcpy(c.dst, c.src, 16);
@@ -475,17 +568,21 @@ inline void mbar_settle(int cta, const void* bar, Mbar& m) {
   if (m.pending != 0 || m.tx != 0) return;
   m.phase ^= 1;
   m.pending = m.count;
+  m.hb_done = m.hb_open;
+  m.hb_open = false;
   Launch* l = launch();
   for (size_t j = 0; j < l->threads.size(); j++) {
     Thread& u = l->threads[j];
     if (u.st == St::MbarWait && u.cta == cta && u.wait_bar == bar) {
+      u.waited = u.waited || m.hb_done;
       u.st = St::Ready;
       l->ctas[cta].ready.push_back(static_cast<int>(j));
     }
   }
 }
-inline void mbar_arrive_on(int cta, const void* bar, long long tx) {
+inline void mbar_arrive_on(int cta, const void* bar, long long tx, bool waited) {
   Mbar& m = mbar_of(cta, bar);
+  m.hb_open = m.hb_open || waited;
   m.tx += tx;
   if (--m.pending < 0) fail("an mbarrier phase got more arrivals than its count");
   mbar_settle(cta, bar, m);
@@ -495,6 +592,13 @@ inline void mbar_arrive_on(int cta, const void* bar, long long tx) {
 inline uint32_t swizzle128(uint32_t off) { return off ^ (((off >> 7) & 7u) << 4); }
 
 inline void land(const AsyncOp& op) {
+  DepOpen open;
+  Launch* l = launch();
+  l->landing_waited = op.waited ? 1 : 0;
+  struct Reset {
+    Launch* l;
+    ~Reset() { l->landing_waited = -1; }
+  } reset{l};
   if (op.tma) {
     const unsigned long long* m = op.tmap;
     const int inner = static_cast<int>(m[kTmInner]), outer = static_cast<int>(m[kTmOuter]);
@@ -520,7 +624,7 @@ inline void land(const AsyncOp& op) {
       if (c.second.valid) memcpy(dst, c.second.src, 16);
       else memset(dst, 0, 16);
     }
-    mbar_arrive_on(op.cta, op.bar, 0);
+    mbar_arrive_on(op.cta, op.bar, 0, op.waited);
   } else {
     memcpy(decode_smem(op.dst, op.bytes), op.src, op.bytes);
     Mbar& m = mbar_of(op.cta, op.bar);
@@ -547,7 +651,7 @@ inline void bulk_copy(void* smem, const void* gmem, uint32_t bytes, const void* 
   const uint32_t dst = encode_smem(smem);
   decode_smem(dst, bytes);
   mbar_of(cur()->cta, bar);
-  launch()->async_ops.push_back(AsyncOp{cur()->cta, bar, dst, gmem, bytes, {}, false});
+  launch()->async_ops.push_back(AsyncOp{cur()->cta, bar, dst, gmem, bytes, {}, false, cur()->waited});
 }
 // cp.async.bulk.tensor.2d ... tile.mbarrier::complete_tx::bytes: one box of the descriptor at (k0, row0).
 inline void tma_2d(void* smem, const unsigned long long* map, int k0, int row0, const void* bar) {
@@ -556,7 +660,7 @@ inline void tma_2d(void* smem, const unsigned long long* map, int k0, int row0, 
   const uint32_t dst = encode_smem(smem);
   if ((dst & kOffMask) % 1024) fail("TMA with the 128-byte swizzle: destination not 1024-byte aligned");
   mbar_of(cur()->cta, bar);
-  AsyncOp op{cur()->cta, bar, dst, nullptr, 0, {}, false};
+  AsyncOp op{cur()->cta, bar, dst, nullptr, 0, {}, false, cur()->waited};
   op.tma = true;
   memcpy(op.tmap, map, sizeof op.tmap);
   op.k0 = k0;
@@ -568,7 +672,7 @@ inline void tma_2d(void* smem, const unsigned long long* map, int k0, int row0, 
 inline void cp_async_arrive(const void* bar) {
   Thread* t = cur();
   mbar_of(t->cta, bar);
-  AsyncOp op{t->cta, bar, 0, nullptr, 0, {}, true};
+  AsyncOp op{t->cta, bar, 0, nullptr, 0, {}, true, t->waited};
   for (auto& g : t->groups)
     for (const Copy& c : g) op.copies.emplace_back(encode_smem(c.dst), c);
   for (const Copy& c : t->open) op.copies.emplace_back(encode_smem(c.dst), c);
@@ -580,7 +684,11 @@ inline void cp_async_arrive(const void* bar) {
 inline void mbar_wait(const void* bar, int parity) {
   Thread* t = cur();
   land_ops(t->cta, bar);
-  if (mbar_of(t->cta, bar).phase != (parity & 1)) return;
+  const Mbar& m = mbar_of(t->cta, bar);
+  if (m.phase != (parity & 1)) {  // (the phase completed before: its arrivals' state)
+    if (m.hb_done) griddep_wait();
+    return;
+  }
   t->wait_bar = bar;
   t->st = St::MbarWait;
   yield_to_scheduler();
@@ -691,6 +799,7 @@ inline void settle(Launch* l, int i) {
     c.done++;
     if (l->cluster > 1) {
       l->exited_arrivals.push_back(t.arrivals);
+      l->exited_waited.push_back(t.waited ? 1 : 0);
       l->phase_done = true;  // its later phases may be complete now
     }
   } else if (t.st == St::Coll) {
@@ -715,15 +824,22 @@ inline void settle(Launch* l, int i) {
     Thread* saved = cur();
     t.coll(cl);
     cur() = saved;
+    bool hb = false;
+    for (int j = 0; j < width; j++) hb = hb || ls[j]->waited;
     for (int j = 0; j < width; j++) {
+      ls[j]->waited = hb;
       ls[j]->st = St::Ready;
       c.ready.push_back(w0 + j);
     }
   } else if (t.st == St::NamedBar) {
     if (++c.named_waiting == t.wait_phase) {
       c.named_waiting = 0;
+      bool hb = false;
+      for (int j = 0; j < l->threads_per_cta; j++)
+        if (l->threads[base + j].st == St::NamedBar) hb = hb || l->threads[base + j].waited;
       for (int j = 0; j < l->threads_per_cta; j++)
         if (l->threads[base + j].st == St::NamedBar) {
+          l->threads[base + j].waited = hb;
           l->threads[base + j].st = St::Ready;
           c.ready.push_back(base + j);
         }
@@ -731,7 +847,10 @@ inline void settle(Launch* l, int i) {
   } else if (t.st == St::Bar) {
     if (++c.bar_waiting == l->threads_per_cta) {
       c.bar_waiting = 0;
+      bool hb = false;
+      for (int j = 0; j < l->threads_per_cta; j++) hb = hb || l->threads[base + j].waited;
       for (int j = 0; j < l->threads_per_cta; j++) {
+        l->threads[base + j].waited = hb;
         l->threads[base + j].st = St::Ready;
         c.ready.push_back(base + j);
       }
@@ -739,6 +858,7 @@ inline void settle(Launch* l, int i) {
   }
   // cluster barrier: a waiter whose phase is complete goes on; a completed phase wakes its waiters
   if (t.st == St::ClusterWait && cluster_phase_complete(l, t.wait_phase)) {
+    t.waited = t.waited || cluster_phase_hb(l, t.wait_phase);
     t.st = St::Ready;
     c.ready.push_back(i);
   }
@@ -747,6 +867,7 @@ inline void settle(Launch* l, int i) {
     for (size_t j = 0; j < l->threads.size(); j++) {
       Thread& u = l->threads[j];
       if (u.st == St::ClusterWait && cluster_phase_complete(l, u.wait_phase)) {
+        u.waited = u.waited || cluster_phase_hb(l, u.wait_phase);
         u.st = St::Ready;
         l->ctas[u.cta].ready.push_back(static_cast<int>(j));
       }
@@ -793,7 +914,16 @@ inline void run_group(Launch* l) {
     rd.pop_back();
     Thread& t = l->threads[i];
     cur() = &t;
+    if (!t.waited) dep_guard(true);
     swapcontext(&sched_ctx(), &t.ctx);
+    dep_guard(false);
+    if (dep_fault() != 0 && l->error.empty()) {
+      char msg[240];
+      snprintf(msg, sizeof msg, "an access at %p to a buffer of the kernel before (programmatic dependent launch) "
+               "before griddepcontrol.wait (block %u thread %u)", reinterpret_cast<void*>(dep_fault()),
+               l->ctas[t.cta].block.x, t.tid.x);
+      l->error = msg;
+    }
     if (!l->error.empty()) return;
     settle(l, i);
   }
@@ -803,7 +933,7 @@ constexpr size_t kStack = 256 * 1024;
 
 inline std::string run(void (*kernel)(const void*, const void*), const void* params, const void* extra, uint3 grid,
                        uint3 block, int cluster, size_t dyn_bytes, const Region* regions, int nregions,
-                       unsigned seed) {
+                       unsigned seed, const Region* dependent = nullptr, int ndependent = 0) {
   Launch l;
   launch() = &l;
   l.kernel = kernel;
@@ -814,10 +944,22 @@ inline std::string run(void (*kernel)(const void*, const void*), const void* par
   l.cluster = cluster;
   l.threads_per_cta = static_cast<int>(block.x * block.y * block.z);
   l.regions.assign(regions, regions + nregions);
+  l.dependent.assign(dependent, dependent + ndependent);
   l.rng.seed(seed);
   if (block.y != 1 || block.z != 1 || l.threads_per_cta > 1024) return "blocks must be 1-D with at most 1024 threads";
   if (cluster < 1 || cluster > 8 || grid.x % cluster) return "the grid must be a multiple of the cluster size (1-8)";
   const long page = sysconf(_SC_PAGESIZE);
+  // the dependent regions' pages (the caller makes sure no other data shares them: tests/simt/runner.h)
+  dep_pages().clear();
+  for (const Region& r : l.dependent)
+    dep_pages().push_back(PageSpan{r.lo / page * page, (r.hi + page - 1) / page * page});
+  dep_fault() = 0;
+  struct sigaction act;
+  memset(&act, 0, sizeof act);
+  act.sa_sigaction = dep_on_fault;
+  act.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&act.sa_mask);
+  if (!dep_pages().empty()) sigaction(SIGSEGV, &act, &dep_old_action());
   std::vector<char*> stacks;
   std::string err;
   const size_t total_ctas = static_cast<size_t>(grid.x) * grid.y * grid.z;
@@ -825,7 +967,9 @@ inline std::string run(void (*kernel)(const void*, const void*), const void* par
     l.ctas.assign(cluster, Cta());
     l.threads.assign(static_cast<size_t>(cluster) * l.threads_per_cta, Thread());
     l.cluster_arrived.clear();
+    l.cluster_hb.clear();
     l.exited_arrivals.clear();
+    l.exited_waited.clear();
     l.mbars.clear();
     l.async_ops.clear();
     l.loaded = -1;
@@ -864,6 +1008,9 @@ inline std::string run(void (*kernel)(const void*, const void*), const void* par
     for (Cta& cta : l.ctas) munmap(cta.map, cta.map_bytes);
   }
   for (char* s : stacks) free(s);
+  dep_guard(false);
+  if (!dep_pages().empty()) sigaction(SIGSEGV, &dep_old_action(), nullptr);
+  dep_pages().clear();
   launch() = nullptr;
   return err;
 }
