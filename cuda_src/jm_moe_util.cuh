@@ -65,13 +65,6 @@ JM_DEVICE int load_id(const JmMoeParams& p, int i) {
   return static_cast<const int32_t*>(p.ids)[i];
 }
 
-// Dynamic shared memory of this launch (PTX special register %dynamic_smem_size).
-JM_DEVICE uint32_t dynamic_smem_bytes() {
-  uint32_t r;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-  return r;
-}
-
 // Words of dynamic shared memory the per-warp placement needs (host: moe._align_smem_bytes).
 constexpr int kAlignWarps = 32;  // the kernel runs 1024 threads
 JM_DEVICE int align_parallel_words(int experts) { return (2 + kAlignWarps) * experts; }

@@ -249,6 +249,13 @@ JM_DEVICE void griddep_launch_dependents() {
 #endif
 }
 
+// Dynamic shared memory of this launch (PTX special register %dynamic_smem_size).
+JM_DEVICE uint32_t dynamic_smem_bytes() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
 // Load with acquire semantics at GPU scope (PTX memory model): memory reads after it see what the
 // writer released before the value was stored.
 JM_DEVICE int ld_acquire_gpu(const int* ptr) {

@@ -322,8 +322,14 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
+    return _route_cuda(logits, top_k, renormalize)
+
+
+def _route_cuda(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_topk by jm_moe_route (the caller has checked the kernel's conditions)."""
     from .gemm import _cc, use_pdl
 
+    t, e = logits.shape
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     if t == 0:

@@ -80,6 +80,11 @@ def two_params(source: str) -> bool:
     return "JM_WGMMA_KERNEL" in source
 
 
+def param_type(source: str) -> str:
+    """The kernel's parameter struct: the MoE helper kernels' JmMoeParams, else JmGemmParams."""
+    return "JmMoeParams" if "jm_moe_util.cuh" in source else "JmGemmParams"
+
+
 def kernel_table(sources: list[tuple[str, str]]) -> str:
     tramps = []
     for n, src in sources:
@@ -89,7 +94,7 @@ def kernel_table(sources: list[tuple[str, str]]) -> str:
                           f"  {n}(*static_cast<const JmGemmParams*>(p), m);\n}}\n")
         else:
             tramps.append(f"static void simt_tramp_{n}(const void* p, const void*) {{ "
-                          f"{n}(*static_cast<const JmGemmParams*>(p)); }}\n")
+                          f"{n}(*static_cast<const {param_type(src)}*>(p)); }}\n")
     rows = "".join(f'    {{"{n}", &simt_tramp_{n}}},\n' for n, _ in sources)
     return ("".join(tramps) + "struct SimtKernel {\n  const char* name;\n  void (*fn)(const void*, const void*);\n};\n"
             f"static const SimtKernel kSimtKernels[] = {{\n{rows}}};\n" + '#include "runner.h"\n')
@@ -191,9 +196,11 @@ def build(sources: list[tuple[str, str]], out_dir: Path, headers: dict[str, str]
 
 def _decls(sources: list[tuple[str, str]], here: list[tuple[str, str]]) -> str:
     """Declarations of the kernels compiled in other translation units (the first unit has the table)."""
-    local = {n for n, _ in here}
-    return "".join(f'extern "C" void {n}(const JmGemmParams p{", jm::JmTensorMap m" if two_params(src) else ""});\n'
-                   for n, src in sources if n not in local)
+    local = {n for n, src in here if src}  # (an empty source: defined by another entry's source, wherever it is)
+    moe = any(param_type(src) == "JmMoeParams" for _, src in sources)
+    return '#include "jm_gemm_params.h"\n' + ('#include "jm_moe_util.cuh"\n' if moe else "") + "".join(
+        f'extern "C" void {n}(const {param_type(src)} p{", jm::JmTensorMap m" if two_params(src) else ""});\n'
+        for n, src in sources if n not in local)
 
 
 # The emulator's TMA descriptor (tests/simt/simt.h, TensorMapWord): what a test's stand-in for
@@ -248,6 +255,8 @@ class EmuKernel:
 # weights, scales, zero points, bias and act-order permutation are layer constants.
 DEPENDENT_FIELDS = ("a", "c", "ws", "counters")
 TABLE_FIELDS = ("sorted_ids", "expert_ids", "num_padded", "topk_weights")
+# The MoE helper kernels' parameters (K.MoeParams): every buffer but the act-order column orders (perm).
+MOE_DEPENDENT_FIELDS = ("ids", "sorted_ids", "expert_ids", "num_padded", "x", "y", "route_ids")
 
 
 def name_dependent(lib: Library, params: ctypes.Structure, msg: str) -> str:
@@ -256,14 +265,18 @@ def name_dependent(lib: Library, params: ctypes.Structure, msg: str) -> str:
     if "griddepcontrol.wait" not in msg or m is None:
         return msg
     span = lib.span_of(int(m.group(1), 16))
-    names = [f for f in DEPENDENT_FIELDS + TABLE_FIELDS if getattr(params, f) and lib.span_of(getattr(params, f)) == span]
+    fields = DEPENDENT_FIELDS + TABLE_FIELDS if hasattr(params, "tables_ready") else MOE_DEPENDENT_FIELDS
+    names = [f for f in fields if getattr(params, f) and lib.span_of(getattr(params, f)) == span]
     return msg + (f" [the launch's `{'` / `'.join(names)}`]" if names and span is not None else "")
 
 
 def dependent_buffers(lib: Library, params: ctypes.Structure) -> list[tuple[int, int]]:
     """The guarded buffers behind a launch's dependent parameters; a dependent parameter outside guarded memory
     is an error (its plain accesses could not be checked)."""
-    fields = DEPENDENT_FIELDS + (() if params.tables_ready else TABLE_FIELDS)
+    if hasattr(params, "tables_ready"):
+        fields = DEPENDENT_FIELDS + (() if params.tables_ready else TABLE_FIELDS)
+    else:
+        fields = MOE_DEPENDENT_FIELDS
     out = []
     for f in fields:
         ptr = getattr(params, f)
@@ -312,6 +325,26 @@ class GuardedTorch:
         return self._lib.guarded(t) if t.device.type == "cpu" and t.numel() else t
 
 
+def gemm_module_kernel(fam, tile) -> str:
+    """The name K.get_kernel looks up in a family's module: a tile's GEMM, the dequantize kernel (None), the
+    act-order gather ("gather") or its shared-memory form ("gather_smem")."""
+    from jitmarlin.ops import _kernels as K
+
+    if tile is None:
+        return K.dequant_kernel_name(fam)
+    if tile in ("gather", "gather_smem"):
+        return K.gather_kernel_name(fam) + ("_smem" if tile == "gather_smem" else "")
+    return K.kernel_name(fam, tile)
+
+
+def gather_sources(fam) -> list[tuple[str, str]]:
+    """The act-order gather kernels of a family for build(): one source defines both (the second entry names the
+    shared-memory form, defined by the first)."""
+    from jitmarlin.ops import _kernels as K
+
+    return [(K.gather_kernel_name(fam), K.gather_kernel_source(fam)), (K.gather_kernel_name(fam) + "_smem", "")]
+
+
 def emulated_device(monkeypatch, lib: Library, cc: tuple[int, int], sms: int = 4, log: list | None = None):
     """Make the launch path see a device of compute capability cc whose kernels (mma.sync, wgmma, strip) run on `lib`:
     returns (workspace, state); state["sms"] sets the SM count (clear_launch_caches() after changing it)."""
@@ -327,11 +360,12 @@ def emulated_device(monkeypatch, lib: Library, cc: tuple[int, int], sms: int = 4
     monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: cc))
     monkeypatch.setattr(driver, "device", lambda index: type("Dev", (), {"sm_count": state["sms"],
                                                                         "smem_per_block_optin": SMEM_OPTIN[cc]})())
-    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: EmuKernel(lib, K.kernel_name(fam, tile), cc, log))
+    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: EmuKernel(lib, gemm_module_kernel(fam, tile), cc, log))
     monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: EmuKernel(
         lib, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod), cc, log))
     monkeypatch.setattr(K, "get_strip_kernel", lambda fam, w, c, t, smem, index, cc_, perm=False: EmuKernel(
         lib, K.strip_kernel_name(fam, w, c, t, smem, perm), cc, log))
+    monkeypatch.setattr(K, "get_moe_util_kernel", lambda name, index, cc_: EmuKernel(lib, name, cc, log))
     monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
     monkeypatch.setattr(K, "default_workspace", lambda device: ws)
     monkeypatch.setattr(K, "current_stream_handle", lambda device: 0)

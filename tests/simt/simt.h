@@ -168,6 +168,9 @@ inline __half __ushort_as_half(unsigned short u) {
   return h;
 }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
+inline float expf(float x) { return std::exp(x); }
 inline float __uint_as_float(uint32_t u) { return jm_simt::bits_f32(u); }
 inline uint32_t __float_as_uint(float f) { return jm_simt::f32_bits(f); }
 // PTX prmt (default mode): selector nibble i picks byte (sel_i & 7) of {b, a} for result byte i; bit 3 of the
@@ -719,6 +722,27 @@ inline void shfl_collective(Thread* const* lanes) {
   for (int l = 0; l < 32; l++) vals[l] = *static_cast<const V*>(lanes[l]->in[0]);
   for (int l = 0; l < 32; l++) *static_cast<V*>(lanes[l]->out) = vals[*static_cast<const int*>(lanes[l]->in[1]) & 31];
 }
+// __shfl_up_sync: lane l gets lane l - d's value (its own where l < d); __shfl_xor_sync: lane l ^ d's
+template <typename V, bool kXor>
+inline void shfl_delta_collective(Thread* const* lanes) {
+  V vals[32];
+  for (int l = 0; l < 32; l++) vals[l] = *static_cast<const V*>(lanes[l]->in[0]);
+  for (int l = 0; l < 32; l++) {
+    const int d = *static_cast<const int*>(lanes[l]->in[1]);
+    const int src = kXor ? (l ^ d) & 31 : (l >= d ? l - d : l);
+    *static_cast<V*>(lanes[l]->out) = vals[src];
+  }
+}
+// __match_any_sync: the lanes holding the same value as lane l, as a bit mask
+inline void match_any_collective(Thread* const* lanes) {
+  int vals[32];
+  for (int l = 0; l < 32; l++) vals[l] = *static_cast<const int*>(lanes[l]->in[0]);
+  for (int l = 0; l < 32; l++) {
+    unsigned m = 0;
+    for (int q = 0; q < 32; q++) m |= (vals[q] == vals[l] ? 1u : 0u) << q;
+    *static_cast<unsigned*>(lanes[l]->out) = m;
+  }
+}
 }  // namespace jm_simt
 
 namespace jm_simt {
@@ -748,10 +772,40 @@ inline V __shfl_sync(unsigned mask, V v, int src, int width = 32) {
   jm_simt::warp_collective(&jm_simt::shfl_collective<V>, "__shfl_sync", &v, &src, nullptr, nullptr, &r);
   return r;
 }
-// Device-scope atomics and fences: one fiber runs at a time, so a read-modify-write is atomic and every write is
-// visible at once; the address must be one of the launch's buffers.
+template <typename V>
+inline V __shfl_up_sync(unsigned mask, V v, int delta) {
+  static_assert(sizeof(V) == 4, "32-bit shuffles");
+  if (mask != 0xFFFFFFFFu) jm_simt::fail("__shfl_up_sync with a partial mask is not emulated");
+  V r;
+  jm_simt::warp_collective(&jm_simt::shfl_delta_collective<V, false>, "__shfl_up_sync", &v, &delta, nullptr, nullptr,
+                           &r);
+  return r;
+}
+template <typename V>
+inline V __shfl_xor_sync(unsigned mask, V v, int lane_mask) {
+  static_assert(sizeof(V) == 4, "32-bit shuffles");
+  if (mask != 0xFFFFFFFFu) jm_simt::fail("__shfl_xor_sync with a partial mask is not emulated");
+  V r;
+  jm_simt::warp_collective(&jm_simt::shfl_delta_collective<V, true>, "__shfl_xor_sync", &v, &lane_mask, nullptr,
+                           nullptr, &r);
+  return r;
+}
+inline unsigned __match_any_sync(unsigned mask, int v) {
+  if (mask != 0xFFFFFFFFu) jm_simt::fail("__match_any_sync with a partial mask is not emulated");
+  unsigned r;
+  jm_simt::warp_collective(&jm_simt::match_any_collective, "__match_any_sync", &v, nullptr, nullptr, nullptr, &r);
+  return r;
+}
+// Atomics and fences: one fiber runs at a time, so a read-modify-write is atomic and every write is visible at
+// once; the address must be one of the launch's buffers or this CTA's shared memory.
 inline int atomicAdd(int* p, int v) {
-  const int old = *jm_simt::check_global(p, 4, "atomicAdd");
+  jm_simt::Launch* l = jm_simt::launch();
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
+  const jm_simt::Cta& c = l->ctas[jm_simt::cur()->cta];
+  bool shared = b >= c.dyn && b + 4 <= c.dyn + c.dyn_bytes;
+  for (const auto& var : l->vars) shared = shared || (b >= var.first && b + 4 <= var.first + var.second);
+  if (!shared) jm_simt::check_global(p, 4, "atomicAdd");
+  const int old = *p;
   *p = old + v;
   return old;
 }
