@@ -110,7 +110,7 @@ class Library:
         self.lib.simt_run.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_ulonglong,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong),
                                       ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_uint,
-                                      ctypes.c_char_p, ctypes.c_int]
+                                      ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
         self.lib.simt_alloc.restype = ctypes.c_void_p
         self.lib.simt_alloc.argtypes = [ctypes.c_ulonglong]
         self.lib.simt_free.argtypes = [ctypes.c_void_p]
@@ -142,22 +142,26 @@ class Library:
 
     def launch(self, name: str, grid: int, threads: int, cluster: int, dyn: int, params: ctypes.Structure,
                buffers: list[torch.Tensor] | None = None, seed: int = 0, extra: ctypes.Structure | None = None,
-               dependent: list[tuple[int, int]] = ()) -> None:
+               dependent: list[tuple[int, int]] = ()) -> tuple[bool, bool]:
         """buffers: the global memory the kernel may load through the checked wrappers (None: every guarded
         buffer alive); extra: the kernel's second parameter (the wgmma kernels' descriptor, tensor_map());
         dependent: guarded buffers (address, bytes) of the kernel before, for a launch with programmatic dependent
-        launch: the kernel may touch them only after griddepcontrol.wait (tests/simt/simt.h)."""
+        launch: the kernel may touch them only after griddepcontrol.wait (tests/simt/simt.h). Returns (early,
+        nowait): whether the kernel after it could start before it waited for the one before (every CTA triggered
+        its dependents, or exited, before waiting), and whether no thread waited at all."""
         spans = self._live if buffers is None else [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers]
         regs = [x for span in spans for x in span]
         arr = (ctypes.c_ulonglong * max(len(regs), 1))(*regs)
         deps = [x for span in dependent for x in span]
         darr = (ctypes.c_ulonglong * max(len(deps), 1))(*deps)
         err = ctypes.create_string_buffer(2048)
+        flags = (ctypes.c_int * 2)()
         rc = self.lib.simt_run(name.encode(), grid, threads, cluster, dyn, ctypes.byref(params),
                                ctypes.byref(extra) if extra is not None else None, arr, len(spans), darr,
-                               len(dependent), seed, err, len(err))
+                               len(dependent), seed, err, len(err), flags)
         if rc:
             raise SimtError(err.value.decode())
+        return bool(flags[0]), bool(flags[1])
 
 
 def build(sources: list[tuple[str, str]], out_dir: Path, headers: dict[str, str] | None = None,
@@ -228,8 +232,9 @@ class EmuKernel:
 
     num_regs = 128
 
-    def __init__(self, lib: Library, name: str, cc: tuple[int, int], log: list | None = None):
-        self.lib, self.name, self.cc, self.log = lib, name, cc, log
+    def __init__(self, lib: Library, name: str, cc: tuple[int, int], log: list | None = None,
+                 stream: "Stream | None" = None):
+        self.lib, self.name, self.cc, self.log, self.stream = lib, name, cc, log, stream
         self.max_dynamic_smem = SMEM_OPTIN[cc] - 1024
 
     def occupancy(self, threads, smem):
@@ -243,10 +248,64 @@ class EmuKernel:
         if self.log is not None:
             self.log.append(self.name)
         deps = dependent_buffers(self.lib, params) if pdl else []
+        before = self.stream.overlapping(pdl) if self.stream is not None else []
+        for rec in before:  # what the kernels still running beside this one's start write
+            deps += [span for span in rec.writes if span not in deps]
         try:
-            self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params, extra=extra, dependent=deps)
+            early, nowait = self.lib.launch(self.name, grid, threads, max(cluster, 1), smem, params, extra=extra,
+                                            dependent=deps)
         except SimtError as e:
-            raise SimtError(f"{self.name}: {name_dependent(self.lib, params, str(e))}") from None
+            raise SimtError(f"{self.name}: {name_dependent(self.lib, params, str(e), before)}") from None
+        if self.stream is not None:
+            self.stream.record(self.lib, self.name, params, pdl, early, nowait, before)
+
+
+class Launched:
+    """One kernel of an emulated stream: the buffers it reads and writes, how it launched and synchronized, and the
+    kernels that could still run when it started (Stream.overlapping)."""
+
+    def __init__(self, name, reads, writes, pdl, early, nowait, overlapping):
+        self.name, self.reads, self.writes = name, reads, writes
+        self.pdl, self.early, self.nowait, self.overlapping = pdl, early, nowait, overlapping
+
+
+class Stream:
+    """The launches of one emulated stream, for the chain rule of programmatic dependent launch: a kernel launched
+    with it may start once every CTA of the kernel before has triggered (launch_dependents) or exited, so before
+    its own griddepcontrol.wait it may run beside that kernel — and beside the ones that kernel could run beside,
+    if it triggered before its own wait. Without it, a kernel starts once the one before has completed, which
+    implies the completion of the ones before that unless that kernel never waited. EmuKernel.launch adds what
+    those kernels write to the launch's dependent buffers: this checks the launch path's promises that tables are
+    complete before the kernel just before started (GemmParams.tables_ready) against the kernels actually
+    launched. (Torch kernels between two of ours, which serialize, are not seen: the rule assumes none.)"""
+
+    def __init__(self):
+        self.launched: list[Launched] = []
+
+    def overlapping(self, pdl: bool) -> list[Launched]:
+        if not self.launched:
+            return []
+        last = self.launched[-1]
+        if pdl:
+            return [last] + (last.overlapping if last.early else [])
+        return last.overlapping if last.nowait else []
+
+    def record(self, lib, name, params, pdl, early, nowait, overlapping) -> None:
+        reads, writes = access_fields(name, params)
+        spans = lambda fields: [lib.span_of(getattr(params, f)) for f in fields if getattr(params, f)]
+        w = spans(writes)
+        if None in w:
+            raise AssertionError(f"{name} writes a buffer outside guarded memory")
+        self.launched.append(Launched(name, [x for x in spans(reads) if x], w, pdl, early, nowait, overlapping))
+
+
+def access_fields(name: str, params: ctypes.Structure) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(fields read, fields written) of a launch's buffers other than the layer constants."""
+    if hasattr(params, "tables_ready"):  # GemmParams: the GEMMs, the act-order gather
+        return ("a",) + TABLE_FIELDS, ("c", "ws", "counters")
+    if "align" in name:
+        return ("ids",), ("sorted_ids", "expert_ids", "num_padded")
+    return ("x", "sorted_ids", "expert_ids", "num_padded"), ("y", "route_ids")
 
 
 # The GEMM parameters (jitmarlin.ops._kernels.GemmParams) that point at memory the kernel before may still use
@@ -259,15 +318,18 @@ TABLE_FIELDS = ("sorted_ids", "expert_ids", "num_padded", "topk_weights")
 MOE_DEPENDENT_FIELDS = ("ids", "sorted_ids", "expert_ids", "num_padded", "x", "y", "route_ids")
 
 
-def name_dependent(lib: Library, params: ctypes.Structure, msg: str) -> str:
-    """An emulator error about an access before griddepcontrol.wait, with the parameter whose buffer it touched."""
+def name_dependent(lib: Library, params: ctypes.Structure, msg: str, before: list | None = None) -> str:
+    """An emulator error about an access before griddepcontrol.wait, with the parameter whose buffer it touched
+    (and the kernel still running beside it that writes it, if it is one of an emulated stream's)."""
     m = re.search(r"at (0x[0-9a-f]+)", msg)
     if "griddepcontrol.wait" not in msg or m is None:
         return msg
     span = lib.span_of(int(m.group(1), 16))
     fields = DEPENDENT_FIELDS + TABLE_FIELDS if hasattr(params, "tables_ready") else MOE_DEPENDENT_FIELDS
     names = [f for f in fields if getattr(params, f) and lib.span_of(getattr(params, f)) == span]
-    return msg + (f" [the launch's `{'` / `'.join(names)}`]" if names and span is not None else "")
+    writers = [rec.name for rec in before or [] if span in rec.writes]
+    return msg + (f" [the launch's `{'` / `'.join(names)}`]" if names and span is not None else "") + \
+        (f" [written by {', '.join(writers)}, which may still run]" if writers else "")
 
 
 def dependent_buffers(lib: Library, params: ctypes.Structure) -> list[tuple[int, int]]:
@@ -320,9 +382,43 @@ class GuardedTorch:
     def __getattr__(self, name):
         return getattr(torch, name)
 
+    def _guard(self, t):
+        return self._lib.guarded(t) if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() else t
+
     def empty(self, *size, **kw):
-        t = torch.empty(*size, **kw)
-        return self._lib.guarded(t) if t.device.type == "cpu" and t.numel() else t
+        return self._guard(torch.empty(*size, **kw))
+
+    def full(self, *a, **kw):
+        return self._guard(torch.full(*a, **kw))
+
+    def tensor(self, *a, **kw):
+        return self._guard(torch.tensor(*a, **kw))
+
+    @property
+    def ops(self):
+        return _EmulatedOps()
+
+
+class _EmulatedOps:
+    """torch.ops as the launch modules see it under emulation: jitmarlin's custom ops call their CUDA
+    implementations (jitmarlin.ops.moe._<op>_cuda / gemm's), which launch on the emulator, whatever the tensors'
+    device; other namespaces are torch's."""
+
+    def __getattr__(self, ns):
+        if ns != "jitmarlin":
+            return getattr(torch.ops, ns)
+        from jitmarlin.ops import gemm as G
+        from jitmarlin.ops import moe as MOE
+
+        class Jitmarlin:
+            def __getattr__(self, op):
+                for mod in (MOE, G):
+                    fn = getattr(mod, f"_{op}_cuda", None)
+                    if fn is not None:
+                        return fn
+                raise AttributeError(f"no CUDA implementation of jitmarlin::{op} to emulate")
+
+        return Jitmarlin()
 
 
 def gemm_module_kernel(fam, tile) -> str:
@@ -346,31 +442,36 @@ def gather_sources(fam) -> list[tuple[str, str]]:
 
 
 def emulated_device(monkeypatch, lib: Library, cc: tuple[int, int], sms: int = 4, log: list | None = None):
-    """Make the launch path see a device of compute capability cc whose kernels (mma.sync, wgmma, strip) run on `lib`:
-    returns (workspace, state); state["sms"] sets the SM count (clear_launch_caches() after changing it)."""
+    """Make the launch path see a device of compute capability cc whose kernels (mma.sync, wgmma, strip, the MoE
+    helpers) run on `lib`, one emulated stream (Stream) for all of them: returns (workspace, state); state["sms"]
+    sets the SM count (clear_launch_caches() after changing it), state["stream"] is the stream."""
     from jitmarlin.jit import driver
     from jitmarlin.ops import _kernels as K
     from jitmarlin.ops import gemm as G
     from jitmarlin.ops import moe as MOE
 
     ws = GuardedWorkspace(lib)
+    stream = Stream()
     for mod in (G, MOE):  # outputs allocated by the launch path in guarded memory (see GuardedTorch)
         monkeypatch.setattr(mod, "torch", GuardedTorch(lib))
-    state = {"sms": sms}
+    monkeypatch.setattr(MOE, "_ONE_TOKEN_TABLES", {})  # (device tables cached per process: this library's own)
+    state = {"sms": sms, "stream": stream}
     monkeypatch.setattr(G, "_cc", functools.lru_cache(None)(lambda index: cc))
     monkeypatch.setattr(driver, "device", lambda index: type("Dev", (), {"sm_count": state["sms"],
                                                                         "smem_per_block_optin": SMEM_OPTIN[cc]})())
-    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: EmuKernel(lib, gemm_module_kernel(fam, tile), cc, log))
+    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, c: EmuKernel(
+        lib, gemm_module_kernel(fam, tile), cc, log, stream))
     monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, wide=False, prod=0: EmuKernel(
-        lib, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod), cc, log))
+        lib, K.wgmma_kernel_name(fam, nt, fw, st, wide, prod), cc, log, stream))
     monkeypatch.setattr(K, "get_strip_kernel", lambda fam, w, c, t, smem, index, cc_, perm=False: EmuKernel(
-        lib, K.strip_kernel_name(fam, w, c, t, smem, perm), cc, log))
-    monkeypatch.setattr(K, "get_moe_util_kernel", lambda name, index, cc_: EmuKernel(lib, name, cc, log))
+        lib, K.strip_kernel_name(fam, w, c, t, smem, perm), cc, log, stream))
+    monkeypatch.setattr(K, "get_moe_util_kernel", lambda name, index, cc_: EmuKernel(lib, name, cc, log, stream))
     monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
     monkeypatch.setattr(K, "default_workspace", lambda device: ws)
     monkeypatch.setattr(K, "current_stream_handle", lambda device: 0)
     monkeypatch.setattr(K, "cuda_index", lambda device: 0)
     monkeypatch.setattr(driver, "tensor_map_2d", tensor_map)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "emulated")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     clear_launch_caches()
     return ws, state

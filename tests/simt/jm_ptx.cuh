@@ -177,7 +177,7 @@ JM_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, uint32_t bytes, uint6
 // Programmatic dependent launch: the kernel before has finished long ago here; the wait marks the thread as
 // allowed to touch that kernel's buffers (tests/simt/simt.h, the launch's dependent regions).
 JM_DEVICE void griddep_wait() { jm_simt::griddep_wait(); }
-JM_DEVICE void griddep_launch_dependents() {}
+JM_DEVICE void griddep_launch_dependents() { jm_simt::griddep_trigger(); }
 JM_DEVICE uint32_t dynamic_smem_bytes() {
   return static_cast<uint32_t>(jm_simt::launch()->ctas[jm_simt::cur()->cta].dyn_bytes);
 }

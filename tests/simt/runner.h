@@ -13,10 +13,13 @@ extern "C" {
 // null). regions: (address, bytes) pairs of the global buffers the
 // kernel may read through the checked wrappers; dependent: (address, bytes) pairs of the buffers the kernel before
 // it may still use (a launch with programmatic dependent launch: touched only after griddepcontrol.wait), each in
-// memory from simt_alloc (whose pages hold nothing else). Returns 0, or 1 with the error in err.
+// memory from simt_alloc (whose pages hold nothing else); pdl_flags (2 ints, or null): whether the kernel after
+// this one could start before this one waited, whether no thread waited at all. Returns 0, or 1 with the error in
+// err.
 int simt_run(const char* name, unsigned grid, unsigned threads, int cluster, unsigned long long dyn,
              const void* params, const void* extra, const unsigned long long* regions, int nregions,
-             const unsigned long long* dependent, int ndependent, unsigned seed, char* err, int errlen) {
+             const unsigned long long* dependent, int ndependent, unsigned seed, char* err, int errlen,
+             int* pdl_flags) {
   auto spans = [](const unsigned long long* v, int n) {
     std::vector<jm_simt::Region> rs;
     for (int i = 0; i < n; i++)
@@ -39,7 +42,8 @@ int simt_run(const char* name, unsigned grid, unsigned threads, int cluster, uns
     if (strcmp(k.name, name) != 0) continue;
     const std::vector<jm_simt::Region> rs = spans(regions, nregions);
     const std::string e = jm_simt::run(k.fn, params, extra, uint3{grid, 1, 1}, uint3{threads, 1, 1}, cluster,
-                                       static_cast<size_t>(dyn), rs.data(), nregions, seed, deps.data(), ndependent);
+                                       static_cast<size_t>(dyn), rs.data(), nregions, seed, deps.data(), ndependent,
+                                       pdl_flags);
     snprintf(err, errlen, "%s", e.c_str());
     return e.empty() ? 0 : 1;
   }

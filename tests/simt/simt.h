@@ -258,6 +258,9 @@ struct Cta {
   size_t map_bytes = 0, dyn_bytes = 0;
   int bar_waiting = 0, done = 0, named_waiting = 0;
   std::vector<int> ready;  // runnable threads (indices into Launch::threads)
+  // programmatic dependent launch: a thread executed griddepcontrol.wait; the CTA's first trigger (an explicit
+  // launch_dependents, or its exit) came before it had waited
+  bool waited_any = false, triggered = false, trigger_early = false;
 };
 
 struct Region {
@@ -281,6 +284,8 @@ struct Launch {
   std::vector<char> exited_waited;   // per exited thread: whether it had waited
   std::vector<Region> dependent;     // the previous kernel's buffers (programmatic dependent launch)
   int landing_waited = -1;           // landing an async copy: its issuer's `waited` (else -1: the thread's)
+  bool all_early = true;             // every CTA triggered its dependents before waiting (see Cta)
+  bool any_wait = false;             // some thread executed griddepcontrol.wait
   std::vector<std::pair<std::pair<int, const void*>, Mbar>> mbars;  // (CTA, address) -> state
   std::vector<AsyncOp> async_ops;
   int loaded = -1;                   // the CTA whose static shared variables are live
@@ -403,7 +408,17 @@ struct DepOpen {
 
 inline void griddep_wait() {
   cur()->waited = true;
+  launch()->ctas[cur()->cta].waited_any = true;
+  launch()->any_wait = true;
   dep_guard(false);
+}
+// griddepcontrol.launch_dependents: the CTA's first one decides when the dependent may start (conservatively: a
+// CTA counts as triggered at the first thread's instruction)
+inline void griddep_trigger() {
+  Cta& c = launch()->ctas[cur()->cta];
+  if (c.triggered) return;
+  c.triggered = true;
+  c.trigger_early = !cur()->waited;
 }
 
 // A static shared variable, registered by every thread that reaches its declaration (the first one fills it
@@ -987,7 +1002,8 @@ constexpr size_t kStack = 256 * 1024;
 
 inline std::string run(void (*kernel)(const void*, const void*), const void* params, const void* extra, uint3 grid,
                        uint3 block, int cluster, size_t dyn_bytes, const Region* regions, int nregions,
-                       unsigned seed, const Region* dependent = nullptr, int ndependent = 0) {
+                       unsigned seed, const Region* dependent = nullptr, int ndependent = 0,
+                       int* pdl_flags = nullptr) {
   Launch l;
   launch() = &l;
   l.kernel = kernel;
@@ -1059,12 +1075,18 @@ inline std::string run(void (*kernel)(const void*, const void*), const void* par
     }
     run_group(&l);
     err = l.error;
+    for (Cta& cta : l.ctas)  // a CTA that never triggered does so at its exit
+      l.all_early = l.all_early && (cta.triggered ? cta.trigger_early : !cta.waited_any);
     for (Cta& cta : l.ctas) munmap(cta.map, cta.map_bytes);
   }
   for (char* s : stacks) free(s);
   dep_guard(false);
   if (!dep_pages().empty()) sigaction(SIGSEGV, &dep_old_action(), nullptr);
   dep_pages().clear();
+  if (pdl_flags != nullptr) {  // [0]: the dependent may start before this kernel waited; [1]: no thread waited
+    pdl_flags[0] = l.all_early ? 1 : 0;
+    pdl_flags[1] = l.any_wait ? 0 : 1;
+  }
   launch() = nullptr;
   return err;
 }
