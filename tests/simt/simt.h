@@ -704,7 +704,10 @@ inline void mbar_wait(const void* bar, int parity) {
   land_ops(t->cta, bar);
   const Mbar& m = mbar_of(t->cta, bar);
   if (m.phase != (parity & 1)) {  // (the phase completed before: its arrivals' state)
-    if (m.hb_done) griddep_wait();
+    if (m.hb_done) {
+      t->waited = true;
+      dep_guard(false);
+    }
     return;
   }
   t->wait_bar = bar;
