@@ -92,26 +92,38 @@ def test_wgmma_forms_emulated(sm90, form):
             assert int(ws.counters.abs().sum()) == 0, "arrival counters not reset"
 
 
-def test_emulator_catches_a_wrong_descriptor(tmp_path, monkeypatch):
-    """The kernel's wgmma descriptor with the 8-row stride halved (512 bytes for 1024): the emulator reads the wrong
-    activations and the result is wrong, on a TMA-fed and a cp.async-fed tile."""
+MUTATION_FORMS = [(F16, 64, 1, 6, False, 0), (F16, 32, 1, 8, False, 0)]  # a TMA-fed and a cp.async-fed tile
+
+
+def mutated_launches(tmp_path, monkeypatch, old: str, new: str):
+    """The two MUTATION_FORMS built with jm_wgmma.cuh's `old` replaced by `new`: yields (nt, launch), launch() running
+    that form at M = nt - 5 through the launch path and returning (output, reference)."""
     text = (emu.CUDA_SRC / "jm_wgmma.cuh").read_text()
-    assert text.count("(1024 >> 4) << 32") == 1
-    forms = [(F16, 64, 1, 6, False, 0), (F16, 32, 1, 8, False, 0)]
-    bad = emu.build([source(*f) for f in forms], tmp_path,
-                    headers={"jm_wgmma.cuh": text.replace("(1024 >> 4) << 32", "(512 >> 4) << 32")})
+    assert text.count(old) == 1
+    bad = emu.build([source(*f) for f in MUTATION_FORMS], tmp_path, headers={"jm_wgmma.cuh": text.replace(old, new)})
     emu.emulated_device(monkeypatch, bad, (9, 0))
     k, n = 512, 256
     b, s, z, w, dt = weights(bad, k, n, F16, seed=1)
-    for _, nt, fw, st, wide, prod in forms:
-        m = nt - 5
-        emu.clear_launch_caches()
-        a = bad.guarded(torch.randn(m, k).half())
-        out = bad.guarded(torch.full((m, n), float("nan"), dtype=torch.float16))
-        G.launch_gemm(a, b, s, z, None, out, m, n, k, F16, plan_override=("wgmma", nt, fw, st, 1, wide, prod))
-        ref = a.float() @ w
+    try:
+        for _, nt, fw, st, wide, prod in MUTATION_FORMS:
+            def launch(nt=nt, fw=fw, st=st, wide=wide, prod=prod):
+                m = nt - 5
+                emu.clear_launch_caches()
+                a = bad.guarded(torch.randn(m, k).half())
+                out = bad.guarded(torch.full((m, n), float("nan"), dtype=torch.float16))
+                G.launch_gemm(a, b, s, z, None, out, m, n, k, F16, plan_override=("wgmma", nt, fw, st, 1, wide, prod))
+                return out, a.float() @ w
+            yield nt, launch
+    finally:
+        bad.free_all()
+
+
+def test_emulator_catches_a_wrong_descriptor(tmp_path, monkeypatch):
+    """The kernel's wgmma descriptor with the 8-row stride halved (512 bytes for 1024): the emulator reads the wrong
+    activations and the result is wrong, on a TMA-fed and a cp.async-fed tile."""
+    for nt, launch in mutated_launches(tmp_path, monkeypatch, "(1024 >> 4) << 32", "(512 >> 4) << 32"):
+        out, ref = launch()
         assert not ((out.float() - ref).norm() / ref.norm()).item() < 1e-3, nt
-    bad.free_all()
 
 
 def test_emulator_catches_activations_fetched_before_the_wait(tmp_path, monkeypatch):
@@ -120,19 +132,6 @@ def test_emulator_catches_activations_fetched_before_the_wait(tmp_path, monkeypa
     (tests/test_simt_pdl.py has the rules)."""
     old = ("    griddep_wait();\n    if (tid == 0) JM_TL(1, globaltimer());\n    griddep_launch_dependents();\n"
            "#pragma unroll\n    for (int s = 0; s < STAGES - 1; s++) {\n      if (s < k_tiles) fetch_acts(s, s);")
-    text = (emu.CUDA_SRC / "jm_wgmma.cuh").read_text()
-    assert text.count(old) == 1
-    forms = [(F16, 64, 1, 6, False, 0), (F16, 32, 1, 8, False, 0)]
-    bad = emu.build([source(*f) for f in forms], tmp_path,
-                    headers={"jm_wgmma.cuh": text.replace(old, old.replace("    griddep_wait();\n", "", 1))})
-    emu.emulated_device(monkeypatch, bad, (9, 0))
-    k, n = 512, 256
-    b, s, z, w, dt = weights(bad, k, n, F16, seed=1)
-    for _, nt, fw, st, wide, prod in forms:
-        m = nt - 5
-        emu.clear_launch_caches()
-        a = bad.guarded(torch.randn(m, k).half())
-        out = bad.guarded(torch.full((m, n), float("nan"), dtype=torch.float16))
+    for nt, launch in mutated_launches(tmp_path, monkeypatch, old, old.replace("    griddep_wait();\n", "", 1)):
         with pytest.raises(emu.SimtError, match="griddepcontrol.wait"):
-            G.launch_gemm(a, b, s, z, None, out, m, n, k, F16, plan_override=("wgmma", nt, fw, st, 1, wide, prod))
-    bad.free_all()
+            launch()

@@ -790,23 +790,23 @@ inline V __shfl_sync(unsigned mask, V v, int src, int width = 32) {
   jm_simt::warp_collective(&jm_simt::shfl_collective<V>, "__shfl_sync", &v, &src, nullptr, nullptr, &r);
   return r;
 }
+namespace jm_simt {
+template <typename V, bool kXor>
+inline V shfl_delta(unsigned mask, V v, int d, const char* name) {
+  static_assert(sizeof(V) == 4, "32-bit shuffles");
+  if (mask != 0xFFFFFFFFu) fail(std::string(name) + " with a partial mask is not emulated");
+  V r;
+  warp_collective(&shfl_delta_collective<V, kXor>, name, &v, &d, nullptr, nullptr, &r);
+  return r;
+}
+}  // namespace jm_simt
 template <typename V>
 inline V __shfl_up_sync(unsigned mask, V v, int delta) {
-  static_assert(sizeof(V) == 4, "32-bit shuffles");
-  if (mask != 0xFFFFFFFFu) jm_simt::fail("__shfl_up_sync with a partial mask is not emulated");
-  V r;
-  jm_simt::warp_collective(&jm_simt::shfl_delta_collective<V, false>, "__shfl_up_sync", &v, &delta, nullptr, nullptr,
-                           &r);
-  return r;
+  return jm_simt::shfl_delta<V, false>(mask, v, delta, "__shfl_up_sync");
 }
 template <typename V>
 inline V __shfl_xor_sync(unsigned mask, V v, int lane_mask) {
-  static_assert(sizeof(V) == 4, "32-bit shuffles");
-  if (mask != 0xFFFFFFFFu) jm_simt::fail("__shfl_xor_sync with a partial mask is not emulated");
-  V r;
-  jm_simt::warp_collective(&jm_simt::shfl_delta_collective<V, true>, "__shfl_xor_sync", &v, &lane_mask, nullptr,
-                           nullptr, &r);
-  return r;
+  return jm_simt::shfl_delta<V, true>(mask, v, lane_mask, "__shfl_xor_sync");
 }
 inline unsigned __match_any_sync(unsigned mask, int v) {
   if (mask != 0xFFFFFFFFu) jm_simt::fail("__match_any_sync with a partial mask is not emulated");
