@@ -257,16 +257,16 @@ class EmuKernel:
         except SimtError as e:
             raise SimtError(f"{self.name}: {name_dependent(self.lib, params, str(e), before)}") from None
         if self.stream is not None:
-            self.stream.record(self.lib, self.name, params, pdl, early, nowait, before)
+            self.stream.record(self.lib, self.name, params, early, nowait, before)
 
 
 class Launched:
-    """One kernel of an emulated stream: the buffers it reads and writes, how it launched and synchronized, and the
-    kernels that could still run when it started (Stream.overlapping)."""
+    """One kernel of an emulated stream: the buffers it writes, whether the kernel after it could start before it
+    waited (early) or it never waited (nowait), and the kernels that could still run when it started."""
 
-    def __init__(self, name, reads, writes, pdl, early, nowait, overlapping):
-        self.name, self.reads, self.writes = name, reads, writes
-        self.pdl, self.early, self.nowait, self.overlapping = pdl, early, nowait, overlapping
+    def __init__(self, name, writes, early, nowait, overlapping):
+        self.name, self.writes = name, writes
+        self.early, self.nowait, self.overlapping = early, nowait, overlapping
 
 
 class Stream:
@@ -290,22 +290,21 @@ class Stream:
             return [last] + (last.overlapping if last.early else [])
         return last.overlapping if last.nowait else []
 
-    def record(self, lib, name, params, pdl, early, nowait, overlapping) -> None:
-        reads, writes = access_fields(name, params)
-        spans = lambda fields: [lib.span_of(getattr(params, f)) for f in fields if getattr(params, f)]
-        w = spans(writes)
-        if None in w:
+    def record(self, lib, name, params, early, nowait, overlapping) -> None:
+        writes = [lib.span_of(getattr(params, f)) for f in written_fields(name, params) if getattr(params, f)]
+        if None in writes:
             raise AssertionError(f"{name} writes a buffer outside guarded memory")
-        self.launched.append(Launched(name, [x for x in spans(reads) if x], w, pdl, early, nowait, overlapping))
+        self.launched.append(Launched(name, writes, early, nowait, overlapping))
 
 
-def access_fields(name: str, params: ctypes.Structure) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(fields read, fields written) of a launch's buffers other than the layer constants."""
+def written_fields(name: str, params: ctypes.Structure) -> tuple[str, ...]:
+    """The parameters whose buffers a launch writes. (What it reads needs no record: a launch's own outputs are
+    dependent buffers already, so a kernel before it that still reads them is covered.)"""
     if hasattr(params, "tables_ready"):  # GemmParams: the GEMMs, the act-order gather
-        return ("a",) + TABLE_FIELDS, ("c", "ws", "counters")
+        return "c", "ws", "counters"
     if "align" in name:
-        return ("ids",), ("sorted_ids", "expert_ids", "num_padded")
-    return ("x", "sorted_ids", "expert_ids", "num_padded"), ("y", "route_ids")
+        return "sorted_ids", "expert_ids", "num_padded"
+    return "y", "route_ids"
 
 
 # The GEMM parameters (jitmarlin.ops._kernels.GemmParams) that point at memory the kernel before may still use
