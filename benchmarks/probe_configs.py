@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672")
     ap.add_argument("--m", default="1")
     ap.add_argument("--configs", required=True, help="comma-separated TILE_TAG-wN[-gG], e.g. w8_k128_s6_bk-w4 "
-                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model, routeH0: without the rule that halves the plain 128- / 64-token tile's K splits into a cluster of 2 (gemm.WGMMA_CLUSTER_HALVE), routeHT0: without it taking M = 145-256 from the table's tall tiles (gemm.WGMMA_HALVE_OVER_TALL, session 47), routeHTK: with it at any K (WGMMA_HALVE_MAX_K, and WGMMA_HALVE_TALL_MAX_K for the 256-token tile), routeC0: the cost model above M = 256 of sessions 44-46 (S44_FIT_*, before session 47's refit), routeC47: session 47's (S47_FIT_*, without the 176- / 208- / 224- / 240-token tiles of session 48), routeC49: the cost model with its fix-up terms scaled by the tile's rows (S49_FIT_*, gemm.WGMMA_COST_FIXUP_ROWS; prepared in session 48), routeR47: the table's rows at M = 129-256 of session 47 (256-token tiles where session 48 runs 208 / 224 / 240), routeM129: the cost model's tall tile from M = 129 instead of the table's rows at M = 129-256 (gemm.WGMMA_TALL_MODEL_MIN_M), routeS: with the strip kernel's route at M <= 32 (gemm.STRIP_ROUTE, sessions 49-50); strip-w{WARPS}-c{CLUSTER}[-t{BLOCKS}][-s]: the strip kernel of that config (K.STRIP_CONFIGS; -tB: B blocks of 8 tokens, M <= 8 B; default: the fewest that hold M; -s: its weights' ring in shared memory); routeHF<D>: the halving rule where two splits per tile fill 0.D of the SMs, either token tile (gemm.WGMMA_HALVE_MIN_FILL: 0.9 to session 47, then 0.6 / 0.7 for the 128- / 64-token tile; routeHF9 the old rule, routeHF55 0.55); a +ws suffix: wgmma K splits summed through the workspace instead of a cluster, +c4: in clusters of up to 4; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
+                    "(route: the heuristic's choice, route0: it without the 128-token stream-K rule gemm.wgmma_route_stream2, routeT0: without the tall-tile rule gemm.wgmma_route_tall, routeTab: its table rows above M = 256 instead of the cost model, routeH0: without the rule that halves the plain 128- / 64-token tile's K splits into a cluster of 2 (gemm.WGMMA_CLUSTER_HALVE), routeHT0: without it taking M = 145-256 from the table's tall tiles (gemm.WGMMA_HALVE_OVER_TALL, session 47), routeHTK: with it at any K (WGMMA_HALVE_MAX_K, and WGMMA_HALVE_TALL_MAX_K for the 256-token tile), routeC0: the cost model above M = 256 of sessions 44-46 (S44_FIT_*, before session 47's refit), routeC47: session 47's (S47_FIT_*, without the 176- / 208- / 224- / 240-token tiles of session 48), routeC49: the cost model with its fix-up terms scaled by the tile's rows (S49_FIT_*, gemm.WGMMA_COST_FIXUP_ROWS; prepared in session 48), routeR47: the table's rows at M = 129-256 of session 47 (256-token tiles where session 48 runs 208 / 224 / 240), routeM129: the cost model's tall tile from M = 129 instead of the table's rows at M = 129-256 (gemm.WGMMA_TALL_MODEL_MIN_M), routeS: with the strip kernel's route at M <= 32 (gemm.STRIP_ROUTE, sessions 49-50); routeS0: without its default route on small shapes (gemm.STRIP_SMALL, session 52); strip-w{WARPS}-c{CLUSTER}[-t{BLOCKS}][-s]: the strip kernel of that config (K.STRIP_CONFIGS; -tB: B blocks of 8 tokens, M <= 8 B; default: the fewest that hold M; -s: its weights' ring in shared memory); routeHF<D>: the halving rule where two splits per tile fill 0.D of the SMs, either token tile (gemm.WGMMA_HALVE_MIN_FILL: 0.9 to session 47, then 0.6 / 0.7 for the 128- / 64-token tile; routeHF9 the old rule, routeHF55 0.55); a +ws suffix: wgmma K splits summed through the workspace instead of a cluster, +c4: in clusters of up to 4; wgmma-n{NT}-f{FW}-s{STAGES}[-k{SPLITS}|-sk][-w]: the sm_90a kernel, -sk "
                     "stream-K, -w its wide form (four warpgroups of one strip; FW = 2 configs added by --extra-wgmma "
                     "NT-2-S-w)) "
                     "or w8_k128_s6_bk-w4-g132 (132 CTAs: fewer than fit, or more for a second wave)")
@@ -112,6 +112,7 @@ def main() -> None:
     cost = dict(G.WGMMA_COST_PER_STAGE), dict(G.WGMMA_COST_TERMS)  # the shipped cost model (routeC0 swaps it)
     halve_k, tall_k, halve_fill = G.WGMMA_HALVE_MAX_K, dict(G.WGMMA_HALVE_TALL_MAX_K), dict(G.WGMMA_HALVE_MIN_FILL)
     tall_route, fixup_rows, strip_on = G.WGMMA_TALL_ROUTE, G.WGMMA_COST_FIXUP_ROWS, G.STRIP_ROUTE
+    strip_small = G.STRIP_SMALL
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         q, s = make_weights(k, n, bits=args.bits)
@@ -142,11 +143,12 @@ def main() -> None:
             G.WGMMA_COST_PER_STAGE.update(old_fit.get(cfg, cost)[0])
             G.WGMMA_COST_TERMS.update(old_fit.get(cfg, cost)[1])
             G.WGMMA_TALL_ROUTE = S47_TALL_ROUTE if cfg == "routeR47" else tall_route  # routeR47: session 47's rows
-            G.STRIP_ROUTE = cfg == "routeS" or strip_on  # routeS: the strip kernel's route at M <= 16 (session 49)
+            G.STRIP_ROUTE = cfg == "routeS" or strip_on  # routeS: the strip kernel's route at M <= 32 (session 49)
+            G.STRIP_SMALL = cfg != "routeS0" and strip_small  # routeS0: without it on small shapes (session 52)
             G.wgmma_launch.cache_clear()
             G.prepare_launch.cache_clear()
             if cfg in ("route", "route0", "routeT0", "routeTab", "routeH0", "routeHT0", "routeHTK", "routeC0", "routeM129",
-                       "routeC47", "routeR47", "routeC49", "routeS") or hf:
+                       "routeC47", "routeR47", "routeC49", "routeS", "routeS0") or hf:
                 override = None
             elif cfg.startswith("strip-"):  # the strip kernel: strip-w{WARPS}-c{CLUSTER}[-t{TOKEN BLOCKS}][-s]
                 w, c, t, sm = re.fullmatch(r"strip-w(\d+)-c(\d+)(?:-t(\d))?(-s)?", cfg).groups()

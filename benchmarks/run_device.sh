@@ -1196,12 +1196,12 @@ for st in $STAGES; do
            # 8-bit spot checks, then the GPU suite but the wgmma file (strip tests first: s50a's run stopped at a test bug)
            SH=1024x1024,2048x2048,4096x1024,1024x4096,4096x2048,2048x4096,8192x2048,2048x8192,4096x4096,14336x1024,5120x2048
            timeout 150 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,4,8,16 --shapes $SH \
-             --configs route,routeS,strip-w16-c1,strip-w16-c2,strip-w16-c4,strip-w8-c1,strip-w8-c2,strip-w16-c2-s,strip-w8-c1-s \
+             --configs routeS0,route,routeS,strip-w16-c1,strip-w16-c2,strip-w16-c4,strip-w8-c1,strip-w8-c2,strip-w16-c2-s,strip-w8-c1-s \
              > "$OUT/s52a.log" 2>&1
            echo "s52a probe f16 rc=$?"
            for v in "--dtype bf16" "--dtype f16 --bits 8"; do
              timeout 60 python3 benchmarks/probe_configs.py $v --settle 0.1 --m 1,8 --shapes 2048x2048,4096x4096,4096x1024 \
-               --configs route,routeS >> "$OUT/s52a.log" 2>&1
+               --configs routeS0,route,routeS >> "$OUT/s52a.log" 2>&1
              echo "s52a probe [$v] rc=$?"
            done
            python3 benchmarks/strip_pick.py "$OUT/s52a.log"

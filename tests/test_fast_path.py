@@ -63,6 +63,8 @@ def recorded(monkeypatch):
     monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, *form: _Recorder(
         log, K.wgmma_kernel_name(fam, nt, fw, st, *form)))  # form: wide (and later variants)
     monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, cc: _Recorder(log, tile.tag()))
+    monkeypatch.setattr(K, "get_strip_kernel", lambda fam, w, c, t, smem, index, cc, perm=False: _Recorder(
+        log, K.strip_kernel_name(fam, w, c, t, smem, perm)))  # small problems route to it by default (strip_small)
     monkeypatch.setattr(K, "default_workspace", lambda device: ws)
     monkeypatch.setattr(K, "current_stream_handle", lambda device: 1234)
     monkeypatch.setattr(K, "cuda_index", lambda device: 0)
@@ -110,9 +112,10 @@ def test_fast_path_makes_the_general_paths_launches(recorded, bits, group, zp, b
             assert log[0][-1] == fast_out.data_ptr()
             kernels.add(log[0][0])
     assert ws.ensured  # split launches reserved their workspace
-    # every kind of route was compared: mma.sync tiles, and the wgmma kernel's 16/32/64/128-token,
+    # every kind of route was compared: mma.sync tiles, the strip kernel, and the wgmma kernel's 16/32/64/128-token,
     # wide and tall-token-tile (two-compute-warpgroup) forms
-    assert any(not name.startswith("jm_wgmma") for name in kernels), kernels
+    assert any(not name.startswith(("jm_wgmma", "jm_strip")) for name in kernels), kernels
+    assert any(name.startswith("jm_strip_") for name in kernels), kernels  # 4096^2 at M = 1 / 7 (gemm.strip_small)
     for part in ("_n16_", "_n32_", "_n64_", "_n128_f1", "_wide", "_n256_f1_s4_prod2"):
         assert any(part in name for name in kernels), (part, kernels)
 

@@ -959,7 +959,8 @@ def test_strip_kernels_in_the_build():
 
 
 def test_strip_choice_rule(monkeypatch):
-    """Off by default; on, the first of STRIP_ORDER whose grid runs in one wave, clusters at most one CTA per SM."""
+    """Off by default but on small problems (gemm.strip_small); on, the first of STRIP_ORDER whose grid runs in one
+    wave, clusters at most one CTA per SM."""
     from jitmarlin.ops import gemm as G
 
     fam = K.Family("f16", 4, False, 128)
@@ -972,6 +973,17 @@ def test_strip_choice_rule(monkeypatch):
     monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
     K.env_flag.cache_clear()
     assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) is None  # STRIP_ROUTE off
+    # by default only the small region (STRIP_SMALL: M <= 8, K x N <= 2^24), where the H200 measured it faster
+    assert G.strip_choice(1, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)
+    assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)
+    assert G.strip_choice(8, 1920, 8192, fam, sms, at_once) == (16, 4, 1, 0)  # 30 strips x 4
+    assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) is None  # M past STRIP_SMALL_MAX_M
+    assert G.strip_choice(1, 4160, 4096, fam, sms, at_once) is None  # K x N past 2^24
+    assert G.strip_choice(1, 4096, 4160, fam, sms, at_once) is None
+    assert G.strip_choice(1, 4096, 4096, K.Family("f16", 4, False, 128, moe=True), sms, at_once) is None
+    monkeypatch.setattr(G, "STRIP_SMALL", False)
+    assert G.strip_choice(1, 4096, 4096, fam, sms, at_once) is None
+    monkeypatch.setattr(G, "STRIP_SMALL", True)
     monkeypatch.setenv("JITMARLIN_STRIP", "1")
     K.env_flag.cache_clear()
     try:

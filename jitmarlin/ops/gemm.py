@@ -1390,17 +1390,29 @@ def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, t
                          f"of N={n} do not all fit on the device at once")
 
 
-# The strip kernel's route: off (STRIP_ROUTE = False) until the H200 measures it against the current routes at
-# M <= 16 (prepared in session 49, whose device time ran out after a first run with wrong weight addressing; the
-# probe config `routeS` turns it on for an A/B; JITMARLIN_STRIP=1 for whole models, e.g. bench_e2e). Candidates in
-# order: the most warps per strip whose grid runs in one wave (every CTA the same bytes, so the launch ends together),
-# clusters where the strips alone fill too few SMs.
+# The strip kernel's route. Measured on the H200 (session 52, stage s50a, every config against the route at M = 1-16
+# on nine shapes): correct everywhere but slower on every shape from 8192^2 up (1.15-1.8x the route's time, its best
+# config included: a CTA per 64-column strip streams a whole column of K, and those CTAs fill the SMs unevenly or
+# too thinly), and faster on the small ones only: 4096^2 at M <= 8 (7.1-7.8 -> 5.8-6.6 us), where the route's
+# K-split fix-up is a large share of a short call. So it is routed only there: STRIP_SMALL (M <= STRIP_SMALL_MAX_M,
+# K x N <= STRIP_SMALL_MAX_KN; stage s52a measured that region). STRIP_ROUTE = True (or JITMARLIN_STRIP=1) forces it on
+# every dense problem of M <= 32 and on the MoE layer's one-token form (the A/B switch of probe_configs' `routeS` and
+# bench_e2e / bench_moe). Candidates in order: the most warps per strip whose grid runs in one wave (every CTA the same
+# bytes, so the launch ends together), clusters where the strips alone fill too few SMs.
 STRIP_ROUTE = False
+STRIP_SMALL = True
+STRIP_SMALL_MAX_M = 8
+STRIP_SMALL_MAX_KN = 1 << 24
 
 
 def strip_route_on() -> bool:
-    """gemm.STRIP_ROUTE, or JITMARLIN_STRIP=1 (read once: K.env_flag)."""
+    """gemm.STRIP_ROUTE, or JITMARLIN_STRIP=1 (read once: K.env_flag): the strip kernel forced on (A/B runs)."""
     return STRIP_ROUTE or K.env_flag("JITMARLIN_STRIP")
+
+
+def strip_small(m: int, n: int, k: int) -> bool:
+    """Whether (M, N, K) is in the region the strip kernel is routed on by default (STRIP_SMALL)."""
+    return STRIP_SMALL and m <= STRIP_SMALL_MAX_M and k * n <= STRIP_SMALL_MAX_KN
 
 
 STRIP_ORDER: tuple[tuple[int, int, int, int], ...] = (  # (warps, cluster, token blocks, smem ring); blocks hold M
@@ -1410,11 +1422,12 @@ STRIP_ORDER: tuple[tuple[int, int, int, int], ...] = (  # (warps, cluster, token
 
 
 def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tuple[int, int, int, int] | None:
-    """(warps, cluster, token blocks, smem ring) of the strip kernel for a dense M <= 32 problem, or None (STRIP_ROUTE
-    off, MoE, shape). at_once(warps, cluster, toks, smem) -> CTAs of that config the device runs together (0: cannot
-    run). The first of STRIP_ORDER with the fewest token blocks that hold M whose N / 64 x cluster CTAs all run at
-    once, clusters only while those CTAs are at most one per SM (pure given at_once; CPU-tested)."""
-    if not strip_route_on() or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
+    """(warps, cluster, token blocks, smem ring) of the strip kernel for a dense M <= 32 problem, or None (outside
+    strip_small with STRIP_ROUTE off, MoE, shape). at_once(warps, cluster, toks, smem) -> CTAs of that config the
+    device runs together (0: cannot run). The first of STRIP_ORDER with the fewest token blocks that hold M whose
+    N / 64 x cluster CTAs all run at once, clusters only while those CTAs are at most one per SM (pure given at_once;
+    CPU-tested)."""
+    if not (strip_route_on() or strip_small(m, n, k)) or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
         return None
     if fam.group_size > 0 and k % fam.group_size:
         return None
@@ -1434,7 +1447,9 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
 def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = False) -> tuple[int, int, int, int] | None:
     """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver; perm:
     of the act-order forms)."""
-    if m > K.STRIP_MAX_M or not strip_route_on() or fam.moe or not K.strip_built(fam, _cc(index)):
+    if m > K.STRIP_MAX_M or not (strip_route_on() or strip_small(m, n, k)) or fam.moe:
+        return None
+    if not K.strip_built(fam, _cc(index)):
         return None
     sms = driver.device(index).sm_count
 
