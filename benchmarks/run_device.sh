@@ -1191,6 +1191,19 @@ for st in $STAGES; do
     s49d)  # session 49: where the route's time goes at M = 1 / 16 on the shapes farthest from the floor (per-CTA timeline)
            timeout 200 python3 benchmarks/probe_timeline.py --shapes 8192x8192,4096x4096,4096x28672,14336x4096,4096x11008 \
              --m 1,16 2>&1 | grep -v "^jitmarlin:" > "$OUT/s49d.log"; echo "s49d rc=$?"; cat "$OUT/s49d.log";;
+    s52b)  # session 52: the GPU test files s52a's run did not reach (it stopped at 400 s inside test_linear_gpu.py; the
+           # wgmma file is left for a later call), on the strip kernel's small-shape route (gemm.strip_small) with its
+           # shared-memory ring from K = 8192; then that rule's one new cell (8192x2048) and bench_gemm's 4096^2 rows
+           timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_strip_gpu.py \
+             tests/gpu/test_linear_gpu.py tests/gpu/test_model_gpu.py tests/gpu/test_tuning_gpu.py tests/gpu/test_moe_gpu.py \
+             tests/gpu/test_moe_util_gpu.py > "$OUT/s52b_tests.log" 2>&1
+           echo "s52b tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s52b_tests.log" | head -20; tail -3 "$OUT/s52b_tests.log"
+           timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,4,8 --shapes 8192x2048,4096x1024 \
+             --configs routeS0,route,strip-w16-c2,strip-w16-c2-s > "$OUT/s52b.log" 2>&1
+           echo "s52b probe rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s52b.log"
+           timeout 120 python3 benchmarks/bench_gemm.py --json "$OUT/s52b_gemm.json" --shapes 4096x4096 --m 1,16 \
+             --variants none > "$OUT/s52b_gemm.log" 2>&1
+           echo "s52b bench rc=$?"; grep -E "^\|" "$OUT/s52b_gemm.log" | tail -8;;
     s52a)  # session 52: s50a's probe (strip kernel vs the route on nine shapes) lost on every shape but 4096^2 (M <= 8:
            # 0.78-0.85x) and near even on 11008x4096; here the small shapes (K*N <= 2^24) it may win on, f16 then bf16 and
            # 8-bit spot checks, then the GPU suite but the wgmma file (strip tests first: s50a's run stopped at a test bug)

@@ -976,7 +976,9 @@ def test_strip_choice_rule(monkeypatch):
     # by default only the small region (STRIP_SMALL: M <= 8, K x N <= 2^24), where the H200 measured it faster
     assert G.strip_choice(1, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)
     assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)
-    assert G.strip_choice(8, 1920, 8192, fam, sms, at_once) == (16, 4, 1, 0)  # 30 strips x 4
+    assert G.strip_choice(8, 1920, 8192, fam, sms, at_once) == (16, 4, 1, 0)  # 30 strips x 4 (no ring form of c4)
+    assert G.strip_choice(1, 2048, 8192, fam, sms, at_once) == (16, 2, 1, 1)  # 32 x 2, K = 8192: the smem ring
+    assert G.strip_choice(1, 2048, 4096, fam, sms, at_once) == (16, 2, 1, 0)
     assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) is None  # M past STRIP_SMALL_MAX_M
     assert G.strip_choice(1, 4160, 4096, fam, sms, at_once) is None  # K x N past 2^24
     assert G.strip_choice(1, 4096, 4160, fam, sms, at_once) is None
@@ -987,12 +989,13 @@ def test_strip_choice_rule(monkeypatch):
     monkeypatch.setenv("JITMARLIN_STRIP", "1")
     K.env_flag.cache_clear()
     try:
-        assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 0)  # the switch for whole models
+        assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 1)  # the switch for whole models
     finally:
         monkeypatch.delenv("JITMARLIN_STRIP")
         K.env_flag.cache_clear()
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
-    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 0)  # 128 strips
+    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 1)  # 128 strips; K = 8192: the smem ring
+    assert G.strip_choice(1, 8192, 4096, fam, sms, at_once) == (16, 1, 1, 0)  # K below STRIP_RING_MIN_K
     assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)  # 64 strips x 2
     assert G.strip_choice(1, 1920, 4096, fam, sms, at_once) == (16, 4, 1, 0)  # 30 strips x 4 = 120 clusters' CTAs
     assert G.strip_choice(1, 2048, 4096, fam, sms, at_once) == (16, 2, 1, 0)  # 32 x 4 = 128 > 120 fit: pairs
@@ -1001,7 +1004,10 @@ def test_strip_choice_rule(monkeypatch):
     assert G.strip_choice(1, 64 * 600, 4096, fam, sms, at_once) is None  # more than one wave of anything
     assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) == (16, 2, 2, 0)  # M = 9-16: two token blocks
     assert G.strip_choice(16, 1920, 4096, fam, sms, at_once) == (16, 2, 2, 0)  # (no clusters of 4 with two blocks)
-    assert G.strip_choice(16, 28672, 8192, fam, sms, at_once) == (4, 1, 2, 0)
+    assert G.strip_choice(16, 28672, 8192, fam, sms, at_once) == (4, 1, 2, 1)
+    assert G.strip_choice(16, 28672, 4096, fam, sms, at_once) == (4, 1, 2, 0)
+    assert G.strip_choice(16, 4096, 8192, fam, sms, at_once) == (16, 2, 2, 1)
+    assert G.strip_choice(9, 1920, 8192, fam, sms, at_once) == (16, 2, 2, 1)
     # M = 17-32: three / four token blocks in the shared-memory ring form (at most 8 warps per CTA)
     assert G.strip_choice(17, 8192, 8192, fam, sms, at_once) == (8, 1, 3, 1)
     assert G.strip_choice(32, 4096, 4096, fam, sms, at_once) == (8, 2, 4, 1)  # 64 strips x 2

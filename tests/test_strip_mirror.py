@@ -111,7 +111,8 @@ def test_strip_configs_fit_the_kernel_limits():
 
 
 def test_strip_pick_reads_probe_logs(tmp_path, capsys, monkeypatch):
-    """benchmarks/strip_pick.py (stage s50a's summary): means over rounds, drops wrong results, ratios to the route."""
+    """benchmarks/strip_pick.py (stages s50a / s52a): means over rounds, drops wrong results, ratios to the old route
+    (routeS0 where the log has it)."""
     import importlib.util
     from pathlib import Path
 
@@ -127,11 +128,18 @@ def test_strip_pick_reads_probe_logs(tmp_path, capsys, monkeypatch):
         "[default] f16 u4 8192x8192 M=1 strip-w16-c1: 10.0 us (floor 8.2) err 2.1e-04",
         "[default] f16 u4 8192x8192 M=1 strip-w8-c1: 5.0 us (floor 8.2) err 1.4e+00",  # wrong: dropped
         "[default] f16 u4 8192x8192 M=1 strip-w4-c1: failed: [...]",
+        # stage s52a: routeS0 (the route without the strip kernel's small-shape region) is the old route's time
+        "[default] f16 u4 4096x4096 M=1 routeS0: 8.0 us (floor 2.1) err 2.1e-04",
+        "[default] f16 u4 4096x4096 M=1 route: 6.0 us (floor 2.1) err 2.1e-04",
+        "[default] f16 u4 4096x4096 M=1 routeS: 6.0 us (floor 2.1) err 2.1e-04",
     ]) + "\n")
     cells = mod.read(str(log), 1e-2)
-    assert cells == {("f16", "u4", "8192x8192", 1): {"route": 15.0, "routeS": 10.0, "strip-w16-c1": 10.0}}
+    assert cells == {("f16", "u4", "8192x8192", 1): {"route": 15.0, "routeS": 10.0, "strip-w16-c1": 10.0},
+                     ("f16", "u4", "4096x4096", 1): {"routeS0": 8.0, "route": 6.0, "routeS": 6.0}}
     monkeypatch.setattr("sys.argv", ["strip_pick.py", str(log)])
     mod.main()
     out = capsys.readouterr().out
-    assert "| 8192x8192 | 1 | 15.0 | 10.0 | 0.67 | strip-w16-c1 | 10.0 | 0.67 |" in out
-    assert "geometric mean 0.667 over 1 cells" in out
+    assert "| 8192x8192 | 1 | 15.0 | — | — | 10.0 | 0.67 | strip-w16-c1 | 10.0 | 0.67 |" in out
+    assert "| 4096x4096 | 1 | 8.0 | 6.0 | 0.75 | 6.0 | 0.75 | — | — | — |" in out
+    assert "routeS / old route: geometric mean 0.707 over 2 cells" in out
+    assert "route / old route: geometric mean 0.750 over 1 cells" in out

@@ -1403,6 +1403,9 @@ STRIP_ROUTE = False
 STRIP_SMALL = True
 STRIP_SMALL_MAX_M = 8
 STRIP_SMALL_MAX_KN = 1 << 24
+# From K = 8192 the shared-memory ring form of the chosen config, where built (s52a: 8192x2048 M = 1-8 0.95x the old
+# route with it, 1.03-1.06x without; s50a: 11008x4096 0.91-0.97x vs 0.96-1.03x, 8192^2 17.1 vs 19.1 us)
+STRIP_RING_MIN_K = 8192
 
 
 def strip_route_on() -> bool:
@@ -1425,8 +1428,8 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
     """(warps, cluster, token blocks, smem ring) of the strip kernel for a dense M <= 32 problem, or None (outside
     strip_small with STRIP_ROUTE off, MoE, shape). at_once(warps, cluster, toks, smem) -> CTAs of that config the
     device runs together (0: cannot run). The first of STRIP_ORDER with the fewest token blocks that hold M whose
-    N / 64 x cluster CTAs all run at once, clusters only while those CTAs are at most one per SM (pure given at_once;
-    CPU-tested)."""
+    N / 64 x cluster CTAs all run at once, clusters only while those CTAs are at most one per SM, in its shared-memory
+    ring form from K = STRIP_RING_MIN_K where that is built and fits (pure given at_once; CPU-tested)."""
     if not (strip_route_on() or strip_small(m, n, k)) or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
         return None
     if fam.group_size > 0 and k % fam.group_size:
@@ -1440,6 +1443,9 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
         if cluster > 1 and grid > sms:
             continue
         if grid <= at_once(*cfg):
+            ring = (warps, cluster, t, 1)  # long K: the same config with its weights' ring in shared memory
+            if k >= STRIP_RING_MIN_K and ring in K.STRIP_CONFIGS and grid <= at_once(*ring):
+                return ring
             return cfg
     return None
 
