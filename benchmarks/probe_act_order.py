@@ -38,7 +38,12 @@ def main() -> None:
                     help="smallest M for the shared-memory gather (0: the library's, gemm.GATHER_SMEM_MIN_M)")
     ap.add_argument("--wgmma-pdl", type=int, default=-1, choices=(-1, 0, 1),
                     help="launch the wgmma kernel after the gather as a programmatic dependent (-1: the library's rule)")
+    ap.add_argument("--strip-small", type=int, default=-1, choices=(-1, 0, 1),
+                    help="the strip kernel's small-problem route, whose act-order form gathers in the kernel "
+                         "(gemm.STRIP_SMALL; -1: the library's)")
     args = ap.parse_args()
+    if args.strip_small >= 0:
+        G.STRIP_SMALL = bool(args.strip_small)
     if args.gather_smem_min_m:
         G.GATHER_SMEM_MIN_M = args.gather_smem_min_m
     if args.wgmma_pdl >= 0:
@@ -59,7 +64,7 @@ def main() -> None:
     tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} gather PDL={args.gather_pdl} "
            f"flags={os.environ.get('JITMARLIN_NVCC_FLAGS', '') or '-'} WGMMA={os.environ.get('JITMARLIN_WGMMA', 'auto')} "
            f"w16 stages={args.w16_stages or 'route'} smem gather from M={G.GATHER_SMEM_MIN_M} "
-           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER}")
+           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER} strip small={G.STRIP_SMALL}")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
@@ -83,6 +88,8 @@ def main() -> None:
             rc = G.wgmma_route_config(m, n, k, G.driver.device(0).sm_count)
             route = ("wgmma-n%d-f%d-s%d" % rc[:3] + ("-w" if rc[3] else "")
                      if G.use_wgmma_path(m, n, k, fam, 0) else f"{plan.tile.tag()}-w{plan.nwarps}")
+            strip = G.strip_route(m, n, k, fam, 0)
+            route = "strip-w%d-c%d-t%d%s" % (*strip[:3], "-s" if strip[3] else "") if strip else route
             print(f"[{tag}] {k}x{n} M={m}: layer {layer:.1f} us, gemm on gathered A {gemm:.1f}, gather alone "
                   f"{gather:.1f} ({route})", flush=True)
 

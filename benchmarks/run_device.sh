@@ -1201,6 +1201,10 @@ for st in $STAGES; do
            timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,4,8 --shapes 8192x2048,4096x1024 \
              --configs routeS0,route,strip-w16-c2,strip-w16-c2-s > "$OUT/s52b.log" 2>&1
            echo "s52b probe rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s52b.log"
+           for sw in 0 1; do  # act-order on the small shapes: gather + route (0) vs the strip kernel's in-kernel gather (1)
+             timeout 60 python3 benchmarks/probe_act_order.py --m 1,8 --shapes 4096x4096,2048x2048,4096x1024 \
+               --strip-small $sw 2>&1 | grep -v "^done" | tee -a "$OUT/s52b_actorder.log"
+           done
            timeout 120 python3 benchmarks/bench_gemm.py --json "$OUT/s52b_gemm.json" --shapes 4096x4096 --m 1,16 \
              --variants none > "$OUT/s52b_gemm.log" 2>&1
            echo "s52b bench rc=$?"; grep -E "^\|" "$OUT/s52b_gemm.log" | tail -8;;
