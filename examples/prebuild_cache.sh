@@ -10,7 +10,8 @@
 #   JITMARLIN_BITS    weight bits 4, 8                           [4]
 #   JITMARLIN_GROUPS  group sizes: -1, 32, 64, multiples of 128  [128]
 # For each combination it builds the dense GEMM kernels symmetric (GPTQ sym, quantize_model) and
-# with zero points (AWQ, asymmetric GPTQ), and the same two for mixture-of-experts layers. No GPU
+# with zero points (AWQ, asymmetric GPTQ), with the act-order forms of the sm_90 strip kernels
+# (GPTQ desc_act), and the same two for mixture-of-experts layers. No GPU
 # is needed (--arch names the targets); nvcc of the CUDA major version of torch is.
 #
 # In a Dockerfile (build as the user that will run the server: jitmarlin refuses cache
@@ -43,8 +44,8 @@ export JITMARLIN_CACHE_DIR="$cache_dir"
 if command -v jitmarlin >/dev/null 2>&1; then jm=(jitmarlin); else jm=("${PYTHON:-python3}" -m jitmarlin); fi
 "${jm[@]}" info
 common=(--arch "$archs" --dtype "$dtypes" --bits "$bits" "--group-size=$groups")
-"${jm[@]}" build "${common[@]}"                       # dense, symmetric
-"${jm[@]}" build "${common[@]}" --zero-points         # dense, zero points
+"${jm[@]}" build "${common[@]}" --act-order           # dense, symmetric (+ act-order strip forms, sm_90)
+"${jm[@]}" build "${common[@]}" --zero-points --act-order  # dense, zero points
 "${jm[@]}" build "${common[@]}" --moe                 # mixture of experts, symmetric
 "${jm[@]}" build "${common[@]}" --moe --zero-points   # mixture of experts, zero points
 "${jm[@]}" cache list

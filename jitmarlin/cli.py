@@ -305,6 +305,9 @@ def cmd_build(args: argparse.Namespace) -> int:
                 f"cannot build for this machine's GPU: {why}. To build without a GPU, name the target "
                 "architectures, e.g. `jitmarlin build --arch 8.0,9.0`.")
     small = args.tiles == "small"
+    if args.act_order and (args.moe or small):
+        raise ValueError("--act-order adds the act-order forms of the dense strip kernels (sm_90), which "
+                         f"{'--moe' if args.moe else '--tiles small'} does not build: drop one of the two")
     families = [K.Family(d, b, args.zero_points, g, moe=args.moe)
                 for d, b, g in itertools.product(dtypes, bits, groups)]
 
@@ -326,6 +329,14 @@ def cmd_build(args: argparse.Namespace) -> int:
             if (9, 0) in ccs:
                 mod = build.get_module(K.wgmma_build_spec(fam, (9, 0)))
                 _out(f"wgmma {' '.join(f'{k}={v}' for k, v in fam.key())} sm_90a: {mod.path}")
+    if not small and not args.moe:  # sm_90+: the strip kernels the dense route takes on small problems (M <= 8),
+        for fam in families:        # with --act-order also their act-order forms (the gather inside the kernel)
+            for cc in ccs:
+                for perm in (False, True) if args.act_order else (False,):
+                    if K.strip_built(fam, cc):
+                        mod = build.get_module(K.strip_build_spec(fam, cc, perm))
+                        _out(f"strip{' act-order' if perm else ''} {' '.join(f'{k}={v}' for k, v in fam.key())} "
+                             f"{arch_name(cc)}: {mod.path}")
     if args.moe:  # the MoE path's helper kernels (align, SiLU-mul), one module per arch
         for cc in ccs:
             mod = build.get_module(K.moe_util_build_spec(cc))
@@ -454,6 +465,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="quantization group sizes: -1 (per channel), 32, 64, multiples of 128 (default 128)")
     s.add_argument("--zero-points", action="store_true", help="asymmetric weights with zero points (default symmetric)")
     s.add_argument("--moe", action="store_true", help="the mixture-of-experts kernels")
+    s.add_argument("--act-order", action="store_true",
+                   help="also the act-order forms of the sm_90 strip kernels (GPTQ desc_act layers; dense only)")
     s.add_argument("--tiles", choices=("all", "small"), default="all",
                    help="'small': only the first 2 tile configs (quick CI builds); default all")
     s.set_defaults(func=cmd_build)

@@ -230,13 +230,26 @@ def test_build_selects_families_and_archs(capsys, recorded_builds):
 def test_build_defaults_and_moe(capsys, recorded_builds):
     rc, out, err = run_cli(capsys, "build", "--arch", "9.0")
     assert rc == 0, err
-    spec, wgmma = recorded_builds
+    spec, wgmma, strip = recorded_builds
     fam = K.Family("f16", 4, False, 128)
     assert spec == K.build_spec(fam, (9, 0))  # all tiles by default
     assert {K.kernel_name(fam, t) for t in K.TILES} <= {stem for stem, _ in spec.sources}
     assert wgmma == K.wgmma_build_spec(fam, (9, 0))  # and on sm_90 the warpgroup-MMA kernels
+    assert strip == K.strip_build_spec(fam, (9, 0))  # and the strip kernels (routed on small problems)
+    assert "strip dtype=f16 weight=u4b8 group=g128 kind=dense sm_90: " in out
     recorded_builds.clear()
-    assert run_cli(capsys, "build", "--arch", "8.0")[0] == 0
+    rc, out, err = run_cli(capsys, "build", "--arch", "9.0", "--act-order")
+    assert rc == 0, err  # --act-order: their act-order forms too
+    assert recorded_builds[-2:] == [K.strip_build_spec(fam, (9, 0)), K.strip_build_spec(fam, (9, 0), True)]
+    assert "strip act-order dtype=f16" in out
+    # a cache miss under JITMARLIN_DISABLE_JIT names these commands
+    assert K.strip_build_spec(fam, (9, 0)).cli_hint == "jitmarlin build --arch 9.0 " + fam.cli_args()
+    assert K.strip_build_spec(fam, (9, 0), True).cli_hint.endswith(" --act-order")
+    for extra in ("--moe", "--tiles=small"):
+        rc, _, err = run_cli(capsys, "build", "--arch", "9.0", "--act-order", extra)
+        assert rc == 2 and "--act-order" in err and extra.split("=")[0] in err
+    recorded_builds.clear()
+    assert run_cli(capsys, "build", "--arch", "8.0", "--act-order")[0] == 0
     assert [s.family for s in recorded_builds] == ["gemm"]  # none on sm_80
     rc, _, _ = run_cli(capsys, "build", "--arch", "9.0", "--moe", "--tiles", "small")
     assert rc == 0 and recorded_builds[-2] == K.build_spec(K.Family("f16", 4, False, 128, moe=True), (9, 0),

@@ -301,8 +301,9 @@ def strip_build_spec(fam: Family, cc: tuple[int, int], perm: bool = False) -> Bu
     family = "strip_moe" if fam.moe else "strip_perm" if perm else "strip"
     return BuildSpec(family=family, cc=cc, key=fam.key(), sources=sources,
                      flags=extra_nvcc_flags(),
-                     cli_hint="(`jitmarlin build` does not prebuild the strip kernels, which nothing routes to by "
-                              "default: unset JITMARLIN_DISABLE_JIT for the first strip launch)")
+                     cli_hint=("(`jitmarlin build` does not prebuild the strip kernels' MoE form, which only "
+                               "JITMARLIN_STRIP=1 routes to: unset JITMARLIN_DISABLE_JIT for its first launch)") if fam.moe
+                     else f"jitmarlin build --arch {cc[0]}.{cc[1]} {fam.cli_args()}{' --act-order' if perm else ''}")
 
 
 @functools.lru_cache(maxsize=None)
