@@ -918,19 +918,26 @@ def test_wgmma_tall_row_144_small_n():
 
 
 def test_strip_kernels_in_the_build():
-    """The strip kernels (cuda_src/jm_strip.cuh) are a module of their own per sm_90 family (not in the family's
-    usual module: nothing routes to them by default), one source per config with the family's template arguments;
-    the act-order forms and the MoE form modules of their own."""
+    """The strip kernels (cuda_src/jm_strip.cuh) are modules of their own per sm_90 family (not in the family's
+    usual module), one source per config with the family's template arguments: the configs the route takes
+    ("strip"), the ones only A/B runs take ("strip_ab"); the act-order forms and the MoE form modules of their own."""
     for fam in (K.Family("f16", 4, False, 128), K.Family("bf16", 8, True, -1)):
-        names = [name for name, _ in K.strip_build_spec(fam, (9, 0)).sources]
-        assert names == [K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_CONFIGS] and len(set(names)) == len(names)
+        routed = [name for name, _ in K.strip_build_spec(fam, (9, 0)).sources]
+        ab = [name for name, _ in K.strip_build_spec(fam, (9, 0), ab=True).sources]
+        assert routed == [K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_ROUTED_CONFIGS]
+        names = routed + ab
+        assert sorted(names) == sorted(K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_CONFIGS)
+        assert len(set(names)) == len(names) == len(K.STRIP_CONFIGS) and len(routed) == 9
         assert K.strip_build_spec(fam, (9, 0)).family == "strip"
+        assert K.strip_build_spec(fam, (9, 0), ab=True).family == "strip_ab"
+        assert "JITMARLIN_STRIP=1" in K.strip_build_spec(fam, (9, 0), ab=True).cli_hint
         for cc in ((8, 0), (9, 0)):
             assert not any(name.startswith("jm_strip") for name, _ in K.build_spec(fam, cc).sources)
         with pytest.raises(ValueError, match="sm_90 and newer"):
             K.strip_build_spec(fam, (8, 0))
         for toks, smem in ((1, 0), (2, 0), (1, 1), (2, 1)):
-            src = dict(K.strip_build_spec(fam, (9, 0)).sources)[K.strip_kernel_name(fam, 16, 2, toks, smem)]
+            spec = K.strip_build_spec(fam, (9, 0), ab=toks > 1)
+            src = dict(spec.sources)[K.strip_kernel_name(fam, 16, 2, toks, smem)]
             assert '#include "jm_strip.cuh"' in src
             assert (f"{K.CTYPES[fam.dtype]}, {fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
                     f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem)}, "
@@ -939,15 +946,18 @@ def test_strip_kernels_in_the_build():
         # the act-order forms: a module of their own (built on the first act-order strip launch), names ending _p
         perm = K.strip_build_spec(fam, (9, 0), True)
         assert perm.family == "strip_perm" and perm.key == K.strip_build_spec(fam, (9, 0)).key
-        assert [name for name, _ in perm.sources] == [n + "_p" for n in names]
+        assert [name for name, _ in perm.sources] == [n + "_p" for n in routed]
+        assert [n for n, _ in K.strip_build_spec(fam, (9, 0), True, True).sources] == [n + "_p" for n in ab]
         assert all(src.rstrip().endswith(", true, false)") for _, src in perm.sources)
     # MoE families: the MoE form (one token block, no act-order), a module of its own
     moe = K.Family("f16", 4, False, 128, moe=True)
     spec = K.strip_build_spec(moe, (9, 0))
     assert spec.family == "strip_moe" and len(spec.sources) == len(K.STRIP_MOE_CONFIGS)
     assert all("_moe_w" in name and src.rstrip().endswith(", false, true)") for name, src in spec.sources)
-    with pytest.raises(ValueError, match="act-order forms for dense families"):
+    with pytest.raises(ValueError, match="act-order forms and A/B configs for dense families"):
         K.strip_build_spec(moe, (9, 0), True)
+    with pytest.raises(ValueError, match="act-order forms and A/B configs for dense families"):
+        K.strip_build_spec(moe, (9, 0), ab=True)
     with pytest.raises(ValueError, match="no strip kernel"):
         K.get_strip_kernel(moe, 16, 2, 1, 0, 0, (9, 0))  # (no clusters in the MoE form)
     with pytest.raises(ValueError, match="sm_90 and newer"):
@@ -956,6 +966,35 @@ def test_strip_kernels_in_the_build():
         K.get_strip_kernel(K.Family("f16", 4, False, 128), 12, 1, 1, 0, 0, (9, 0))
     with pytest.raises(ValueError, match="no strip kernel"):  # two token blocks come without clusters of 4
         K.get_strip_kernel(K.Family("f16", 4, False, 128), 16, 4, 2, 0, 0, (9, 0))
+
+
+def test_strip_small_route_takes_the_routed_module_only():
+    """Whatever the device's fit, the default route (gemm.strip_small) picks configs of the routed strip module, so a
+    model never builds the A/B-only one; forcing the strip kernel (STRIP_ROUTE) reaches the others."""
+    from jitmarlin.ops import gemm as G
+
+    fam = K.Family("f16", 4, False, 128)
+    seen, forced = set(), set()
+    for sms in (78, 108, 132, 170):
+        for per_sm in (1, 2, 4):
+            def at_once(warps, cluster, toks, smem):
+                return sms * max(1, per_sm * 16 // warps // 2) // (1 if cluster == 1 else 2)
+            for n in range(64, 16385, 64 * 7):
+                for k in (1024, 2048, 4096, 8192, 14336, 16384):
+                    for m in (1, 3, 8):
+                        cfg = G.strip_choice(m, n, k, fam, sms, at_once)
+                        if cfg is not None:
+                            assert k * n <= G.STRIP_SMALL_MAX_KN and cfg in K.STRIP_ROUTED_CONFIGS, (m, n, k, cfg)
+                            seen.add(cfg)
+    assert len(seen) >= 5, seen
+    G.STRIP_ROUTE = True
+    try:
+        for m in (9, 16, 17, 32):
+            c = G.strip_choice(m, 8192, 8192, fam, 132, lambda w, c, t, s: 132 * (16 // w))
+            forced.add(c)
+    finally:
+        G.STRIP_ROUTE = False
+    assert forced and not forced & set(K.STRIP_ROUTED_CONFIGS), forced
 
 
 def test_strip_choice_rule(monkeypatch):

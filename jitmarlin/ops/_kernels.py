@@ -219,12 +219,11 @@ def gather_kernel_source(fam: Family) -> str:
 
 # ---- the strip kernel (cuda_src/jm_strip.cuh): M <= 32 with no partial sums in global memory ----
 # A module of its own per dense family on sm_90 (it launches clusters and waits on the previous kernel with
-# griddepcontrol), built on the first strip launch only: nothing routes to it by default yet, so the family's
-# usual build does not pay for it. Configs: (warps per CTA, cluster size, token blocks of 8, ring in shared
-# memory), one cubin each. The register ring's depth follows the bits and the token blocks; the shared-memory ring
-# (smem = 1) holds
-# strip_ring_rows(bits) rows per lane. Two token blocks (M <= 16) come without clusters of 4. (Session 49 built
-# them all for the first H200 measurement; the ones no route takes go after it.)
+# griddepcontrol), built on the first strip launch (since session 52 the route takes it on small problems; the
+# configs only A/B runs take are a second module: STRIP_ROUTED_CONFIGS). Configs: (warps per CTA, cluster size,
+# token blocks of 8, ring in shared memory), one cubin each. The register ring's depth follows the bits and the token
+# blocks; the shared-memory ring (smem = 1) holds strip_ring_rows(bits) rows per lane. Two token blocks (M <= 16)
+# come without clusters of 4.
 STRIP_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1, 1, 0), (16, 2, 1, 0), (16, 4, 1, 0), (8, 1, 1, 0), (8, 2, 1, 0), (4, 1, 1, 0),
     (16, 1, 2, 0), (16, 2, 2, 0), (8, 1, 2, 0), (8, 2, 2, 0), (4, 1, 2, 0),
@@ -238,8 +237,24 @@ STRIP_MOE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0), (16, 1, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1))
 
 
+# The configs the default route can take (gemm.strip_small: one token block, gemm.STRIP_ORDER's entries and their
+# shared-memory ring forms): a dense family's first strip module ("strip", 9 kernels). The others, which only A/B
+# runs and JITMARLIN_STRIP=1 launch, are a module of their own ("strip_ab", built on their first launch), so a model
+# on sm_90 compiles the 9 and not all 24 (session 52).
+STRIP_ROUTED_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
+    (16, 1, 1, 0), (16, 2, 1, 0), (16, 4, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0),
+    (16, 1, 1, 1), (16, 2, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1))
+
+
 def strip_configs(fam: Family) -> tuple[tuple[int, int, int, int], ...]:
     return STRIP_MOE_CONFIGS if fam.moe else STRIP_CONFIGS
+
+
+def strip_module_configs(fam: Family, ab: bool = False) -> tuple[tuple[int, int, int, int], ...]:
+    """The configs of one strip module: the routed ones (ab False) or the A/B-only rest of a dense family's."""
+    if fam.moe:
+        return () if ab else STRIP_MOE_CONFIGS
+    return tuple(c for c in STRIP_CONFIGS if (c in STRIP_ROUTED_CONFIGS) != ab)
 
 
 def strip_depth(bits: int, toks: int, smem: int = 0) -> int:
@@ -290,20 +305,22 @@ def strip_built(fam: Family, cc: tuple[int, int]) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def strip_build_spec(fam: Family, cc: tuple[int, int], perm: bool = False) -> BuildSpec:
-    """The family's strip kernels, one module; perm: their act-order forms, a module of their own (built on the
-    first act-order strip launch only)."""
-    if not strip_built(fam, cc) or (perm and fam.moe):
-        raise ValueError(f"the strip kernels are built on sm_90 and newer (act-order forms for dense families), not "
-                         f"{fam}{' act-order' if perm else ''} on sm_{cc[0]}{cc[1]}")
+def strip_build_spec(fam: Family, cc: tuple[int, int], perm: bool = False, ab: bool = False) -> BuildSpec:
+    """The family's strip kernels the route takes, one module (built on the first strip launch); perm: their act-order
+    forms, a module of their own (on the first act-order strip launch); ab: the configs only A/B runs launch."""
+    if not strip_built(fam, cc) or (perm and fam.moe) or (ab and fam.moe):
+        raise ValueError(f"the strip kernels are built on sm_90 and newer (act-order forms and A/B configs for dense "
+                         f"families), not {fam}{' act-order' if perm else ''}{' A/B' if ab else ''} on "
+                         f"sm_{cc[0]}{cc[1]}")
     sources = tuple((strip_kernel_name(fam, *cfg, perm=perm), strip_kernel_source(fam, *cfg, perm=perm))
-                    for cfg in strip_configs(fam))
-    family = "strip_moe" if fam.moe else "strip_perm" if perm else "strip"
-    return BuildSpec(family=family, cc=cc, key=fam.key(), sources=sources,
-                     flags=extra_nvcc_flags(),
-                     cli_hint=("(`jitmarlin build` does not prebuild the strip kernels' MoE form, which only "
-                               "JITMARLIN_STRIP=1 routes to: unset JITMARLIN_DISABLE_JIT for its first launch)") if fam.moe
-                     else f"jitmarlin build --arch {cc[0]}.{cc[1]} {fam.cli_args()}{' --act-order' if perm else ''}")
+                    for cfg in strip_module_configs(fam, ab))
+    family = ("strip_moe" if fam.moe else "strip_perm" if perm else "strip") + ("_ab" if ab else "")
+    if fam.moe or ab:
+        hint = ("(`jitmarlin build` does not prebuild the strip kernels only JITMARLIN_STRIP=1 and A/B runs launch"
+                f"{' (the MoE form)' if fam.moe else ''}: unset JITMARLIN_DISABLE_JIT for their first launch)")
+    else:
+        hint = f"jitmarlin build --arch {cc[0]}.{cc[1]} {fam.cli_args()}{' --act-order' if perm else ''}"
+    return BuildSpec(family=family, cc=cc, key=fam.key(), sources=sources, flags=extra_nvcc_flags(), cli_hint=hint)
 
 
 @functools.lru_cache(maxsize=None)
@@ -837,4 +854,5 @@ def get_strip_kernel(fam: Family, warps: int, cluster: int, toks: int, smem: int
                          f" on sm_{cc[0]}{cc[1]}: built on sm_90+ with (warps, cluster, token blocks, smem) in "
                          f"{strip_configs(fam)} (act-order forms for dense families)")
     name = strip_kernel_name(fam, warps, cluster, toks, smem, perm)
-    return driver.get_function(get_module(strip_build_spec(fam, cc, perm)).cubin(name), name, device_index)
+    ab = not fam.moe and (warps, cluster, toks, smem) not in STRIP_ROUTED_CONFIGS
+    return driver.get_function(get_module(strip_build_spec(fam, cc, perm, ab)).cubin(name), name, device_index)
