@@ -1194,9 +1194,10 @@ for st in $STAGES; do
     s52b)  # session 52: the GPU test files s52a's run did not reach (it stopped at 400 s inside test_linear_gpu.py; the
            # wgmma file is left for a later call), on the strip kernel's small-shape route (gemm.strip_small) with its
            # shared-memory ring from K = 8192; then that rule's one new cell (8192x2048) and bench_gemm's 4096^2 rows
-           timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_strip_gpu.py \
-             tests/gpu/test_linear_gpu.py tests/gpu/test_model_gpu.py tests/gpu/test_tuning_gpu.py tests/gpu/test_moe_gpu.py \
-             tests/gpu/test_moe_util_gpu.py > "$OUT/s52b_tests.log" 2>&1
+           # S52B_FILES: the test files, in order (default: all six)
+           F=${S52B_FILES:-"strip linear model tuning moe moe_util"}
+           timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rs --maxfail=40 $(for f in $F; do echo tests/gpu/test_${f}_gpu.py; done) \
+             > "$OUT/s52b_tests.log" 2>&1
            echo "s52b tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s52b_tests.log" | head -20; tail -3 "$OUT/s52b_tests.log"
            timeout 60 python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,4,8 --shapes 8192x2048,4096x1024 \
              --configs routeS0,route,strip-w16-c2,strip-w16-c2-s > "$OUT/s52b.log" 2>&1
