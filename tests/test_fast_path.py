@@ -62,7 +62,8 @@ def recorded(monkeypatch):
     monkeypatch.setattr(K, "wgmma_module_ready", lambda fam: True)
     monkeypatch.setattr(K, "get_wgmma_kernel", lambda fam, nt, fw, st, index, *form: _Recorder(
         log, K.wgmma_kernel_name(fam, nt, fw, st, *form)))  # form: wide (and later variants)
-    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, cc: _Recorder(log, tile.tag()))
+    monkeypatch.setattr(K, "get_kernel", lambda fam, tile, index, cc: _Recorder(
+        log, tile if isinstance(tile, str) else tile.tag()))  # (str: "gather", "gather_smem", "dequant")
     monkeypatch.setattr(K, "get_strip_kernel", lambda fam, w, c, t, smem, index, cc, perm=False: _Recorder(
         log, K.strip_kernel_name(fam, w, c, t, smem, perm)))  # small problems route to it by default (strip_small)
     monkeypatch.setattr(K, "default_workspace", lambda device: ws)
@@ -187,3 +188,30 @@ def test_act_order_strip_launch_gathers_in_the_kernel(recorded, monkeypatch):
         log.clear()
         G.gemm_fast(G.FastGemm(), a, b, s, z, bb)
         assert len(log) == 1 and log[0][:-1] == slow[0][:-1]
+
+
+def test_act_order_default_strip_route_only_at_one_token(recorded, monkeypatch):
+    """By default (gemm.strip_small, STRIP_ROUTE off) a small act-order layer takes the strip kernel's act-order form
+    at M = 1 only (STRIP_PERM_MAX_M: the H200 measured its in-kernel gather slower than the gather kernel + the
+    usual route at M = 8 on 4096^2); at M = 2-8 the gather kernel runs first, then the usual route, while the same
+    M without a permutation still takes the strip kernel."""
+    log, _ = recorded
+    monkeypatch.setattr(G, "STRIP_ROUTE", False)
+    monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
+    K.env_flag.cache_clear()
+    k, n = 4096, 4096
+    b, s, z, bb = _weights(k, n)
+    perm = torch.randperm(k).to(torch.int32)
+    for m in (1, 2, 8):
+        a = torch.randn(m, k).half()
+        _, nn_, kk, fam = G.check_args(a, b, s, z, bb)
+        log.clear()
+        G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam, perm=perm)
+        names = [entry[0] for entry in log]
+        if m <= G.STRIP_PERM_MAX_M:
+            assert len(names) == 1 and names[0].startswith("jm_strip_") and names[0].endswith("_p"), names
+        else:
+            assert len(names) == 2 and not any(x.startswith("jm_strip_") for x in names), names
+        log.clear()
+        G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam)
+        assert len(log) == 1 and log[0][0].startswith("jm_strip_") and not log[0][0].endswith("_p"), log

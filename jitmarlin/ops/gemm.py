@@ -1406,6 +1406,10 @@ STRIP_SMALL_MAX_KN = 1 << 24
 # From K = 8192 the shared-memory ring form of the chosen config, where built (s52a: 8192x2048 M = 1-8 0.95x the old
 # route with it, 1.03-1.06x without; s50a: 11008x4096 0.91-0.97x vs 0.96-1.03x, 8192^2 17.1 vs 19.1 us)
 STRIP_RING_MIN_K = 8192
+# Act-order calls take the strip kernel's act-order form (its in-kernel column gather) only up to this M: s52b, layer
+# time against the gather kernel + the old route, M = 1: 4096^2 7.4 vs 7.7 us, 2048^2 4.3 vs 5.4, 4096x1024 4.5 vs 11.1;
+# M = 8: 10.7 vs 9.2, 6.3 vs 6.3, 7.6 vs 12.1 (each lane's gather grows with the tokens). M = 2-7 not measured.
+STRIP_PERM_MAX_M = 1
 
 
 def strip_route_on() -> bool:
@@ -1452,8 +1456,10 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
 
 def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = False) -> tuple[int, int, int, int] | None:
     """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver; perm:
-    of the act-order forms)."""
+    of the act-order forms, which the default route takes up to M = STRIP_PERM_MAX_M only)."""
     if m > K.STRIP_MAX_M or not (strip_route_on() or strip_small(m, n, k)) or fam.moe:
+        return None
+    if perm and m > STRIP_PERM_MAX_M and not strip_route_on():
         return None
     if not K.strip_built(fam, _cc(index)):
         return None

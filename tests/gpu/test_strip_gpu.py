@@ -130,8 +130,11 @@ def test_strip_clear_errors():
 
 
 def test_strip_route_and_fast_path(monkeypatch):
-    """With the route on (gemm.STRIP_ROUTE), M <= 32 takes the strip kernel's chosen config through the general path
-    and the layers' fast path alike, and M = 33 does not."""
+    """With the route forced on (gemm.STRIP_ROUTE), M <= 32 takes the strip kernel's chosen config through the general
+    path and the layers' fast path alike where one fits in one wave, the usual route where none does, and M = 33 never.
+    (Its first H200 run, session 52, failed with its report cut off by the run's time limit; the likely cause, read
+    from ptxas on the CPU: the three-block configs use 148 registers, so 3 CTAs of 4 warps fit per SM, 396 < 448
+    strips of 4096x28672, strip_route(17, ...) is None, and the test unpacked it. Fixed; not re-run on a GPU yet.)"""
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
     fam = K.Family("f16", 4, False, 128)
     for k, n in ((4096, 4096), (8192, 8192), (4096, 11008), (4096, 28672), (2048, 1024)):
@@ -145,6 +148,10 @@ def test_strip_route_and_fast_path(monkeypatch):
             out = G.gemm_fast(cache, a, packed.b, packed.scales, None, None)
             assert out is not None
             check_close(out, a.float() @ w, 1e-3, f"fast path K={k} N={n} M={m}")
+            cfg = G.strip_route(m, n, k, fam, 0)
+            if cfg is None:  # no config of that many token blocks runs the strips in one wave (4096x28672 at M = 17-24:
+                assert not cache.by_m[m].fn.name.startswith("jm_strip")  # 448 strips), so the usual route
+                continue
             assert not cache.by_m[m].uses_ws and cache.by_m[m].fn is K.get_strip_kernel(
-                fam, *G.strip_route(m, n, k, fam, 0), 0, torch.cuda.get_device_capability(0))
+                fam, *cfg, 0, torch.cuda.get_device_capability(0))
     assert_workspace_clean()
