@@ -1391,8 +1391,8 @@ def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, t
 
 
 # The strip kernel's route. Measured on the H200 (session 52, stage s50a, every config against the route at M = 1-16
-# on nine shapes): correct everywhere but slower on every shape from 8192^2 up (1.15-1.8x the route's time, its best
-# config included: a CTA per 64-column strip streams a whole column of K, and those CTAs fill the SMs unevenly or
+# on nine shapes): correct everywhere but slower on every shape from 8192^2 up (1.14-1.59x the route's time with its
+# best config: a CTA per 64-column strip streams a whole column of K, and those CTAs fill the SMs unevenly or
 # too thinly), and faster on the small ones only: 4096^2 at M <= 8 (7.1-7.8 -> 5.8-6.6 us), where the route's
 # K-split fix-up is a large share of a short call. So it is routed only there: STRIP_SMALL (M <= STRIP_SMALL_MAX_M,
 # K x N <= STRIP_SMALL_MAX_KN; stage s52a measured that region). STRIP_ROUTE = True (or JITMARLIN_STRIP=1) forces it on
