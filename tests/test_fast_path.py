@@ -161,32 +161,37 @@ def test_fast_path_never_keeps_stale_pointers(recorded):
     assert ctypes.sizeof(K.GemmParams) == len(log[-1][5])
 
 
+def _launches(log, a, weights, n, perm=None) -> list:
+    """The launches (log entries) one launch_gemm call of a [M, K] makes, with or without an act-order permutation."""
+    b, s, z, bb = weights
+    m = a.shape[0]
+    _, nn_, kk, fam = G.check_args(a, b, s, z, bb)
+    log.clear()
+    G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam, perm=perm)
+    out = list(log)
+    log.clear()
+    return out
+
+
 def test_act_order_strip_launch_gathers_in_the_kernel(recorded, monkeypatch):
     """With the strip route on, an act-order call at M <= 16 is one launch: the strip kernel's act-order form, reading
     the activations as given and the layer's permutation (no gather kernel before it); without a permutation the
     plain form, and the fast path makes the same launch as the general path."""
     log, _ = recorded
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
-    monkeypatch.setattr(K, "get_strip_kernel", lambda fam, w, c, t, smem, index, cc, perm=False: _Recorder(
-        log, K.strip_kernel_name(fam, w, c, t, smem, perm)))
     k, n = 4096, 8192
-    b, s, z, bb = _weights(k, n)
+    weights = _weights(k, n)
     perm = torch.randperm(k).to(torch.int32)
     for m in (1, 5, 16):
         a = torch.randn(m, k).half()
-        _, nn_, kk, fam = G.check_args(a, b, s, z, bb)
-        log.clear()
-        G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam, perm=perm)
-        assert len(log) == 1 and log[0][0].startswith("jm_strip_") and log[0][0].endswith("_p"), log
-        p = K.GemmParams.from_buffer(bytearray(log[0][5]))
+        act = _launches(log, a, weights, n, perm)
+        assert len(act) == 1 and act[0][0].startswith("jm_strip_") and act[0][0].endswith("_p"), act
+        p = K.GemmParams.from_buffer(bytearray(act[0][5]))
         assert (p.a, p.perm, p.m) == (a.data_ptr(), perm.data_ptr(), m)
-        log.clear()
-        G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam)
-        slow = list(log)
+        slow = _launches(log, a, weights, n)
         assert len(slow) == 1 and not slow[0][0].endswith("_p")
         assert K.GemmParams.from_buffer(bytearray(slow[0][5])).perm is None
-        log.clear()
-        G.gemm_fast(G.FastGemm(), a, b, s, z, bb)
+        G.gemm_fast(G.FastGemm(), a, *weights)
         assert len(log) == 1 and log[0][:-1] == slow[0][:-1]
 
 
@@ -200,18 +205,14 @@ def test_act_order_default_strip_route_only_at_one_token(recorded, monkeypatch):
     monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
     K.env_flag.cache_clear()
     k, n = 4096, 4096
-    b, s, z, bb = _weights(k, n)
+    weights = _weights(k, n)
     perm = torch.randperm(k).to(torch.int32)
     for m in (1, 2, 8):
         a = torch.randn(m, k).half()
-        _, nn_, kk, fam = G.check_args(a, b, s, z, bb)
-        log.clear()
-        G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam, perm=perm)
-        names = [entry[0] for entry in log]
+        names = [entry[0] for entry in _launches(log, a, weights, n, perm)]
         if m <= G.STRIP_PERM_MAX_M:
             assert len(names) == 1 and names[0].startswith("jm_strip_") and names[0].endswith("_p"), names
         else:
             assert len(names) == 2 and not any(x.startswith("jm_strip_") for x in names), names
-        log.clear()
-        G.launch_gemm(a, b, s, z, bb, torch.empty(m, n, dtype=torch.float16), m, nn_, kk, fam)
-        assert len(log) == 1 and log[0][0].startswith("jm_strip_") and not log[0][0].endswith("_p"), log
+        plain = [entry[0] for entry in _launches(log, a, weights, n)]
+        assert len(plain) == 1 and plain[0].startswith("jm_strip_") and not plain[0].endswith("_p"), plain
