@@ -968,11 +968,13 @@ def test_strip_kernels_in_the_build():
         K.get_strip_kernel(K.Family("f16", 4, False, 128), 16, 4, 2, 0, 0, (9, 0))
 
 
-def test_strip_small_route_takes_the_routed_module_only():
+def test_strip_small_route_takes_the_routed_module_only(monkeypatch):
     """Whatever the device's fit, the default route (gemm.strip_small) picks configs of the routed strip module, so a
     model never builds the A/B-only one; forcing the strip kernel (STRIP_ROUTE) reaches the others."""
     from jitmarlin.ops import gemm as G
 
+    monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
+    K.env_flag.cache_clear()
     fam = K.Family("f16", 4, False, 128)
     seen, forced = set(), set()
     for sms in (78, 108, 132, 170):
@@ -987,13 +989,9 @@ def test_strip_small_route_takes_the_routed_module_only():
                             assert k * n <= G.STRIP_SMALL_MAX_KN and cfg in K.STRIP_ROUTED_CONFIGS, (m, n, k, cfg)
                             seen.add(cfg)
     assert len(seen) >= 5, seen
-    G.STRIP_ROUTE = True
-    try:
-        for m in (9, 16, 17, 32):
-            c = G.strip_choice(m, 8192, 8192, fam, 132, lambda w, c, t, s: 132 * (16 // w))
-            forced.add(c)
-    finally:
-        G.STRIP_ROUTE = False
+    monkeypatch.setattr(G, "STRIP_ROUTE", True)
+    for m in (9, 16, 17, 32):
+        forced.add(G.strip_choice(m, 8192, 8192, fam, 132, lambda w, c, t, s: 132 * (16 // w)))
     assert forced and not forced & set(K.STRIP_ROUTED_CONFIGS), forced
 
 
