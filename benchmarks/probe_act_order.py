@@ -41,9 +41,14 @@ def main() -> None:
     ap.add_argument("--strip-small", type=int, default=-1, choices=(-1, 0, 1),
                     help="the strip kernel's small-problem route, whose act-order form gathers in the kernel "
                          "(gemm.STRIP_SMALL; -1: the library's)")
+    ap.add_argument("--strip-gather-plain", type=int, default=-1, choices=(-1, 0, 1),
+                    help="past gemm.STRIP_PERM_MAX_M, the gather kernel then the strip kernel's plain form where the "
+                         "strip route takes the shape (gemm.STRIP_GATHER_PLAIN; -1: the library's)")
     args = ap.parse_args()
     if args.strip_small >= 0:
         G.STRIP_SMALL = bool(args.strip_small)
+    if args.strip_gather_plain >= 0:
+        G.STRIP_GATHER_PLAIN = bool(args.strip_gather_plain)
     if args.gather_smem_min_m:
         G.GATHER_SMEM_MIN_M = args.gather_smem_min_m
     if args.wgmma_pdl >= 0:
@@ -64,7 +69,7 @@ def main() -> None:
     tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} gather PDL={args.gather_pdl} "
            f"flags={os.environ.get('JITMARLIN_NVCC_FLAGS', '') or '-'} WGMMA={os.environ.get('JITMARLIN_WGMMA', 'auto')} "
            f"w16 stages={args.w16_stages or 'route'} smem gather from M={G.GATHER_SMEM_MIN_M} "
-           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER} strip small={G.STRIP_SMALL}")
+           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER} strip small={G.STRIP_SMALL} strip after gather={G.STRIP_GATHER_PLAIN}")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))

@@ -1191,6 +1191,27 @@ for st in $STAGES; do
     s49d)  # session 49: where the route's time goes at M = 1 / 16 on the shapes farthest from the floor (per-CTA timeline)
            timeout 200 python3 benchmarks/probe_timeline.py --shapes 8192x8192,4096x4096,4096x28672,14336x4096,4096x11008 \
              --m 1,16 2>&1 | grep -v "^jitmarlin:" > "$OUT/s49d.log"; echo "s49d rc=$?"; cat "$OUT/s49d.log";;
+    s53a)  # PREPARED in session 52: the GPU files session 52 did not run on its code (the strip kernel routed on small
+           # problems): the forced-route strip test (its s52b failure: likely a test bug, fixed), linear, model, tuning,
+           # MoE, MoE utilities; then s53b (the wgmma file) and s53c in calls of their own
+           timeout ${TESTS_TIMEOUT:-450} python3 -m pytest -q -rs --maxfail=40 \
+             tests/gpu/test_strip_gpu.py::test_strip_route_and_fast_path tests/gpu/test_linear_gpu.py \
+             tests/gpu/test_model_gpu.py tests/gpu/test_tuning_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_moe_util_gpu.py \
+             > "$OUT/s53a_tests.log" 2>&1
+           echo "s53a tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s53a_tests.log" | head -20; tail -3 "$OUT/s53a_tests.log";;
+    s53b)  timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py > "$OUT/s53b_tests.log" 2>&1
+           echo "s53b tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s53b_tests.log" | head -20; tail -3 "$OUT/s53b_tests.log";;
+    s53c)  # PREPARED in session 52: act-order on the strip route's small shapes at M = 1-8: the strip kernel's in-kernel
+           # gather (M = 1, routed), the gather kernel + the usual route (M = 2-8, routed), the gather kernel + the strip
+           # kernel's plain form (gemm.STRIP_GATHER_PLAIN, off); then the 7B decode on the new route (its 4096^2
+           # projection at M = 1 takes the strip kernel) and the MoE strip form (s50d)
+           for g in 0 1; do
+             timeout 90 python3 benchmarks/probe_act_order.py --m 1,2,4,8 --shapes 4096x4096,2048x2048,4096x1024,8192x2048 \
+               --strip-gather-plain $g 2>&1 | grep -v "^done" | tee -a "$OUT/s53c_actorder.log"
+           done
+           timeout 200 python3 benchmarks/bench_e2e.py --models llama --variants fp16,w4-fused --batches 1,8 --prefill 128 \
+             --decode 128 > "$OUT/s53c_e2e.log" 2>&1
+           echo "s53c e2e rc=$?"; grep -E "^\|" "$OUT/s53c_e2e.log" | tail -6;;
     s52b)  # session 52: the GPU test files s52a's run did not reach (it stopped at 400 s inside test_linear_gpu.py; the
            # wgmma file is left for a later call), on the strip kernel's small-shape route (gemm.strip_small) with its
            # shared-memory ring from K = 8192; then that rule's one new cell (8192x2048) and bench_gemm's 4096^2 rows

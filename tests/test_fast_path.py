@@ -216,3 +216,10 @@ def test_act_order_default_strip_route_only_at_one_token(recorded, monkeypatch):
             assert len(names) == 2 and not any(x.startswith("jm_strip_") for x in names), names
         plain = [entry[0] for entry in _launches(log, a, weights, n)]
         assert len(plain) == 1 and plain[0].startswith("jm_strip_") and not plain[0].endswith("_p"), plain
+        if m > G.STRIP_PERM_MAX_M:  # the A/B switch: the gather kernel, then the strip kernel's plain form
+            monkeypatch.setattr(G, "STRIP_GATHER_PLAIN", True)
+            both = _launches(log, a, weights, n, perm)
+            monkeypatch.setattr(G, "STRIP_GATHER_PLAIN", False)
+            assert [entry[0] for entry in both] == [names[0], plain[0]], both
+            gathered = K.GemmParams.from_buffer(bytearray(both[1][5]))
+            assert gathered.perm is None and gathered.a != a.data_ptr() and gathered.m == m

@@ -1410,6 +1410,11 @@ STRIP_RING_MIN_K = 8192
 # time against the gather kernel + the old route, M = 1: 4096^2 7.4 vs 7.7 us, 2048^2 4.3 vs 5.4, 4096x1024 4.5 vs 11.1;
 # M = 8: 10.7 vs 9.2, 6.3 vs 6.3, 7.6 vs 12.1 (each lane's gather grows with the tokens). M = 2-7 not measured.
 STRIP_PERM_MAX_M = 1
+# Past that M, act-order calls the strip route would take without the permutation: off = the gather kernel, then the
+# usual (mma.sync / wgmma) route, as measured above; on = the gather kernel, then the strip kernel's plain form (its
+# weight stream starts before the gather ends, as a programmatic dependent). Not measured yet (stage s53a; the plain
+# strip call alone measured 6.5 vs 7.7 us on 4096^2 M = 8, 4.2 vs 10.2 on 4096x1024), so off.
+STRIP_GATHER_PLAIN = False
 
 
 def strip_route_on() -> bool:
@@ -1518,6 +1523,10 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: O
         return
     if perm is not None:
         a = gather_columns(a, perm, m, k, fam)
+        strip = strip_route(m, n, k, fam, index) if STRIP_GATHER_PLAIN and plan_override is None else None
+        if strip is not None:  # (A/B switch, off: the gather kernel, then the strip kernel's plain form)
+            launch_strip(a, b, scales, zeros, bias, out, m, n, k, fam, index, *strip)
+            return
     if isinstance(plan_override, tuple) and plan_override and plan_override[0] == "wgmma":
         launch_wgmma(a, b, scales, zeros, bias, out, m, n, k, fam, index, *plan_override[1:], workspace=workspace,
                      pdl=perm is None or wgmma_pdl_after_gather(n, k))
