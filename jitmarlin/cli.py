@@ -331,12 +331,11 @@ def cmd_build(args: argparse.Namespace) -> int:
                 _out(f"wgmma {' '.join(f'{k}={v}' for k, v in fam.key())} sm_90a: {mod.path}")
     if not small and not args.moe:  # sm_90+: the strip kernels the dense route takes on small problems (M <= 8),
         for fam in families:        # with --act-order also their act-order forms (the gather inside the kernel)
-            for cc in ccs:
+            for cc in (c for c in ccs if K.strip_built(fam, c)):
                 for perm in (False, True) if args.act_order else (False,):
-                    if K.strip_built(fam, cc):
-                        mod = build.get_module(K.strip_build_spec(fam, cc, perm))
-                        _out(f"strip{' act-order' if perm else ''} {' '.join(f'{k}={v}' for k, v in fam.key())} "
-                             f"{arch_name(cc)}: {mod.path}")
+                    mod = build.get_module(K.strip_build_spec(fam, cc, perm))
+                    _out(f"strip{' act-order' if perm else ''} {' '.join(f'{k}={v}' for k, v in fam.key())} "
+                         f"{arch_name(cc)}: {mod.path}")
     if args.moe:  # the MoE path's helper kernels (align, SiLU-mul), one module per arch
         for cc in ccs:
             mod = build.get_module(K.moe_util_build_spec(cc))

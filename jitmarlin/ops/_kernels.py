@@ -251,9 +251,10 @@ def strip_configs(fam: Family) -> tuple[tuple[int, int, int, int], ...]:
 
 
 def strip_module_configs(fam: Family, ab: bool = False) -> tuple[tuple[int, int, int, int], ...]:
-    """The configs of one strip module: the routed ones (ab False) or the A/B-only rest of a dense family's."""
+    """The configs of one strip module: the routed ones (ab False) or the A/B-only rest of a dense family's (a MoE
+    family has one module: strip_build_spec refuses ab for it)."""
     if fam.moe:
-        return () if ab else STRIP_MOE_CONFIGS
+        return STRIP_MOE_CONFIGS
     return tuple(c for c in STRIP_CONFIGS if (c in STRIP_ROUTED_CONFIGS) != ab)
 
 
