@@ -1191,6 +1191,30 @@ for st in $STAGES; do
     s49d)  # session 49: where the route's time goes at M = 1 / 16 on the shapes farthest from the floor (per-CTA timeline)
            timeout 200 python3 benchmarks/probe_timeline.py --shapes 8192x8192,4096x4096,4096x28672,14336x4096,4096x11008 \
              --m 1,16 2>&1 | grep -v "^jitmarlin:" > "$OUT/s49d.log"; echo "s49d rc=$?"; cat "$OUT/s49d.log";;
+    s53p)  # session 53: the strip kernel's trace (benchmarks/strip_probe.cu, plain CUDA): per-group and per-row time at
+           # M = 1, g128 vs per-channel (no scale loads in the main loop), 16 / 8 / 4 warps, register / shared ring
+           # S53P_OLD: a directory holding another jm_strip.cuh (the version before a change), probed first
+           for v in ${S53P_OLD:+old} new; do
+             inc="-I cuda_src"; [ $v = old ] && inc="-I $S53P_OLD -I cuda_src"
+             nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJM_STRIP_TRACE $inc benchmarks/strip_probe.cu \
+               -o /tmp/strip_probe_$v && echo "== $v" >> "$OUT/s53p.log" && timeout 100 /tmp/strip_probe_$v >> "$OUT/s53p.log" 2>&1
+             echo "s53p $v rc=$?"
+           done; cat "$OUT/s53p.log";;
+    s53s)  # session 53: the strip kernel's GPU tests (after the group-end scale change, cuda_src/jm_strip.cuh pass_on16)
+           timeout ${STRIP_TESTS_TIMEOUT:-240} python3 -m pytest -q -rs --maxfail=20 tests/gpu/test_strip_gpu.py \
+             > "$OUT/s53s_tests.log" 2>&1
+           echo "s53s tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s53s_tests.log" | head -20; tail -3 "$OUT/s53s_tests.log";;
+    s53q)  # session 53: s50a's comparison again after the group-end scale change (pass_on16): every one-block and two-block
+           # strip config and routeS against the route at M = 1 / 4 / 8 / 12 / 16 on the bench shapes and the 7B's
+           SH=${S53Q_SHAPES:-4096x4096,8192x8192,14336x4096,4096x12288,11008x4096,4096x11008,4096x28672,28672x8192,8192x28672}
+           timeout ${S53Q_T1:-220} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,4,8 --shapes $SH \
+             --configs route,routeS,strip-w16-c1,strip-w16-c2,strip-w16-c4,strip-w8-c1,strip-w8-c2,strip-w4-c1,strip-w16-c1-s,strip-w16-c2-s,strip-w8-c1-s,strip-w4-c1-s \
+             > "$OUT/s53q.log" 2>&1
+           echo "s53q probe 1-8 rc=$?"
+           timeout ${S53Q_T2:-150} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 12,16 --shapes $SH \
+             --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w8-c1-t2,strip-w8-c2-t2,strip-w4-c1-t2,strip-w16-c1-t2-s,strip-w16-c2-t2-s,strip-w4-c1-t2-s \
+             >> "$OUT/s53q.log" 2>&1
+           echo "s53q probe 12-16 rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s53q.log";;
     s53a)  # PREPARED in session 52: the GPU files session 52 did not run on its code (the strip kernel routed on small
            # problems): the forced-route strip test (its s52b failure: likely a test bug, fixed), linear, model, tuning,
            # MoE, MoE utilities; then s53b (the wgmma file) and s53c in calls of their own
