@@ -311,6 +311,22 @@ def test_plain_cuda_probe_builds(cuda_toolchain, tmp_path, probe):
     assert out.stat().st_size > 0
 
 
+def test_strip_probe_builds(cuda_toolchain, tmp_path):
+    """benchmarks/strip_probe.cu (session 53: the strip kernel timed with its trace, -DJM_STRIP_TRACE; stage s53p
+    builds it on the GPU machine, against this header and another jm_strip.cuh put first on the include path) keeps
+    compiling for sm_90a."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "strip_probe"
+    r = subprocess.run([str(cuda_toolchain.nvcc), "-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr",
+                        "-DJM_STRIP_TRACE", "-I", str(root / "cuda_src"), str(root / "benchmarks" / "strip_probe.cu"),
+                        "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert out.stat().st_size > 0
+
+
 def test_timeline_build_of_a_bulk_tile_compiles(cuda_toolchain, monkeypatch):
     """The diagnostics build (-DJM_TIMELINE, benchmarks/probe_timeline.py) of the routed M=1 tile
     compiles for sm_90 without spills, as its own cached module (the flags are part of the key)."""
