@@ -143,19 +143,7 @@ int main() {
         for (int i = 0; i < calls; i++) launch(st, c, sms, bufs[i], words, out, pdl);
         CK(cudaStreamEndCapture(st, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
-        for (int w = 0; w < 3; w++) CK(cudaGraphLaunch(ge, st));
-        std::vector<float> t;
-        for (int r = 0; r < reps; r++) {
-          CK(cudaEventRecord(e0, st));
-          CK(cudaGraphLaunch(ge, st));
-          CK(cudaEventRecord(e1, st));
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          t.push_back(ms);
-        }
-        std::sort(t.begin(), t.end());
-        const double us = 1000.0 * t[t.size() / 2] / calls;
+        const double us = 1000.0 * graph_median_ms(ge, st, reps) / calls;
         std::printf("%5ldx%-5ld %6.2f MB  %d CTA/SM x %4d thr, depth %2d, pdl %d: %7.2f us per call, floor %6.2f us, "
                     "%5.1f%% of floor\n",
                     L.k, L.n, bytes / 1e6, c.per_sm, c.threads, c.depth, pdl, us, floor_us, 100.0 * floor_us / us);

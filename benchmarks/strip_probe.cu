@@ -64,13 +64,8 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main() {
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   for (const Kern& kn : kKerns) {
     CK(cudaFuncSetAttribute(kn.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   }
@@ -143,19 +138,7 @@ int main() {
       }
       CK(cudaStreamEndCapture(st, &g));
       CK(cudaGraphInstantiate(&ge, g, 0));
-      for (int w = 0; w < 3; w++) CK(cudaGraphLaunch(ge, st));
-      std::vector<float> t;
-      for (int r = 0; r < reps; r++) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        t.push_back(ms);
-      }
-      std::sort(t.begin(), t.end());
-      const double us = 1000.0 * t[t.size() / 2] / calls;
+      const double us = 1000.0 * graph_median_ms(ge, st, reps) / calls;
       // the last replay's trace, calls 9 and 10
       std::vector<unsigned long long> h(trace_vals);
       CK(cudaMemcpy(h.data(), trace, trace_vals * 8, cudaMemcpyDeviceToHost));
