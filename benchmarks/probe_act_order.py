@@ -44,7 +44,12 @@ def main() -> None:
     ap.add_argument("--strip-gather-plain", type=int, default=-1, choices=(-1, 0, 1),
                     help="past gemm.STRIP_PERM_MAX_M, the gather kernel then the strip kernel's plain form where the "
                          "strip route takes the shape (gemm.STRIP_GATHER_PLAIN; -1: the library's)")
+    ap.add_argument("--strip-perm-max-m", type=int, default=-1,
+                    help="the largest M whose act-order calls take the strip kernel's in-kernel gather where the strip "
+                         "route takes the shape (gemm.STRIP_PERM_MAX_M; -1: the library's)")
     args = ap.parse_args()
+    if args.strip_perm_max_m >= 0:
+        G.STRIP_PERM_MAX_M = args.strip_perm_max_m
     if args.strip_small >= 0:
         G.STRIP_SMALL = bool(args.strip_small)
     if args.strip_gather_plain >= 0:
@@ -69,7 +74,8 @@ def main() -> None:
     tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} gather PDL={args.gather_pdl} "
            f"flags={os.environ.get('JITMARLIN_NVCC_FLAGS', '') or '-'} WGMMA={os.environ.get('JITMARLIN_WGMMA', 'auto')} "
            f"w16 stages={args.w16_stages or 'route'} smem gather from M={G.GATHER_SMEM_MIN_M} "
-           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER} strip small={G.STRIP_SMALL} strip after gather={G.STRIP_GATHER_PLAIN}")
+           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER} strip small={G.STRIP_SMALL} strip after gather={G.STRIP_GATHER_PLAIN} "
+           f"in-kernel gather to M={G.STRIP_PERM_MAX_M}")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))

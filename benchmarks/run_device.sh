@@ -1215,6 +1215,14 @@ for st in $STAGES; do
              --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w8-c1-t2,strip-w8-c2-t2,strip-w4-c1-t2,strip-w16-c1-t2-s,strip-w16-c2-t2-s,strip-w4-c1-t2-s \
              >> "$OUT/s53q.log" 2>&1
            echo "s53q probe 12-16 rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s53q.log";;
+    s53r)  # PREPARED in session 53 (run on branch s53-strip): act-order on the strip route's small shapes at M = 1-8 after
+           # the act-order forms stopped stalling per row (gathered halves paired at use): the in-kernel gather up to M = 1
+           # (the rule) / up to M = 8, and the gather kernel + the strip plain form (STRIP_GATHER_PLAIN)
+           for v in "1 0" "8 0" "1 1"; do
+             set -- $v
+             timeout 90 python3 benchmarks/probe_act_order.py --m 1,2,4,8 --shapes 4096x4096,2048x2048,4096x1024,8192x2048 \
+               --strip-perm-max-m $1 --strip-gather-plain $2 2>&1 | grep -v "^done" | tee -a "$OUT/s53r_actorder.log"
+           done;;
     s53a)  # PREPARED in session 52: the GPU files session 52 did not run on its code (the strip kernel routed on small
            # problems): the forced-route strip test (its s52b failure: likely a test bug, fixed), linear, model, tuning,
            # MoE, MoE utilities; then s53b (the wgmma file) and s53c in calls of their own

@@ -107,6 +107,8 @@ int main() {
     CK(cudaMalloc(&trace, trace_vals * 8));
     const double floor_bytes = static_cast<double>(wbytes) + static_cast<double>(sbytes);
     for (const Kern& kn : kKerns) {
+      // every replay writes the same slots; the ones a CTA never writes (groups past its run) stay 0
+      CK(cudaMemset(trace, 0, trace_vals * 8));
       const size_t smem = static_cast<size_t>(kn.warps) * kn.sring * 512;
       cudaGraph_t g;
       cudaGraphExec_t ge;
