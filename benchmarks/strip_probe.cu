@@ -1,4 +1,4 @@
-// Strip kernel probe (session 53): where a strip kernel's time goes at M = 1 on a mid-size layer, timed as
+// Strip kernel probe (session 53): where a strip kernel's time goes at M = 1 (and M = 16, two token blocks), timed as
 // bench_gemm times the GEMM (a CUDA graph of back-to-back calls, each on its own copy of the weights, programmatic
 // dependent launch), with the kernel's trace (-DJM_STRIP_TRACE, cuda_src/jm_strip.cuh): per CTA (lane 0 of warp 0)
 // the global timer at entry, past griddepcontrol.wait, after the first row, at each group end, past the main loop and
@@ -36,6 +36,10 @@ JM_STRIP_KERNEL(sp_c_w4, half, 4, false, -1, 4, 8, 1, 1, 0, false, false)
 JM_STRIP_KERNEL(sp_c_w16s, half, 4, false, -1, 16, 4, 1, 1, 24, false, false)
 JM_STRIP_KERNEL(sp_p_w16, half, 4, false, 8, 16, 8, 1, 1, 0, true, false)  // act-order: in-kernel gather
 JM_STRIP_KERNEL(sp_p_w8, half, 4, false, 8, 8, 8, 1, 1, 0, true, false)
+// two token blocks (M = 9-16: the group scales on the weights), register and shared-memory rings
+JM_STRIP_KERNEL(sp_t2_w16, half, 4, false, 8, 16, 6, 1, 2, 0, false, false)
+JM_STRIP_KERNEL(sp_t2_w16s, half, 4, false, 8, 16, 4, 1, 2, 24, false, false)
+JM_STRIP_KERNEL(sp_t2_w4s, half, 4, false, 8, 4, 4, 1, 2, 24, false, false)
 
 namespace {
 
@@ -44,15 +48,17 @@ struct Kern {
   void (*fn)(const JmGemmParams);
   int warps, sring, group;  // group: 128 or -1 (per channel)
   bool perm;                // act-order: the activations gathered through a permutation of K
+  int m;                    // tokens
 };
 
 const Kern kKerns[] = {
-    {"g128 w16", sp_g_w16, 16, 0, 128, false},     {"g128 w8", sp_g_w8, 8, 0, 128, false},
-    {"g128 w4", sp_g_w4, 4, 0, 128, false},        {"g128 w16-s", sp_g_w16s, 16, 24, 128, false},
-    {"g128 w8-s", sp_g_w8s, 8, 24, 128, false},    {"chan w16", sp_c_w16, 16, 0, -1, false},
-    {"chan w8", sp_c_w8, 8, 0, -1, false},         {"chan w4", sp_c_w4, 4, 0, -1, false},
-    {"chan w16-s", sp_c_w16s, 16, 24, -1, false},  {"perm w16", sp_p_w16, 16, 0, 128, true},
-    {"perm w8", sp_p_w8, 8, 0, 128, true},
+    {"g128 w16", sp_g_w16, 16, 0, 128, false, 1},       {"g128 w8", sp_g_w8, 8, 0, 128, false, 1},
+    {"g128 w4", sp_g_w4, 4, 0, 128, false, 1},          {"g128 w16-s", sp_g_w16s, 16, 24, 128, false, 1},
+    {"g128 w8-s", sp_g_w8s, 8, 24, 128, false, 1},      {"chan w16", sp_c_w16, 16, 0, -1, false, 1},
+    {"chan w8", sp_c_w8, 8, 0, -1, false, 1},           {"chan w4", sp_c_w4, 4, 0, -1, false, 1},
+    {"chan w16-s", sp_c_w16s, 16, 24, -1, false, 1},    {"perm w16", sp_p_w16, 16, 0, 128, true, 1},
+    {"perm w8", sp_p_w8, 8, 0, 128, true, 1},           {"g128 w16-t2", sp_t2_w16, 16, 0, 128, false, 16},
+    {"g128 w16-t2-s", sp_t2_w16s, 16, 24, 128, false, 16}, {"g128 w4-t2-s", sp_t2_w4s, 4, 24, 128, false, 16},
 };
 
 double median(std::vector<double> v) {
@@ -70,7 +76,7 @@ int main() {
     CK(cudaFuncSetAttribute(kn.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   }
 
-  const int calls = 20, reps = 20, slots = 64, m = 1;
+  const int calls = 20, reps = 20, slots = 64, max_m = 16;
   struct Layer {
     int k, n;
   };
@@ -86,9 +92,9 @@ int main() {
       CK(cudaMemset(ss[i], 0x20, sbytes));  // fp16 0x2020: a small positive scale
     }
     half *a, *c;
-    CK(cudaMalloc(&a, static_cast<size_t>(m) * L.k * 2));
-    CK(cudaMemset(a, 0x30, static_cast<size_t>(m) * L.k * 2));
-    CK(cudaMalloc(&c, static_cast<size_t>(m) * L.n * 2));
+    CK(cudaMalloc(&a, static_cast<size_t>(max_m) * L.k * 2));
+    CK(cudaMemset(a, 0x30, static_cast<size_t>(max_m) * L.k * 2));
+    CK(cudaMalloc(&c, static_cast<size_t>(max_m) * L.n * 2));
     const int grid = L.n / 64;
     int* perm;  // a fixed pseudo-random permutation of K (the timing does not depend on which)
     {
@@ -119,7 +125,7 @@ int main() {
         p.b = ws[i];
         p.s = ss[i];
         p.c = c;
-        p.m = m;
+        p.m = kn.m;
         p.n = L.n;
         p.k = L.k;
         p.lda = L.k;
@@ -170,9 +176,9 @@ int main() {
       double le_max = 0;
       for (double v : loop_end) le_max = std::max(le_max, v);
       std::printf(
-          "%5dx%-5d M=1 %-10s %7.2f us/call (%5.1f%% of 4.2 TB/s) | step %6.2f enter %6.2f wait %6.2f first %6.2f "
+          "%5dx%-5d M=%-2d %-13s %7.2f us/call (%5.1f%% of 4.2 TB/s) | step %6.2f enter %6.2f wait %6.2f first %6.2f "
           "grp0 %6.2f grp %6.2f (n %zu) loop %6.2f spread %6.2f red %5.2f (us, medians over CTAs)\n",
-          L.k, L.n, kn.name, us, 100.0 * floor_bytes / 4.2e12 * 1e6 / us, (end - prev_end) / 1e3, median(enter) / 1e3,
+          L.k, L.n, kn.m, kn.name, us, 100.0 * floor_bytes / 4.2e12 * 1e6 / us, (end - prev_end) / 1e3, median(enter) / 1e3,
           median(wait) / 1e3, median(first) / 1e3, median(grp0) / 1e3, median(grp) / 1e3, grp.size(),
           median(loop) / 1e3, (le_max - le_med) / 1e3, median(red) / 1e3);
       CK(cudaGraphExecDestroy(ge));
