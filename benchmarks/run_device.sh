@@ -1191,8 +1191,9 @@ for st in $STAGES; do
     s49d)  # session 49: where the route's time goes at M = 1 / 16 on the shapes farthest from the floor (per-CTA timeline)
            timeout 200 python3 benchmarks/probe_timeline.py --shapes 8192x8192,4096x4096,4096x28672,14336x4096,4096x11008 \
              --m 1,16 2>&1 | grep -v "^jitmarlin:" > "$OUT/s49d.log"; echo "s49d rc=$?"; cat "$OUT/s49d.log";;
-    s53p)  # session 53: the strip kernel's trace (benchmarks/strip_probe.cu, plain CUDA): per-group and per-row time at
-           # M = 1, g128 vs per-channel (no scale loads in the main loop), 16 / 8 / 4 warps, register / shared ring
+    s53p)  # session 53: the strip kernel's trace (benchmarks/strip_probe.cu, plain CUDA): per-group time at M = 1 (g128 vs
+           # per-channel, which has no scale loads in the main loop; 16 / 8 / 4 warps; register / shared ring; act-order)
+           # and M = 16 (two token blocks)
            # S53P_OLD: a directory holding another jm_strip.cuh (the version before a change), probed first
            for v in ${S53P_OLD:+old} new; do
              inc="-I cuda_src"; [ $v = old ] && inc="-I $S53P_OLD -I cuda_src"
