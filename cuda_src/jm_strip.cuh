@@ -48,8 +48,8 @@ namespace jm {
 
 // Diagnostics (-DJM_STRIP_TRACE, benchmarks/strip_probe.cu only; p.timeline then holds 64 values per CTA): lane 0 of
 // warp 0 of each CTA writes the global timer at its entry (slot 0), past griddepcontrol.wait (1), after its first row
-// (2), at the end of each group of its run (8 + i, i < 48), past its main loop (3) and before the output (4), and its
-// SM (5). Without the macro nothing is recorded.
+// (2), at the end of each group of its run (8 + i, i < 48), past its main loop (3) and before the output (4). Without
+// the macro nothing is recorded.
 #ifdef JM_STRIP_TRACE
 #define JM_STRIP_MARK(slot)                                                                               \
   do {                                                                                                   \
@@ -99,7 +99,6 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 
   JM_STRIP_MARK(0);
 #ifdef JM_STRIP_TRACE
-  if (threadIdx.x == 0 && p.timeline != nullptr) p.timeline[blockIdx.x * 64 + 5] = smid();
   int trace_groups = 0;
 #endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
