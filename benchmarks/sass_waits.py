@@ -183,6 +183,11 @@ def successors(f: Function) -> list[list[int]]:
     return out
 
 
+def is_global_load(x: Insn) -> bool:
+    """A global load into registers (LDG), not a cp.async (LDGSTS) or its commit (LDGDEPBAR)."""
+    return x.opcode.startswith("LDG") and not x.opcode.startswith(("LDGSTS", "LDGDEPBAR"))
+
+
 def loops(f: Function) -> list[tuple[int, int]]:
     """(first, last) instruction indices of every natural loop: a branch back to an instruction that dominates it.
     (A block laid out after the code it returns to, reached by a forward branch, jumps backward too without being
@@ -225,7 +230,7 @@ def main_loop(f: Function) -> tuple[int, int] | None:
         body = f.insns[a:b + 1]
         if not any(x.opcode.startswith(("HMMA", "HGMMA", "IMMA")) for x in body):
             continue
-        k = (sum(x.opcode.startswith("LDG") for x in body), -(b - a))
+        k = (sum(x.opcode.startswith("LDG") and not x.opcode.startswith("LDGDEPBAR") for x in body), -(b - a))
         if k > key:
             best, key = (a, b), k
     return best
@@ -244,8 +249,7 @@ def loop_drains(f: Function, loop: tuple[int, int]) -> list[Drain]:
             x = f.insns[j]
             for q in range(6):
                 if x.wait >> q & 1 and pend[q]:
-                    nl = sum(f.insns[s].opcode.startswith("LDG") and not f.insns[s].opcode.startswith("LDGSTS")
-                             for s in pend[q])
+                    nl = sum(is_global_load(f.insns[s]) for s in pend[q])
                     if rep == 1 and nl:
                         y = pend[q][-1]
                         out.append(Drain(j, q, nl, j - y if y <= j else (b - y) + (j - a) + 1))
@@ -304,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             ds = loop_drains(f, lp)
             body = f.insns[lp[0]:lp[1] + 1]
             print(f"== {f.name}: main loop {f.insns[lp[0]].pc:05x}-{f.insns[lp[1]].pc:05x}, {len(body)} instructions, "
-                  f"{sum(x.opcode.startswith('LDG') for x in body)} global loads, "
+                  f"{sum(is_global_load(x) for x in body)} global loads, "
+                  f"{sum(x.opcode.startswith('LDGSTS') for x in body)} cp.async, "
                   f"{sum(x.opcode.startswith(('HMMA', 'HGMMA')) for x in body)} MMAs: {len(ds)} waits for global "
                   "loads per iteration")
             for d in ds:

@@ -80,3 +80,20 @@ def test_a_block_laid_out_after_its_join_is_not_a_loop():
     assert sorted(sw.loops(f)) == [(1, 4)]
     assert f.insns[2].text.startswith("@P1 BRA") and sw.successors(f)[2] == [6, 3]
     assert sw.successors(f)[6] == [7, 7] and sw.successors(f)[7] == [3]
+
+
+def test_cp_async_and_its_commit_are_not_register_loads():
+    sw = _tool()
+    lst = _listing([
+        ("MOV R1, RZ",),
+        ("HMMA.16816.F32 R8, R12, R4, R8", 7, 1 << 1),
+        ("LDGSTS.E.BYPASS.128 [R2], desc[UR4][R6.64]",),
+        ("LDGDEPBAR", 1),
+        ("DEPBAR.LE SB1, 0x1",),
+        ("LDG.E.128 R4, desc[UR4][R2.64]", 5),
+        ("@P0 BRA 0x10",),
+        ("EXIT",),
+    ])
+    (f,) = sw.parse(lst)
+    assert [sw.is_global_load(x) for x in f.insns[2:6]] == [False, False, False, True]
+    assert sw.loop_drains(f, sw.main_loop(f)) == []  # the cp.async count wait lets no register load through
