@@ -1232,6 +1232,12 @@ for st in $STAGES; do
              tests/gpu/test_model_gpu.py tests/gpu/test_tuning_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_moe_util_gpu.py \
              > "$OUT/s53a_tests.log" 2>&1
            echo "s53a tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s53a_tests.log" | head -20; tail -3 "$OUT/s53a_tests.log";;
+    s54g)  # PREPARED in session 54 (run on branch s54-strip before merging it): the mma.sync tiles' epilogue now loads
+           # bias and MoE routing weights ahead of its stores, so the GEMM tests with a bias and the MoE GEMM tests first
+           # (gemm: every tile at M = 1 with a bias; MoE: routing weights), then the rest of the gemm and formats files
+           timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs --maxfail=20 -k "bias or moe or topk" \
+             tests/gpu/test_gemm_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_linear_gpu.py > "$OUT/s54g_tests.log" 2>&1
+           echo "s54g tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s54g_tests.log" | head -20; tail -3 "$OUT/s54g_tests.log";;
     s53b)  timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -q -rs --maxfail=40 tests/gpu/test_wgmma_gpu.py > "$OUT/s53b_tests.log" 2>&1
            echo "s53b tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s53b_tests.log" | head -20; tail -3 "$OUT/s53b_tests.log";;
     s53c)  # PREPARED in session 52: act-order on the strip route's small shapes at M = 1-8: the strip kernel's in-kernel
