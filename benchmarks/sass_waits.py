@@ -115,7 +115,7 @@ def replay(f: Function) -> list[Wait]:
     pending: dict[int, list[tuple[int, bool, int]]] = {b: [] for b in range(6)}
     done_loops: set[int] = set()
 
-    def step(n: int, offset: int, wrap_len: int) -> None:
+    def step(n: int, offset: int) -> None:
         x = insns[n]
         here = n + offset
         # an explicit count wait: DEPBAR.LE SBb, k -> the oldest len - k done
@@ -140,7 +140,7 @@ def replay(f: Function) -> list[Wait]:
 
     n = 0
     while n < len(insns):
-        step(n, 0, 0)
+        step(n, 0)
         m = _BRA.match(insns[n].text)
         if m:
             tgt = index.get(int(m.group(3), 16))
@@ -148,7 +148,7 @@ def replay(f: Function) -> list[Wait]:
                 done_loops.add(n)
                 body = n - tgt + 1
                 for j in range(tgt, n + 1):  # the next iteration, its indices shifted by one body length
-                    step(j, body, body)
+                    step(j, body)
                 # back to the state after the loop's last iteration (what is still pending stays)
         n += 1
     return waits
