@@ -324,6 +324,40 @@ JM_DEVICE void st_cluster_v4(uint32_t addr, uint32_t rank, float x, float y, flo
 #endif
 }
 
+// The strip kernel's next group's scales (or zero points) on their way through shared memory (jm_strip.cuh):
+// `st.shared [slot], pend` then, in place, `@more ld.global.nc pend, [src]`, one asm statement, so the load lands in
+// the register the store read and nothing reads it before the next group ends. Written in C++ as `cur = next;
+// next = load(..)`, the compiler issued the load into a spare register ahead of the copy and copied it into `next`
+// at once, which stalled the warp for a memory round trip at every group end (sm_90a SASS, session 53). `slot`: a
+// shared-state-space address (smem_addr) that only this thread reads.
+JM_DEVICE void pass_on16(uint32_t slot, uint4& pend, bool more, const void* src) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
+      " st.shared.v4.u32 [%4], {%0, %1, %2, %3};\n"
+      " @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%6];\n}\n"
+      : "+r"(pend.x), "+r"(pend.y), "+r"(pend.z), "+r"(pend.w)
+      : "r"(slot), "r"(static_cast<int>(more)), "l"(src)
+      : "memory");
+}
+JM_DEVICE void pass_on8(uint32_t slot, uint2& pend, bool more, const void* src) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n"
+      " st.shared.v2.u32 [%2], {%0, %1};\n"
+      " @q ld.global.nc.v2.u32 {%0, %1}, [%4];\n}\n"
+      : "+r"(pend.x), "+r"(pend.y)
+      : "r"(slot), "r"(static_cast<int>(more)), "l"(src)
+      : "memory");
+}
+JM_DEVICE void pass_on4(uint32_t slot, uint32_t& pend, bool more, const void* src) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n"
+      " st.shared.u32 [%1], %0;\n"
+      " @q ld.global.nc.u32 %0, [%3];\n}\n"
+      : "+r"(pend)
+      : "r"(slot), "r"(static_cast<int>(more)), "l"(src)
+      : "memory");
+}
+
 // Diagnostics (-DJM_TIMELINE, benchmarks/probe_timeline.py): the GPU-wide nanosecond timer and
 // the SM a CTA runs on.
 JM_DEVICE uint64_t globaltimer() {

@@ -25,8 +25,10 @@
 // Act-order (PERM): the activations of k are A[:, perm[k]] (the weights' rows sorted by group at load time), gathered
 // here instead of by a kernel before this one (whose launch boundary cost 1.2-3.4 us on GEMMs of 7-26 us, H200
 // session 38). Lane (g, t) needs columns perm[16 kt + {2t, 2t+1, 2t+8, 2t+9}] of k16 row kt: two 8-byte loads of
-// the layer-constant perm, made PD rows before the row's activation loads (a ring of PD rows of indices, half the
-// activations' ring), so an activation load never waits for its index.
+// the layer-constant perm, made PD rows before the row's activation loads (a ring of PD rows of indices), so an
+// activation load never waits for its index. The gathered halves stay unpacked in a ring of PA = DEPTH / 2 rows
+// and are paired into the B fragment's words only when their row is computed: pairing them as they were loaded
+// stalled the warp for a load's latency at every row (sm_90a SASS, session 53).
 //
 // MoE (MOE; expert blocks of 8 rows, moe._moe_gemm_cuda): the grid holds N / 64 * CLUSTER CTAs per block of the
 // expert-sorted slot list (moe_align_block_size's, or one_token_tables': block j = slot j), block after block
@@ -177,8 +179,9 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   };
   // act-order: the columns of lane (g, t) in k16 row kt, {perm[2t], perm[2t+1]} and {perm[2t+8], perm[2t+9]}
-  constexpr int PD = PERM ? (DEPTH >= 2 ? DEPTH / 2 : 1) : 1;  // index ring rows (ahead of the activations')
-  static_assert(DEPTH % PD == 0, "the index ring divides the activation ring");
+  constexpr int PA = PERM ? (DEPTH >= 2 ? DEPTH / 2 : 1) : DEPTH;  // rows of gathered halves ahead (act-order)
+  constexpr int PD = PERM ? PA : 1;                                 // index ring rows (ahead of the gathers)
+  static_assert(DEPTH % PA == 0 && DEPTH % PD == 0, "the act-order rings divide the weights' ring");
   const int* const perm_t = static_cast<const int*>(p.perm) + 2 * t;
   auto load_perm = [&](int2 (&dst)[2], int kt) {
     if constexpr (PERM) {
@@ -187,17 +190,27 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   };
   const T* const arow0 = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.lda;  // token g, column 0
-  auto load_a_perm = [&](uint32_t (&dst)[2 * TOKS], const int2 (&c)[2]) {
+  // the four gathered halves of each token block, one per register (paired by pack_a when their row is computed)
+  auto load_a_perm = [&](uint32_t (&dst)[4 * TOKS], const int2 (&c)[2]) {
 #pragma unroll
     for (int b = 0; b < TOKS; b++) {
       if (row_ok(b)) {
         const uint16_t* src = reinterpret_cast<const uint16_t*>(arow0 + b * a_next);
-        dst[2 * b] = static_cast<uint32_t>(src[c[0].x]) | (static_cast<uint32_t>(src[c[0].y]) << 16);
-        dst[2 * b + 1] = static_cast<uint32_t>(src[c[1].x]) | (static_cast<uint32_t>(src[c[1].y]) << 16);
+        dst[4 * b] = src[c[0].x];
+        dst[4 * b + 1] = src[c[0].y];
+        dst[4 * b + 2] = src[c[1].x];
+        dst[4 * b + 3] = src[c[1].y];
       } else {
-        dst[2 * b] = 0u;
-        dst[2 * b + 1] = 0u;
+#pragma unroll
+        for (int q = 0; q < 4; q++) dst[4 * b + q] = 0u;
       }
+    }
+  };
+  auto pack_a = [&](const uint32_t (&h)[4 * TOKS], uint32_t (&dst)[2 * TOKS]) {
+#pragma unroll
+    for (int b = 0; b < TOKS; b++) {
+      dst[2 * b] = h[4 * b] | (h[4 * b + 1] << 16);
+      dst[2 * b + 1] = h[4 * b + 2] | (h[4 * b + 3] << 16);
     }
   };
 
@@ -240,35 +253,49 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   }
   uint4 s_cur = rows > 0 ? load_s(grp0) : make_uint4(0, 0, 0, 0);
   uint2 z_cur = rows > 0 ? load_z(grp0) : make_uint2(0u, 0u);
-  // act-order: the first DEPTH rows' columns (for the loads after the wait) and the index ring's PD rows after them
-  int2 pfirst[PERM ? DEPTH : 1][2], pr[PD][2];
+  // the next group's, one group ahead (a load of its own, not a copy of s_cur: see pass_on16)
+  uint4 s_next = rows > 0 ? load_s(min(grp0 + 1, grp_last)) : make_uint4(0, 0, 0, 0);
+  uint2 z_next = rows > 0 ? load_z(min(grp0 + 1, grp_last)) : make_uint2(0u, 0u);
+  // act-order: the first PA rows' columns (for the gathers after the wait) and the index ring's PD rows after them
+  int2 pfirst[PERM ? PA : 1][2], pr[PD][2];
   if constexpr (PERM) {
 #pragma unroll
-    for (int d = 0; d < DEPTH; d++)
+    for (int d = 0; d < PA; d++)
       if (d < rows) load_perm(pfirst[d], kt0 + d);
 #pragma unroll
     for (int d = 0; d < PD; d++)
-      if (DEPTH + d < rows) load_perm(pr[d], kt0 + DEPTH + d);
+      if (PA + d < rows) load_perm(pr[d], kt0 + PA + d);
   }
   if constexpr (CLUSTER > 1) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
   griddep_launch_dependents();
   griddep_wait();
   JM_STRIP_MARK(1);
+  uint32_t araw[PERM ? PA : 1][4 * TOKS];  // act-order: the gathered halves of rows i .. i + PA - 1
 #pragma unroll
-  for (int d = 0; d < DEPTH; d++) {
+  for (int d = 0; d < (PERM ? PA : DEPTH); d++) {
     if (d < rows) {
-      if constexpr (PERM) load_a_perm(ar[d], pfirst[d]);
+      if constexpr (PERM) load_a_perm(araw[d], pfirst[d]);
       else load_a(ar[d], kt0 + d);
     }
   }
-  // the activations of row i + DEPTH, loaded after row i (with PERM from the index ring, which then takes row
-  // i + DEPTH + PD: slot (i + DEPTH) % PD = d % PD, d = i % DEPTH)
-  auto next_a = [&](uint32_t (&dst)[2 * TOKS], int d, int i) {
+  // row i's activations (slot d = i % DEPTH of the unrolled loop), then the loads of a later row into the freed slot:
+  // row i + DEPTH's, or with PERM row i + PA's gathers from the index ring, which then takes row i + PA + PD
+  // (slot (i + PA) % PA = (i + PA + PD) % PD = d % PA)
+  auto take_a = [&](uint32_t (&dst)[2 * TOKS], int d) {
+    if constexpr (PERM) pack_a(araw[d % PA], dst);
+    else {
+#pragma unroll
+      for (int q = 0; q < 2 * TOKS; q++) dst[q] = ar[d % DEPTH][q];
+    }
+  };
+  auto next_a = [&](int d, int i) {
     if constexpr (PERM) {
-      load_a_perm(dst, pr[d % PD]);
-      if (i + DEPTH + PD < rows) load_perm(pr[d % PD], kt0 + i + DEPTH + PD);
+      if (i + PA < rows) {
+        load_a_perm(araw[d % PA], pr[d % PD]);
+        if (i + PA + PD < rows) load_perm(pr[d % PD], kt0 + i + PA + PD);
+      }
     } else {
-      load_a(dst, kt0 + i + DEPTH);
+      if (i + DEPTH < rows) load_a(ar[d % DEPTH], kt0 + i + DEPTH);
     }
   };
 
@@ -295,12 +322,15 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   };
   set_zeros(z_cur);
-  uint4 s_next = s_cur;
-  uint2 z_next = z_cur;
-  if (kGrouped && grp_last > grp0) {  // the next group's, one group ahead
-    s_next = load_s(grp0 + 1);
-    z_next = load_z(grp0 + 1);
-  }
+  // this lane's slot for the next group's scales / zero points (pass_on16: a lane reads only what it wrote)
+  __shared__ uint4 s_slots[kGrouped ? WARPS : 1][32];
+  __shared__ uint2 z_slots[HAS_ZP ? WARPS : 1][32];
+  const uint4* const s_slot_ptr = &s_slots[kGrouped ? warp : 0][lane];
+  const uint2* const z_slot_ptr = &z_slots[HAS_ZP ? warp : 0][lane];
+  const uint32_t s_slot = smem_addr(s_slot_ptr), z_slot = smem_addr(z_slot_ptr);
+  // folding (one token block), the current group's scales are read from the slot where the group ends, not held in
+  // registers (the act-order forms are at the register limit)
+  if constexpr (kFold) *const_cast<uint4*>(s_slot_ptr) = s_cur;
 
   auto compute = [&](const uint4 (&w)[kVec], const uint32_t (&a)[2 * TOKS]) {
     const uint32_t* words = reinterpret_cast<const uint32_t*>(w);
@@ -333,7 +363,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   // fold the finished group's sums into acc with its scales (halves 2j / 2j+1: features 16j+g / 16j+8+g)
   auto fold = [&]() {
     if constexpr (kFold) {
-      const T* sh = reinterpret_cast<const T*>(&s_cur);
+      const uint4 sg = *s_slot_ptr;
+      const T* sh = reinterpret_cast<const T*>(&sg);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         const float lo = static_cast<float>(sh[2 * j]), hi = static_cast<float>(sh[2 * j + 1]);
@@ -356,12 +387,17 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
         if (trace_groups < 48) JM_STRIP_MARK(8 + trace_groups);
         trace_groups++;
 #endif
-        s_cur = s_next;
-        if constexpr (HAS_ZP) set_zeros(z_next);
+        // the next group's scales (landed: loaded a group ago) through this lane's slot into s_cur, and the group
+        // after it into s_next in place (pass_on16)
         const int nxt = (kt0 + i + 1) / GROUP_BLOCKS + 1;  // the group after the next one
-        if (nxt <= grp_last) {
-          s_next = load_s(nxt);
-          z_next = load_z(nxt);
+        const bool more = nxt <= grp_last;
+        pass_on16(s_slot, s_next, more, sbase + static_cast<int64_t>(more ? nxt : 0) * n);
+        if constexpr (!kFold) s_cur = *s_slot_ptr;
+        if constexpr (HAS_ZP) {
+          const uint32_t* zsrc = zbase + static_cast<int64_t>(more ? nxt : 0) * zrow;
+          if constexpr (BITS == 4) pass_on4(z_slot, z_next.x, more, zsrc);
+          else pass_on8(z_slot, z_next, more, zsrc);
+          set_zeros(*z_slot_ptr);
         }
       }
     }
@@ -379,9 +415,11 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
           for (int v = 0; v < kVec; v++) w[v] = *reinterpret_cast<const uint4*>(my_ring + (d * kVec + v) * 512);
           if (i + SRING < rows) issue_w(d, kt0 + i + SRING);
           cp_async_commit();
-          compute(w, ar[d % DEPTH]);
+          uint32_t a_now[2 * TOKS];
+          take_a(a_now, d);
+          compute(w, a_now);
           if (i == 0) JM_STRIP_MARK(2);
-          if (i + DEPTH < rows) next_a(ar[d % DEPTH], d % DEPTH, i);
+          next_a(d, i);
           after_row(i);
         }
       }
@@ -393,12 +431,12 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       for (int d = 0; d < DEPTH; d++) {
         const int i = base + d;
         if (i < rows) {
-          compute(wr[d], ar[d]);
+          uint32_t a_now[2 * TOKS];
+          take_a(a_now, d);
+          compute(wr[d], a_now);
           if (i == 0) JM_STRIP_MARK(2);
-          if (i + DEPTH < rows) {
-            load_w(wr[d], kt0 + i + DEPTH);
-            next_a(ar[d], d, i);
-          }
+          if (i + DEPTH < rows) load_w(wr[d], kt0 + i + DEPTH);
+          next_a(d, i);
           after_row(i);
         }
       }
