@@ -387,8 +387,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
         if (trace_groups < 48) JM_STRIP_MARK(8 + trace_groups);
         trace_groups++;
 #endif
-        // the next group's scales (landed: loaded a group ago) through this lane's slot into s_cur, and the group
-        // after it into s_next in place (pass_on16)
+        // the next group's scales (landed: loaded a group ago) into this lane's slot, where fold reads them (and
+        // s_cur, where they go on the weights), and the group after it into s_next in place (pass_on16)
         const int nxt = (kt0 + i + 1) / GROUP_BLOCKS + 1;  // the group after the next one
         const bool more = nxt <= grp_last;
         pass_on16(s_slot, s_next, more, sbase + static_cast<int64_t>(more ? nxt : 0) * n);
