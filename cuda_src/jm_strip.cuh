@@ -155,7 +155,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const int64_t a_next = static_cast<int64_t>(8) * p.lda;
 
   uint4 wr[kSmemRing ? 1 : DEPTH][kVec];
-  uint32_t ar[DEPTH][2 * TOKS];
+  uint32_t ar[PERM ? 1 : DEPTH][2 * TOKS];  // the activations of rows i .. i + DEPTH - 1 (act-order: araw below)
   auto load_w = [&](uint4 (&dst)[kVec], int kt) {
 #pragma unroll
     for (int v = 0; v < kVec; v++) dst[v] = ldg_stream(wbase + kt * kRowVecs + 32 * v);
