@@ -339,15 +339,6 @@ JM_DEVICE void pass_on16(uint32_t slot, uint4& pend, bool more, const void* src)
       : "r"(slot), "r"(static_cast<int>(more)), "l"(src)
       : "memory");
 }
-JM_DEVICE void pass_on8(uint32_t slot, uint2& pend, bool more, const void* src) {
-  asm volatile(
-      "{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n"
-      " st.shared.v2.u32 [%2], {%0, %1};\n"
-      " @q ld.global.nc.v2.u32 {%0, %1}, [%4];\n}\n"
-      : "+r"(pend.x), "+r"(pend.y)
-      : "r"(slot), "r"(static_cast<int>(more)), "l"(src)
-      : "memory");
-}
 JM_DEVICE void pass_on4(uint32_t slot, uint32_t& pend, bool more, const void* src) {
   asm volatile(
       "{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n"

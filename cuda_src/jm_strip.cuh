@@ -395,8 +395,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
         if constexpr (!kFold) s_cur = *s_slot_ptr;
         if constexpr (HAS_ZP) {
           const uint32_t* zsrc = zbase + static_cast<int64_t>(more ? nxt : 0) * zrow;
-          if constexpr (BITS == 4) pass_on4(z_slot, z_next.x, more, zsrc);
-          else pass_on8(z_slot, z_next, more, zsrc);
+          pass_on4(z_slot, z_next.x, more, zsrc);
+          if constexpr (BITS == 8) pass_on4(z_slot + 4, z_next.y, more, zsrc + 1);
           set_zeros(*z_slot_ptr);
         }
       }

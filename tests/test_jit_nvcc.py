@@ -353,7 +353,7 @@ def test_strip_kernels_compile_without_spills(cuda_toolchain):
     cfgs = ((16, 2, 1, 0, False), (16, 1, 2, 0, False), (16, 2, 1, 1, False), (16, 2, 1, 0, True))
     sources = tuple((K.strip_kernel_name(fam, *c), K.strip_kernel_source(fam, *c)) for c in cfgs)
     # act-order forms with zero points, the most registers (before session 53 paired the gathered halves at use they
-    # spilled 20-24 bytes, 80-84 reloaded), and 8-bit zero points through the shared slot (jm::pass_on8)
+    # spilled 20-24 bytes, 80-84 reloaded), and 8-bit zero points through the shared slot (two jm::pass_on4)
     g32, zp8 = K.Family("f16", 4, True, 32), K.Family("bf16", 8, True, 64)
     sources += tuple((K.strip_kernel_name(f, *c), K.strip_kernel_source(f, *c))
                      for f, c in ((g32, (16, 1, 1, 0, True)), (g32, (4, 1, 1, 0, True)), (zp8, (16, 1, 1, 0, True)),

@@ -110,10 +110,6 @@ JM_DEVICE void pass_on16(uint32_t slot, uint4& pend, bool more, const void* src)
   std::memcpy(jm_simt::decode_smem(slot, 16), &pend, 16);
   if (more) pend = *jm_simt::check_global(static_cast<const uint4*>(src), 16, "ld.global.nc (pass_on16)");
 }
-JM_DEVICE void pass_on8(uint32_t slot, uint2& pend, bool more, const void* src) {
-  std::memcpy(jm_simt::decode_smem(slot, 8), &pend, 8);
-  if (more) pend = *jm_simt::check_global(static_cast<const uint2*>(src), 8, "ld.global.nc (pass_on8)");
-}
 JM_DEVICE void pass_on4(uint32_t slot, uint32_t& pend, bool more, const void* src) {
   std::memcpy(jm_simt::decode_smem(slot, 4), &pend, 4);
   if (more) pend = *jm_simt::check_global(static_cast<const uint32_t*>(src), 4, "ld.global.nc (pass_on4)");
