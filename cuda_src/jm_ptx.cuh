@@ -17,6 +17,16 @@ JM_DEVICE void cp_async16(void* smem, const void* gmem, bool valid = true) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(n));
 }
 
+// 4- or 8-byte global->shared copy through L1 (.ca: the only form below 16 bytes) for small per-lane data that must
+// reach shared memory without passing through a register: a register written by a global load is tracked by a
+// scoreboard counter shared with the warp's other global loads, so its first read waits for all of them; a cp.async
+// is waited for with its own group count (the strip kernel's group scales, session 54).
+template <int BYTES>
+JM_DEVICE void cp_async_small(void* smem, const void* gmem) {
+  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(BYTES));
+}
+
 // Arrive on an mbarrier once every cp.async this thread has issued so far has landed (.noinc:
 // the barrier's expected count already includes this arrival). Lets 16-byte cp.async copies
 // complete a producer/consumer ring slot together with bulk copies (PTX ISA,

@@ -57,9 +57,18 @@ namespace jm {
   do {                                                                                                   \
     if (threadIdx.x == 0 && p.timeline != nullptr) p.timeline[blockIdx.x * 64 + (slot)] = globaltimer(); \
   } while (0)
+// the end of a group of the run (uses the kernel's trace_groups counter)
+#define JM_STRIP_GROUP_MARK()                                 \
+  do {                                                        \
+    if (trace_groups < 48) JM_STRIP_MARK(8 + trace_groups);   \
+    trace_groups++;                                           \
+  } while (0)
 #else
 #define JM_STRIP_MARK(slot) \
   do {                      \
+  } while (0)
+#define JM_STRIP_GROUP_MARK() \
+  do {                        \
   } while (0)
 #endif
 
@@ -251,11 +260,37 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     for (int d = 0; d < DEPTH; d++)
       if (d < rows) load_w(wr[d], kt0 + d);
   }
-  uint4 s_cur = rows > 0 ? load_s(grp0) : make_uint4(0, 0, 0, 0);
-  uint2 z_cur = rows > 0 ? load_z(grp0) : make_uint2(0u, 0u);
-  // the next group's, one group ahead (a load of its own, not a copy of s_cur: see pass_on16)
-  uint4 s_next = rows > 0 ? load_s(min(grp0 + 1, grp_last)) : make_uint4(0, 0, 0, 0);
-  uint2 z_next = rows > 0 ? load_z(min(grp0 + 1, grp_last)) : make_uint2(0u, 0u);
+  // Register rings: the group scales (zero points) reach shared memory by cp.async, group q of the run into slot
+  // q % 2 of the warp's ring, one group ahead (fetched where group q - 2 ends, after its slot was read), each group's
+  // copies one commit group, waited for by count. A register loaded from global memory would be waited for with every
+  // weight load in flight (see the main loop below). The four lanes of a row g use the same scales: lane (g, 0)
+  // copies them, and the lanes meet (__syncwarp) after its wait and before it overwrites a slot.
+  constexpr bool kCopyScales = kGrouped && !kSmemRing;
+  __shared__ uint4 s_ring[kCopyScales ? WARPS : 1][2][8];
+  __shared__ uint2 z_ring[kCopyScales && HAS_ZP ? WARPS : 1][2][8];
+  auto fetch_group = [&](int q) {
+    if constexpr (kCopyScales) {
+      const int grp = grp0 + q;
+      if (t == 0 && rows > 0 && grp <= grp_last) {
+        cp_async16(&s_ring[warp][q % 2][g], sbase + static_cast<int64_t>(grp) * n);
+        if constexpr (HAS_ZP) {
+          cp_async_small<BITS == 4 ? 4 : 8>(&z_ring[warp][q % 2][g], zbase + static_cast<int64_t>(grp) * zrow);
+        }
+      }
+      cp_async_commit();  // (empty past the run's last group: the count stays one group per fetch)
+    }
+  };
+  uint4 s_cur = make_uint4(0, 0, 0, 0), s_next = s_cur;
+  uint2 z_cur = make_uint2(0u, 0u), z_next = z_cur;
+  if constexpr (kCopyScales) {
+    fetch_group(0);
+    fetch_group(1);
+  } else if (rows > 0) {  // (shared-memory rings: the next group's one group ahead in s_next, see pass_on16)
+    s_cur = load_s(grp0);
+    z_cur = load_z(grp0);
+    s_next = load_s(min(grp0 + 1, grp_last));
+    z_next = load_z(min(grp0 + 1, grp_last));
+  }
   // act-order: the first PA rows' columns (for the gathers after the wait) and the index ring's PD rows after them
   int2 pfirst[PERM ? PA : 1][2], pr[PD][2];
   if constexpr (PERM) {
@@ -321,16 +356,24 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       zc[e] = make_zero_const<T, BITS>(zv);
     }
   };
+  if constexpr (kCopyScales) {
+    cp_async_wait_fenced<1>();  // the run's first group (the second may still be in flight)
+    __syncwarp();
+    s_cur = s_ring[warp][0][g];
+    if constexpr (HAS_ZP) z_cur = z_ring[warp][0][g];
+  }
   set_zeros(z_cur);
-  // this lane's slot for the next group's scales / zero points (pass_on16: a lane reads only what it wrote)
-  __shared__ uint4 s_slots[kGrouped ? WARPS : 1][32];
-  __shared__ uint2 z_slots[HAS_ZP ? WARPS : 1][32];
-  const uint4* const s_slot_ptr = &s_slots[kGrouped ? warp : 0][lane];
-  const uint2* const z_slot_ptr = &z_slots[HAS_ZP ? warp : 0][lane];
+  // shared-memory rings: this lane's slot for the next group's scales / zero points (pass_on16: a lane reads only
+  // what it wrote)
+  constexpr bool kPassOn = kGrouped && kSmemRing;
+  __shared__ uint4 s_slots[kPassOn ? WARPS : 1][32];
+  __shared__ uint2 z_slots[kPassOn && HAS_ZP ? WARPS : 1][32];
+  const uint4* const s_slot_ptr = &s_slots[kPassOn ? warp : 0][lane];
+  const uint2* const z_slot_ptr = &z_slots[kPassOn && HAS_ZP ? warp : 0][lane];
   const uint32_t s_slot = smem_addr(s_slot_ptr), z_slot = smem_addr(z_slot_ptr);
   // folding (one token block), the current group's scales are read from the slot where the group ends, not held in
   // registers (the act-order forms are at the register limit)
-  if constexpr (kFold) *const_cast<uint4*>(s_slot_ptr) = s_cur;
+  if constexpr (kFold && kPassOn) *const_cast<uint4*>(s_slot_ptr) = s_cur;
 
   auto compute = [&](const uint4 (&w)[kVec], const uint32_t (&a)[2 * TOKS]) {
     const uint32_t* words = reinterpret_cast<const uint32_t*>(w);
@@ -361,9 +404,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   };
   // fold the finished group's sums into acc with its scales (halves 2j / 2j+1: features 16j+g / 16j+8+g)
-  auto fold = [&]() {
+  auto fold = [&](const uint4 sg) {
     if constexpr (kFold) {
-      const uint4 sg = *s_slot_ptr;
       const T* sh = reinterpret_cast<const T*>(&sg);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
@@ -382,11 +424,20 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   auto after_row = [&](int i) {
     if constexpr (kGrouped) {
       if ((kt0 + i + 1) % GROUP_BLOCKS == 0 || i + 1 == rows) {  // row i ends a group or the run
-        fold();
-#ifdef JM_STRIP_TRACE
-        if (trace_groups < 48) JM_STRIP_MARK(8 + trace_groups);
-        trace_groups++;
-#endif
+        if constexpr (kCopyScales) {
+          const int q = (kt0 + i) / GROUP_BLOCKS - grp0;  // the group ending, its scales in slot q % 2 (landed)
+          fold(s_ring[warp][q % 2][g]);
+          JM_STRIP_GROUP_MARK();
+          __syncwarp();  // every lane has read slot (q + 2) % 2 = q % 2 (just above)
+          fetch_group(q + 2);
+          cp_async_wait_fenced<1>();  // group q + 1's (fetched a group ago) have landed
+          __syncwarp();
+          if constexpr (!kFold) s_cur = s_ring[warp][(q + 1) % 2][g];
+          if constexpr (HAS_ZP) set_zeros(z_ring[warp][(q + 1) % 2][g]);
+          return;
+        }
+        fold(*s_slot_ptr);
+        JM_STRIP_GROUP_MARK();
         // the next group's scales (landed: loaded a group ago) into this lane's slot, where fold reads them (and
         // s_cur, where they go on the weights), and the group after it into s_next in place (pass_on16)
         const int nxt = (kt0 + i + 1) / GROUP_BLOCKS + 1;  // the group after the next one
@@ -426,19 +477,38 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
     cp_async_wait_fenced<0>();  // (nothing left in flight; the ring's start takes the warp's sums next)
   } else {
-    for (int base = 0; base < rows; base += DEPTH) {
+    // Whole batches of DEPTH rows, every row present, then the last rows. ptxas tracks a load's result with a
+    // scoreboard counter shared by all of the warp's global loads and waits for the counter to drain; with a guard
+    // around each row (`if (i < rows)`) a path skipped the previous rows' first read (where the batch's wait is),
+    // so every row waited for the loads the row before it had just issued: one memory round trip per k16 row
+    // (sm_90a SASS, benchmarks/sass_waits.py, session 54). Unguarded, the first row's read waits once per batch
+    // for the DEPTH rows in flight and the other rows read registers that are complete.
+    auto row_step = [&](int d, int i) {
+      uint32_t a_now[2 * TOKS];
+      take_a(a_now, d);
+      compute(wr[d], a_now);
+      if (i == 0) JM_STRIP_MARK(2);
+      if (i + DEPTH < rows) load_w(wr[d], kt0 + i + DEPTH);
+      next_a(d, i);
+      after_row(i);
+    };
+    int base = 0;
+    if constexpr (!PERM) {
+      for (; base + DEPTH <= rows; base += DEPTH) {
 #pragma unroll
-      for (int d = 0; d < DEPTH; d++) {
-        const int i = base + d;
-        if (i < rows) {
-          uint32_t a_now[2 * TOKS];
-          take_a(a_now, d);
-          compute(wr[d], a_now);
-          if (i == 0) JM_STRIP_MARK(2);
-          if (i + DEPTH < rows) load_w(wr[d], kt0 + i + DEPTH);
-          next_a(d, i);
-          after_row(i);
-        }
+        for (int d = 0; d < DEPTH; d++) row_step(d, base + d);
+      }
+#pragma unroll
+      for (int d = 0; d < DEPTH - 1; d++)
+        if (base + d < rows) row_step(d, base + d);
+    } else {
+      // The act-order forms keep each row guarded, and so still wait for the previous row's loads at every row:
+      // unguarded batches spill there (ptxas, sm_90: the gathered halves and their indices fill the registers).
+      // Their next step: the indices through shared memory, the gathered halves a whole batch ahead.
+      for (; base < rows; base += DEPTH) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; d++)
+          if (base + d < rows) row_step(d, base + d);
       }
     }
   }

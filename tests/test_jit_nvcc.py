@@ -364,3 +364,44 @@ def test_strip_kernels_compile_without_spills(cuda_toolchain):
         info = mod.meta["ptxas"][name]
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
         assert 0 < info["registers"] <= 128, (name, info)
+
+
+def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
+    """The strip kernel's register-ring forms keep a whole batch of rows in flight: in the sm_90a machine code each
+    iteration of the main loop (DEPTH k16 rows) waits for the warp's global loads once, read from the instructions'
+    scoreboard bits (benchmarks/sass_waits.py). Before session 54 every row waited for the loads the row before it
+    had issued: with a guard around each row a path skipped the batch's first wait, and a group's scales loaded into
+    registers were waited for with the weights. (Not the act-order forms: they still wait at every row, see
+    jm_strip.cuh.)"""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec_ = importlib.util.spec_from_file_location("sass_waits", root / "benchmarks" / "sass_waits.py")
+    sw = importlib.util.module_from_spec(spec_)
+    sys.modules.setdefault("sass_waits", sw)  # (its dataclasses look their module up)
+    spec_.loader.exec_module(sw)
+    tool = sw.find_cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton's CUDA backend)")
+    g128, chan = K.Family("f16", 4, False, 128), K.Family("f16", 4, False, -1)
+    g32zp, u8zp = K.Family("f16", 4, True, 32), K.Family("bf16", 8, True, 64)
+    moe = K.Family("f16", 4, False, 128, moe=True)
+    # (family, (warps, cluster, token blocks, ring rows, act-order), waits per iteration)
+    cases = [(g128, (16, 1, 1, 0, False), 1), (g128, (8, 2, 1, 0, False), 1), (g128, (4, 1, 1, 0, False), 1),
+             (g128, (16, 1, 2, 0, False), 1), (chan, (16, 1, 1, 0, False), 1), (g32zp, (16, 1, 1, 0, False), 1),
+             (u8zp, (8, 1, 2, 0, False), 1), (moe, (16, 1, 1, 0, False), 1)]
+    sources = tuple((K.strip_kernel_name(f, *c), K.strip_kernel_source(f, *c)) for f, c, _ in cases)
+    mod = get_module(BuildSpec(family="strip", cc=(9, 0), key=g128.key() + (("case", "waits-test"),), sources=sources))
+    for (fam, cfg, want), (name, _) in zip(cases, sources):
+        sass = subprocess.run([tool, "-sass", str(mod.cubin(name))], check=True, capture_output=True, text=True).stdout
+        (f,) = [f for f in sw.parse(sass) if f.name == name]
+        loop = sw.main_loop(f)
+        assert loop is not None, name
+        body = f.insns[loop[0]:loop[1] + 1]
+        depth = K.strip_depth(fam.bits, cfg[2])
+        assert sum(x.opcode.startswith("HMMA") for x in body) == 4 * cfg[2] * depth, name  # the rows' loop
+        drains = sw.loop_drains(f, loop)
+        assert len(drains) == want, (name, [(f.insns[d.waiter].text, d.loads, d.dist) for d in drains])

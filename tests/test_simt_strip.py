@@ -276,8 +276,10 @@ def test_emulator_catches_activations_read_before_the_wait(tmp_path):
     # rank 0 waits on a cluster barrier phase it never arrived at
     ((16, 2, 1, 0), "    cluster_arrive_release();\n", "    if (rank != 0) cluster_arrive_release();\n",
      "cluster.wait without a matching arrive"),
-    # a lane leaves before the warp's mma.sync (the other 31 would wait forever on the GPU)
-    ((4, 1, 1, 0), "  float acc[TOKS][4][4]", "  if (lane == 5) return;\n  float acc[TOKS][4][4]", "deadlock.*mma"),
+    # a lane leaves before the warp's first collective (since session 54 the __syncwarp after the group scales' first
+    # copy, then mma.sync; the other 31 would wait forever on the GPU)
+    ((4, 1, 1, 0), "  float acc[TOKS][4][4]", "  if (lane == 5) return;\n  float acc[TOKS][4][4]",
+     "deadlock.*(__syncwarp|mma)"),
 ], ids=["unarrived-cluster-barrier", "lane-missing-from-mma"])
 def test_emulator_reports_hangs(tmp_path, cfg, old, new, error):
     """What would hang a GPU is an error naming it here, not a hang."""
