@@ -114,7 +114,10 @@ int main() {
     for (const Kern& kn : kKerns) {
       // every replay writes the same slots; the ones a CTA never writes (groups past its run) stay 0
       CK(cudaMemset(trace, 0, trace_vals * 8));
-      const size_t smem = static_cast<size_t>(kn.warps) * kn.sring * 512;
+      // dynamic shared memory: the warps' rings, or an act-order register form's permutation store since session 54
+      // (64 bytes per k16 row of K, one CTA per strip here; K.strip_smem_bytes). The old header ignores it.
+      const size_t smem = kn.perm && kn.sring == 0 ? static_cast<size_t>(L.k / 16) * 64
+                                                   : static_cast<size_t>(kn.warps) * kn.sring * 512;
       cudaGraph_t g;
       cudaGraphExec_t ge;
       CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));

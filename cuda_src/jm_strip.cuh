@@ -151,6 +151,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const int kt0 = static_cast<int>(static_cast<int64_t>(k16) * worker / workers);
   const int kt1 = static_cast<int>(static_cast<int64_t>(k16) * (worker + 1) / workers);
   const int rows = kt1 - kt0;
+  const int cta_kt0 = static_cast<int>(static_cast<int64_t>(k16) * (rank * WARPS) / workers);  // this CTA's first row
 
   // the packed weights are [N/64 strips][K/16][32 * BITS words] (jitmarlin/quant/layout.py): a strip is
   // contiguous along K, and lane l's words of a k16 row are the 16-byte vectors l (and 32 + l for 8-bit)
@@ -187,9 +188,14 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       }
     }
   };
-  // act-order: the columns of lane (g, t) in k16 row kt, {perm[2t], perm[2t+1]} and {perm[2t+8], perm[2t+9]}
-  constexpr int PA = PERM ? (DEPTH >= 2 ? DEPTH / 2 : 1) : DEPTH;  // rows of gathered halves ahead (act-order)
-  constexpr int PD = PERM ? PA : 1;                                 // index ring rows (ahead of the gathers)
+  // act-order: the columns of lane (g, t) in k16 row kt, {perm[2t], perm[2t+1]} and {perm[2t+8], perm[2t+9]}.
+  // Register rings (kPermSmem): the warp's whole run of the permutation is copied to shared memory (dynamic, after
+  // the CTA's other uses: K.strip_smem_bytes) by cp.async at the start, so a gather's indices are shared-memory
+  // loads, and the gathered halves are a whole batch (DEPTH rows) ahead. Shared-memory rings: an index ring of PD
+  // rows in registers, PA rows of gathered halves.
+  constexpr bool kPermSmem = PERM && !kSmemRing;
+  constexpr int PA = PERM && !kPermSmem ? (DEPTH >= 2 ? DEPTH / 2 : 1) : DEPTH;  // rows of gathered halves ahead
+  constexpr int PD = PERM && !kPermSmem ? PA : 1;                                 // index ring rows (ahead of them)
   static_assert(DEPTH % PA == 0 && DEPTH % PD == 0, "the act-order rings divide the weights' ring");
   const int* const perm_t = static_cast<const int*>(p.perm) + 2 * t;
   auto load_perm = [&](int2 (&dst)[2], int kt) {
@@ -280,6 +286,14 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       cp_async_commit();  // (empty past the run's last group: the count stays one group per fetch)
     }
   };
+  // act-order, register rings: the warp's run of the permutation (rows x 16 indices) into shared memory, one commit
+  // group (before the scales' groups: see fetch_group), each lane 16-byte chunks c = lane + 32 j
+  const int* const perm_run = reinterpret_cast<const int*>(strip_dyn) + 16 * (kt0 - cta_kt0);
+  if constexpr (kPermSmem) {
+    const int* src = static_cast<const int*>(p.perm) + 16 * kt0;
+    for (int c = lane; c < 4 * rows; c += 32) cp_async16(const_cast<int*>(perm_run) + 4 * c, src + 4 * c);
+    cp_async_commit();
+  }
   uint4 s_cur = make_uint4(0, 0, 0, 0), s_next = s_cur;
   uint2 z_cur = make_uint2(0u, 0u), z_next = z_cur;
   if constexpr (kCopyScales) {
@@ -291,9 +305,14 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     s_next = load_s(min(grp0 + 1, grp_last));
     z_next = load_z(min(grp0 + 1, grp_last));
   }
-  // act-order: the first PA rows' columns (for the gathers after the wait) and the index ring's PD rows after them
-  int2 pfirst[PERM ? PA : 1][2], pr[PD][2];
-  if constexpr (PERM) {
+  auto perm_cols = [&](int2 (&dst)[2], int i) {  // row i of the run (kPermSmem): this lane's four columns
+    dst[0] = *reinterpret_cast<const int2*>(perm_run + 16 * i + 2 * t);
+    dst[1] = *reinterpret_cast<const int2*>(perm_run + 16 * i + 2 * t + 8);
+  };
+  // act-order, shared-memory rings: the first PA rows' columns (for the gathers after the wait) and the index ring's
+  // PD rows after them
+  int2 pfirst[PERM && !kPermSmem ? PA : 1][2], pr[PD][2];
+  if constexpr (PERM && !kPermSmem) {
 #pragma unroll
     for (int d = 0; d < PA; d++)
       if (d < rows) load_perm(pfirst[d], kt0 + d);
@@ -306,11 +325,22 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   griddep_wait();
   JM_STRIP_MARK(1);
   uint32_t araw[PERM ? PA : 1][4 * TOKS];  // act-order: the gathered halves of rows i .. i + PA - 1
+  if constexpr (kPermSmem) {
+    cp_async_wait_fenced<kCopyScales ? 2 : 0>();  // the permutation's group (the scales' two may be in flight)
+    __syncwarp();
+  }
 #pragma unroll
   for (int d = 0; d < (PERM ? PA : DEPTH); d++) {
     if (d < rows) {
-      if constexpr (PERM) load_a_perm(araw[d], pfirst[d]);
-      else load_a(ar[d], kt0 + d);
+      if constexpr (kPermSmem) {
+        int2 c[2];
+        perm_cols(c, d);
+        load_a_perm(araw[d], c);
+      } else if constexpr (PERM) {
+        load_a_perm(araw[d], pfirst[d]);
+      } else {
+        load_a(ar[d], kt0 + d);
+      }
     }
   }
   // row i's activations (slot d = i % DEPTH of the unrolled loop), then the loads of a later row into the freed slot:
@@ -324,7 +354,13 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   };
   auto next_a = [&](int d, int i) {
-    if constexpr (PERM) {
+    if constexpr (kPermSmem) {
+      if (i + DEPTH < rows) {
+        int2 c[2];
+        perm_cols(c, i + DEPTH);
+        load_a_perm(araw[d], c);
+      }
+    } else if constexpr (PERM) {
       if (i + PA < rows) {
         load_a_perm(araw[d % PA], pr[d % PD]);
         if (i + PA + PD < rows) load_perm(pr[d % PD], kt0 + i + PA + PD);
@@ -492,25 +528,16 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       next_a(d, i);
       after_row(i);
     };
+    // (The act-order forms: their indices come from shared memory and their gathered halves are loaded a batch
+    // ahead, like the weights; with indices in registers the unguarded batches spilled, ptxas sm_90.)
     int base = 0;
-    if constexpr (!PERM) {
-      for (; base + DEPTH <= rows; base += DEPTH) {
+    for (; base + DEPTH <= rows; base += DEPTH) {
 #pragma unroll
-        for (int d = 0; d < DEPTH; d++) row_step(d, base + d);
-      }
-#pragma unroll
-      for (int d = 0; d < DEPTH - 1; d++)
-        if (base + d < rows) row_step(d, base + d);
-    } else {
-      // The act-order forms keep each row guarded, and so still wait for the previous row's loads at every row:
-      // unguarded batches spill there (ptxas, sm_90: the gathered halves and their indices fill the registers).
-      // Their next step: the indices through shared memory, the gathered halves a whole batch ahead.
-      for (; base < rows; base += DEPTH) {
-#pragma unroll
-        for (int d = 0; d < DEPTH; d++)
-          if (base + d < rows) row_step(d, base + d);
-      }
+      for (int d = 0; d < DEPTH; d++) row_step(d, base + d);
     }
+#pragma unroll
+    for (int d = 0; d < DEPTH - 1; d++)
+      if (base + d < rows) row_step(d, base + d);
   }
 
   JM_STRIP_MARK(3);

@@ -943,6 +943,12 @@ def test_strip_kernels_in_the_build():
                     f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem)}, "
                     "false, false)") in src
         assert K.strip_smem_bytes(fam, 16, 1) == 192 * 1024 and K.strip_smem_bytes(fam, 16, 0) == 0
+        # act-order register forms: the CTA's share of the permutation, 64 bytes per k16 row (session 54)
+        assert K.strip_smem_bytes(fam, 16, 0, True, 4096, 2) == 64 * 128
+        assert K.strip_smem_bytes(fam, 4, 0, True, 1152, 4) == 64 * 18 and K.strip_smem_bytes(fam, 16, 1, True, 4096) \
+            == 192 * 1024
+        assert [K.strip_depth(4, 1, 0, True), K.strip_depth(4, 1, 0, True, True), K.strip_depth(4, 2, 0, True),
+                K.strip_depth(8, 1, 0, True, True), K.strip_depth(4, 1, 1, True)] == [8, 6, 4, 4, 4]
         # the act-order forms: a module of their own (built on the first act-order strip launch), names ending _p
         perm = K.strip_build_spec(fam, (9, 0), True)
         assert perm.family == "strip_perm" and perm.key == K.strip_build_spec(fam, (9, 0)).key

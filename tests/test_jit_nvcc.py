@@ -369,10 +369,10 @@ def test_strip_kernels_compile_without_spills(cuda_toolchain):
 def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
     """The strip kernel's register-ring forms keep a whole batch of rows in flight: in the sm_90a machine code each
     iteration of the main loop (DEPTH k16 rows) waits for the warp's global loads once, read from the instructions'
-    scoreboard bits (benchmarks/sass_waits.py). Before session 54 every row waited for the loads the row before it
-    had issued: with a guard around each row a path skipped the batch's first wait, and a group's scales loaded into
-    registers were waited for with the weights. (Not the act-order forms: they still wait at every row, see
-    jm_strip.cuh.)"""
+    scoreboard bits (benchmarks/sass_waits.py); the act-order forms too (their indices from shared memory, their
+    gathered halves a batch ahead). Before session 54 every row waited for the loads the row before it had issued:
+    with a guard around each row a path skipped the batch's first wait, and a group's scales (an act-order row's
+    indices) loaded into registers were waited for with the weights."""
     import importlib.util
     import subprocess
     import sys
@@ -392,7 +392,8 @@ def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
     # (family, (warps, cluster, token blocks, ring rows, act-order), waits per iteration)
     cases = [(g128, (16, 1, 1, 0, False), 1), (g128, (8, 2, 1, 0, False), 1), (g128, (4, 1, 1, 0, False), 1),
              (g128, (16, 1, 2, 0, False), 1), (chan, (16, 1, 1, 0, False), 1), (g32zp, (16, 1, 1, 0, False), 1),
-             (u8zp, (8, 1, 2, 0, False), 1), (moe, (16, 1, 1, 0, False), 1)]
+             (u8zp, (8, 1, 2, 0, False), 1), (moe, (16, 1, 1, 0, False), 1), (g128, (16, 2, 1, 0, True), 1),
+             (g32zp, (16, 1, 1, 0, True), 1), (g128, (8, 1, 2, 0, True), 1), (u8zp, (4, 1, 1, 0, True), 1)]
     sources = tuple((K.strip_kernel_name(f, *c), K.strip_kernel_source(f, *c)) for f, c, _ in cases)
     mod = get_module(BuildSpec(family="strip", cc=(9, 0), key=g128.key() + (("case", "waits-test"),), sources=sources))
     for (fam, cfg, want), (name, _) in zip(cases, sources):
@@ -401,7 +402,7 @@ def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
         loop = sw.main_loop(f)
         assert loop is not None, name
         body = f.insns[loop[0]:loop[1] + 1]
-        depth = K.strip_depth(fam.bits, cfg[2])
+        depth = K.strip_depth(fam.bits, cfg[2], 0, cfg[4], fam.zero_points)
         assert sum(x.opcode.startswith("HMMA") for x in body) == 4 * cfg[2] * depth, name  # the rows' loop
         drains = sw.loop_drains(f, loop)
         assert len(drains) == want, (name, [(f.insns[d.waiter].text, d.loads, d.dist) for d in drains])

@@ -77,7 +77,7 @@ def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, perm=None):
     warps, cluster, toks, smem = cfg
     m, k = a.shape
     n = s.shape[1]
-    G.check_strip(m, n, k, fam, warps, cluster, toks, smem, emu.EmuKernel(lib, "", (9, 0)))  # an H200's limits
+    G.check_strip(m, n, k, fam, warps, cluster, toks, smem, emu.EmuKernel(lib, "", (9, 0)), perm is not None)  # H200
     bufs = [lib.guarded(t) for t in (a, b, s) + tuple(x for x in (z, bias, perm) if x is not None)]
     ga, gb, gs = bufs[:3]
     rest = bufs[3:]
@@ -88,7 +88,7 @@ def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, perm=None):
     out = full[:m]
     p = G.strip_params(m, n, k, warps, cluster, ga, gb, gs, gz, gbias, out, gperm)
     lib.launch(K.strip_kernel_name(fam, *cfg, perm=perm is not None), p.grid, 32 * warps, cluster,
-               K.strip_smem_bytes(fam, warps, smem), p, bufs, seed=seed,
+               K.strip_smem_bytes(fam, warps, smem, perm is not None, k, cluster), p, bufs, seed=seed,
                dependent=emu.dependent_buffers(lib, p))  # (launch_strip's programmatic dependent launch)
     assert torch.isnan(full[m].float()).all(), "the kernel wrote past row M"
     return out.clone()

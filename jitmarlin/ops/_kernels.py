@@ -258,13 +258,17 @@ def strip_module_configs(fam: Family, ab: bool = False) -> tuple[tuple[int, int,
     return tuple(c for c in STRIP_CONFIGS if (c in STRIP_ROUTED_CONFIGS) != ab)
 
 
-def strip_depth(bits: int, toks: int, smem: int = 0) -> int:
+def strip_depth(bits: int, toks: int, smem: int = 0, perm: bool = False, zp: bool = False) -> int:
     """Register ring rows per lane: the weights' (register ring: 4-bit 8 with one token block, 6 with two, 4 with
     three or four, whose activations and sums take the registers; 8-bit half of that, the same bytes) or, with the
-    weights' ring in shared memory, the activations' lead (4 rows; they come from L2)."""
+    weights' ring in shared memory, the activations' lead (4 rows; they come from L2). The 4-bit act-order forms
+    (perm) hold a batch of gathered halves next to the weights: 6 rows with zero points, 4 with two token blocks
+    (within 128 registers without spills, ptxas sm_90, session 54)."""
     if smem:
         return 4
     rows = 8 if toks == 1 else 6 if toks == 2 else 4
+    if perm and bits == 4:
+        rows = 4 if toks > 1 else 6 if zp else 8
     return rows if bits == 4 else rows // 2
 
 
@@ -278,8 +282,12 @@ def strip_ring_rows(bits: int, smem: int) -> int:
     return (24 if bits == 4 else 12) if smem else 0
 
 
-def strip_smem_bytes(fam: Family, warps: int, smem: int) -> int:
-    """Dynamic shared memory of a strip launch: the warps' rings (16 warps: 192 KB; one CTA per SM)."""
+def strip_smem_bytes(fam: Family, warps: int, smem: int, perm: bool = False, k: int = 0, cluster: int = 1) -> int:
+    """Dynamic shared memory of a strip launch: the warps' rings (16 warps: 192 KB; one CTA per SM), or for an
+    act-order form with register rings (perm) the CTA's part of the permutation, 64 bytes per k16 row of its
+    share of K (cluster: CTAs splitting K)."""
+    if perm and not smem:
+        return 64 * -(-(k // 16) // cluster)
     return warps * strip_ring_rows(fam.bits, smem) * (fam.bits // 4) * 512
 
 
@@ -296,7 +304,8 @@ def strip_kernel_source(fam: Family, warps: int, cluster: int, toks: int, smem: 
         '#include "jm_strip.cuh"\n'
         f"JM_STRIP_KERNEL({strip_kernel_name(fam, warps, cluster, toks, smem, perm)}, {CTYPES[fam.dtype]}, "
         f"{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {warps}, "
-        f"{strip_depth(fam.bits, toks, smem)}, {cluster}, {toks}, {strip_ring_rows(fam.bits, smem)}, "
+        f"{strip_depth(fam.bits, toks, smem, perm, fam.zero_points)}, {cluster}, {toks}, "
+        f"{strip_ring_rows(fam.bits, smem)}, "
         f"{'true' if perm else 'false'}, {'true' if fam.moe else 'false'})\n")
 
 
