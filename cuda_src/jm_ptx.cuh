@@ -21,11 +21,17 @@ JM_DEVICE void cp_async16(void* smem, const void* gmem, bool valid = true) {
 // reach shared memory without passing through a register: a register written by a global load is tracked by a
 // scoreboard counter shared with the warp's other global loads, so its first read waits for all of them; a cp.async
 // is waited for with its own group count (the strip kernel's group scales, session 54).
+// With valid == false nothing is read and the bytes are zeroed (src-size 0).
 template <int BYTES>
-JM_DEVICE void cp_async_small(void* smem, const void* gmem) {
+JM_DEVICE void cp_async_small(void* smem, const void* gmem, bool valid = true) {
   static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(BYTES));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(BYTES),
+               "r"(valid ? BYTES : 0));
 }
+
+// A compiler-only fence: shared-memory reads above it are not moved below a later cp.async into the same bytes
+// (the asm statements of the copies carry no memory clobber).
+JM_DEVICE void compiler_fence() { asm volatile("" ::: "memory"); }
 
 // Arrive on an mbarrier once every cp.async this thread has issued so far has landed (.noinc:
 // the barrier's expected count already includes this arrival). Lets 16-byte cp.async copies

@@ -40,7 +40,8 @@
 //
 // Launch (gemm.launch_strip): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
 // along x when CLUSTER > 1; p.m <= 8 * TOKS; N a multiple of 64; K a multiple of 16 and of the group size; dynamic
-// shared memory: WARPS x SRING x BITS / 4 x 512 bytes (K.strip_smem_bytes).
+// shared memory: WARPS x SRING x (BITS / 4 x 512 + TOKS x 256, not act-order) bytes, or for an act-order form with
+// register rings 64 bytes per k16 row of the CTA's share of K (K.strip_smem_bytes).
 #pragma once
 
 #include "jm_dequant.cuh"
@@ -77,9 +78,11 @@ namespace jm {
 // weights (fp16 / bf16, as the other kernels do). Every weight fragment feeds TOKS MMAs.
 //
 // SRING: 0 = the weights' ring is DEPTH rows of registers per lane; > 0 = SRING rows per lane in shared memory, filled
-// by each lane's own 16-byte cp.async (no registers held while in flight, so 3x the bytes in flight of the register
-// ring at 16 warps per SM), the activations then in a register ring of DEPTH rows (from L2: a shorter lead).
-// Each lane reads back only what it copied itself, so no barrier is needed, only cp.async.wait_group.
+// by each lane's own 16-byte cp.async (no registers held while in flight, so 2x the bytes in flight of the register
+// ring at 16 warps per SM), and since session 54 the activations with them (each lane's 8 bytes per token block and
+// row, 4-byte copies), one commit group per row: no global load into a register in the main loop, so no wait for
+// one (act-order: the activations in a register ring of DEPTH rows, gathered). Each lane reads back only what it
+// copied itself, so no barrier is needed, only cp.async.wait_group.
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS, int SRING,
           bool PERM, bool MOE>
 JM_DEVICE void strip_body(const JmGemmParams& p) {
@@ -97,7 +100,9 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   constexpr int kRowWords = 32 * BITS;               // int32 words of one 16 x 64 tile
 
   constexpr bool kSmemRing = SRING > 0;
-  constexpr int kWarpRingBytes = (kSmemRing ? SRING : 1) * kVec * 512;  // a warp's shared-memory ring (dynamic)
+  constexpr bool kActCopy = kSmemRing && !PERM;  // the activations through the ring too
+  constexpr int kActRowBytes = kActCopy ? TOKS * 256 : 0;  // a ring row's activations: 32 lanes x TOKS x 8 bytes
+  constexpr int kWarpRingBytes = (kSmemRing ? SRING : 1) * (kVec * 512 + kActRowBytes);  // a warp's ring (dynamic)
   extern __shared__ __align__(16) uint8_t strip_dyn[];
   __shared__ float red_regs[kSmemRing ? 1 : WARPS][8][64];  // each warp's sums of one token block: [token][feature]
   // (with a shared-memory ring, warp w's sums go to the start of its own ring, free after its main loop)
@@ -175,6 +180,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 #pragma unroll
     for (int v = 0; v < kVec; v++) cp_async16(my_ring + (slot * kVec + v) * 512, wbase + kt * kRowVecs + 32 * v);
   };
+  // this lane's activations of each ring row (kActCopy): after the weights, 8 bytes per token block
+  uint8_t* const my_act = strip_dyn + warp * kWarpRingBytes + SRING * kVec * 512 + lane * 8 * TOKS;
   auto load_a = [&](uint32_t (&dst)[2 * TOKS], int kt) {
 #pragma unroll
     for (int b = 0; b < TOKS; b++) {
@@ -186,6 +193,16 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
         dst[2 * b] = 0u;
         dst[2 * b + 1] = 0u;
       }
+    }
+  };
+  auto issue_a = [&](int slot, int kt) {  // kActCopy: row kt's activations into ring row `slot` (0 past M)
+#pragma unroll
+    for (int b = 0; b < TOKS; b++) {
+      const bool ok = row_ok(b);
+      const T* src = ok ? arow + b * a_next + kt * 16 : static_cast<const T*>(p.a);
+      uint8_t* dst = my_act + slot * kActRowBytes + 8 * b;
+      cp_async_small<4>(dst, src, ok);
+      cp_async_small<4>(dst + 4, ok ? src + 8 : src, ok);
     }
   };
   // act-order: the columns of lane (g, t) in k16 row kt, {perm[2t], perm[2t+1]} and {perm[2t+8], perm[2t+9]}.
@@ -329,8 +346,18 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     cp_async_wait_fenced<kCopyScales ? 2 : 0>();  // the permutation's group (the scales' two may be in flight)
     __syncwarp();
   }
+  if constexpr (kActCopy) {
+    // the first SRING rows' activations, a commit group per row after the weights' SRING groups: row i < SRING then
+    // waits with SRING - 1 groups after its activations' (SRING - 1 - i of these, i of the loop's), as every later
+    // row does after its one group (weights and activations)
 #pragma unroll
-  for (int d = 0; d < (PERM ? PA : DEPTH); d++) {
+    for (int d = 0; d < SRING; d++) {
+      if (d < rows) issue_a(d, kt0 + d);
+      cp_async_commit();
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < (kActCopy ? 0 : PERM ? PA : DEPTH); d++) {
     if (d < rows) {
       if constexpr (kPermSmem) {
         int2 c[2];
@@ -500,13 +527,23 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
           uint4 w[kVec];
 #pragma unroll
           for (int v = 0; v < kVec; v++) w[v] = *reinterpret_cast<const uint4*>(my_ring + (d * kVec + v) * 512);
-          if (i + SRING < rows) issue_w(d, kt0 + i + SRING);
-          cp_async_commit();
           uint32_t a_now[2 * TOKS];
-          take_a(a_now, d);
+          if constexpr (kActCopy) {
+#pragma unroll
+            for (int q = 0; q < 2 * TOKS; q++)
+              a_now[q] = reinterpret_cast<const uint32_t*>(my_act + d * kActRowBytes)[q];
+          } else {
+            take_a(a_now, d);
+          }
+          compiler_fence();  // (the slot's reads above the copies that refill it)
+          if (i + SRING < rows) {
+            issue_w(d, kt0 + i + SRING);
+            if constexpr (kActCopy) issue_a(d, kt0 + i + SRING);
+          }
+          cp_async_commit();
           compute(w, a_now);
           if (i == 0) JM_STRIP_MARK(2);
-          next_a(d, i);
+          if constexpr (!kActCopy) next_a(d, i);
           after_row(i);
         }
       }

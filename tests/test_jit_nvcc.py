@@ -406,3 +406,20 @@ def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
         assert sum(x.opcode.startswith("HMMA") for x in body) == 4 * cfg[2] * depth, name  # the rows' loop
         drains = sw.loop_drains(f, loop)
         assert len(drains) == want, (name, [(f.insns[d.waiter].text, d.loads, d.dist) for d in drains])
+    # the shared-memory-ring forms (session 54: the activations through the ring with the weights): no global load
+    # into a register in the main loop but a group's scales (one per group, waited for a group later)
+    ring_cases = [(chan, (16, 1, 1, 1)), (g128, (16, 2, 1, 1)), (g32zp, (16, 1, 2, 1)), (u8zp, (8, 1, 3, 1))]
+    sources = tuple((K.strip_kernel_name(f, *c), K.strip_kernel_source(f, *c)) for f, c in ring_cases)
+    mod = get_module(BuildSpec(family="strip", cc=(9, 0), key=g128.key() + (("case", "ring-waits"),), sources=sources))
+    for (fam, cfg), (name, _) in zip(ring_cases, sources):
+        sass = subprocess.run([tool, "-sass", str(mod.cubin(name))], check=True, capture_output=True, text=True).stdout
+        (f,) = [f for f in sw.parse(sass) if f.name == name]
+        loop = sw.main_loop(f)
+        body = f.insns[loop[0]:loop[1] + 1]
+        rows = K.strip_ring_rows(fam.bits, 1, cfg[2])
+        assert sum(x.opcode.startswith("HMMA") for x in body) == 4 * cfg[2] * rows, name
+        loads = [x.text for x in body if sw.is_global_load(x)]
+        zp_loads = (2 if fam.bits == 8 else 1) if fam.zero_points else 0  # (8-bit: two jm::pass_on4)
+        per_row = 1 + zp_loads if fam.group_size > 0 else 0
+        assert len(loads) == per_row * rows, (name, loads)  # (each row's group-end block: pass_on16 / pass_on4)
+        assert all(d.loads == per_row for d in sw.loop_drains(f, loop)), name

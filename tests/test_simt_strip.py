@@ -88,7 +88,7 @@ def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, perm=None):
     out = full[:m]
     p = G.strip_params(m, n, k, warps, cluster, ga, gb, gs, gz, gbias, out, gperm)
     lib.launch(K.strip_kernel_name(fam, *cfg, perm=perm is not None), p.grid, 32 * warps, cluster,
-               K.strip_smem_bytes(fam, warps, smem, perm is not None, k, cluster), p, bufs, seed=seed,
+               K.strip_smem_bytes(fam, warps, smem, perm is not None, k, cluster, toks), p, bufs, seed=seed,
                dependent=emu.dependent_buffers(lib, p))  # (launch_strip's programmatic dependent launch)
     assert torch.isnan(full[m].float()).all(), "the kernel wrote past row M"
     return out.clone()

@@ -1382,7 +1382,7 @@ def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, t
     if n % 64 or k % 16 or (fam.group_size > 0 and k % fam.group_size):
         raise ValueError(f"the strip kernel needs N % 64 == 0 and K a multiple of 16 and of the group size "
                          f"{fam.group_size}, got N={n}, K={k}")
-    grid, dyn = strip_grid(n, cluster), K.strip_smem_bytes(fam, warps, smem, perm, k, cluster)
+    grid, dyn = strip_grid(n, cluster), K.strip_smem_bytes(fam, warps, smem, perm, k, cluster, toks)
     if dyn > fn.max_dynamic_smem:
         what = "a shared-memory ring" if smem else f"the permutation of K={k} (act-order, clusters of {cluster})"
         raise ValueError(f"strip kernel with {warps} warps and {what} needs {dyn} B of shared memory per CTA; this "
@@ -1474,7 +1474,7 @@ def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = Fa
 
     def at_once(warps: int, cluster: int, toks: int, smem: int) -> int:
         fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index), perm)
-        dyn = K.strip_smem_bytes(fam, warps, smem, perm, k, cluster)
+        dyn = K.strip_smem_bytes(fam, warps, smem, perm, k, cluster, toks)
         if dyn > fn.max_dynamic_smem:
             return 0
         if cluster > 1:
@@ -1504,7 +1504,7 @@ def launch_strip(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: 
     fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index), perm is not None)
     check_strip(m, n, k, fam, warps, cluster, toks, smem, fn, perm is not None)
     p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, out, perm)
-    fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem, perm is not None, k, cluster),
+    fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem, perm is not None, k, cluster, toks),
               K.current_stream_handle(a.device), p,
               pdl=pdl and use_pdl(_cc(index)), cluster=cluster)
 
@@ -1646,7 +1646,7 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
         warps, cluster, toks, smem = strip  # (strip_choice took only configs the launch can run)
         fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
         p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, a.new_empty(0))
-        return _FastEntry(fn, p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), p, use_pdl(_cc(index)),
+        return _FastEntry(fn, p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem, toks=toks), p, use_pdl(_cc(index)),
                           cluster, 0, False)
     if use_wgmma_path(m, n, k, fam, index):
         wl = wgmma_launch(m, n, k, fam, index)

@@ -91,10 +91,11 @@ JM_DEVICE uint32_t smem_addr(const void* p) { return jm_simt::encode_smem(p); }
 
 JM_DEVICE void cp_async16(void* smem, const void* gmem, bool valid = true) { jm_simt::cp_async(smem, gmem, valid); }
 template <int BYTES>
-JM_DEVICE void cp_async_small(void* smem, const void* gmem) {
+JM_DEVICE void cp_async_small(void* smem, const void* gmem, bool valid = true) {
   static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-  jm_simt::cp_async(smem, gmem, true, BYTES);
+  jm_simt::cp_async(smem, gmem, valid, BYTES);
 }
+JM_DEVICE void compiler_fence() {}
 JM_DEVICE void cp_async_commit() { jm_simt::cp_async_commit(); }
 template <int N>
 JM_DEVICE void cp_async_wait() {
