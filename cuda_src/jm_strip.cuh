@@ -44,6 +44,10 @@
 // register rings 64 bytes per k16 row of the CTA's share of K (K.strip_smem_bytes).
 #pragma once
 
+// (for benchmarks/strip_probe.cu, which builds against this header and an older one: since session 54 the rows of a
+// shared-memory ring hold the activations too, and the ring forms take fewer rows, K.strip_ring_rows)
+#define JM_STRIP_RING_ACTS 1
+
 #include "jm_dequant.cuh"
 #include "jm_gemm_params.h"
 
