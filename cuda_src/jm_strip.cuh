@@ -24,11 +24,12 @@
 //
 // Act-order (PERM): the activations of k are A[:, perm[k]] (the weights' rows sorted by group at load time), gathered
 // here instead of by a kernel before this one (whose launch boundary cost 1.2-3.4 us on GEMMs of 7-26 us, H200
-// session 38). Lane (g, t) needs columns perm[16 kt + {2t, 2t+1, 2t+8, 2t+9}] of k16 row kt: two 8-byte loads of
-// the layer-constant perm, made PD rows before the row's activation loads (a ring of PD rows of indices), so an
-// activation load never waits for its index. The gathered halves stay unpacked in a ring of PA = DEPTH / 2 rows
-// and are paired into the B fragment's words only when their row is computed: pairing them as they were loaded
-// stalled the warp for a load's latency at every row (sm_90a SASS, session 53).
+// session 38). Lane (g, t) needs columns perm[16 kt + {2t, 2t+1, 2t+8, 2t+9}] of k16 row kt. Register rings: each
+// warp copies its run of the layer-constant perm to shared memory at the start (cp.async), reads a row's indices
+// there and gathers the row's activation halves a batch (DEPTH rows) ahead, like its weights (session 54).
+// Shared-memory rings: two 8-byte loads of perm per row, PD rows before the row's gathers (a ring of indices in
+// registers), the gathered halves PA = DEPTH / 2 rows ahead. Either way the halves stay unpacked until their row is
+// computed: pairing them as they were loaded waited for the loads at every row (sm_90a SASS, session 53).
 //
 // MoE (MOE; expert blocks of 8 rows, moe._moe_gemm_cuda): the grid holds N / 64 * CLUSTER CTAs per block of the
 // expert-sorted slot list (moe_align_block_size's, or one_token_tables': block j = slot j), block after block
