@@ -423,3 +423,34 @@ def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
         per_row = 1 + zp_loads if fam.group_size > 0 else 0
         assert len(loads) == per_row * rows, (name, loads)  # (each row's group-end block: pass_on16 / pass_on4)
         assert all(d.loads == per_row for d in sw.loop_drains(f, loop)), name
+
+
+def test_gemm_epilogue_loads_its_bias_together(cuda_toolchain):
+    """The mma.sync tiles' epilogue loads the bias of a thread's columns (and in MoE tiles the slots' routing
+    weights) ahead of its stores, so the warp waits for them together: session 54 found each loaded inside its
+    output's branch and waited for on its own (16-32 round trips per tile end for the routed M = 1 tiles with a
+    bias; benchmarks/sass_waits.py). Counted here: waits that let a bias load through shortly after it was issued, per
+    code site (a batch spread over a few dependency counters takes one wait each; main's code: 16-32 per tile)."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec_ = importlib.util.spec_from_file_location("sass_waits", root / "benchmarks" / "sass_waits.py")
+    sw = importlib.util.module_from_spec(spec_)
+    sys.modules.setdefault("sass_waits", sw)
+    spec_.loader.exec_module(sw)
+    tool = sw.find_cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton's CUDA backend)")
+    tiles = tuple(K.Tile.from_tag(t) for t in ("w8_k128_s6_bk_dr1", "w8_k128_s6_bk_ks2_cl8", "w16_k128_s6_bk"))
+    spec = K.build_spec(FAMILY, (9, 0), tiles)
+    mod = get_module(spec)
+    for tile in tiles:
+        name = K.kernel_name(FAMILY, tile)
+        sass = subprocess.run([tool, "-sass", str(mod.cubin(name))], check=True, capture_output=True, text=True).stdout
+        (f,) = [f for f in sw.parse(sass) if f.name == name]
+        waits = {(w.setter, w.waiter) for w in sw.replay(f)
+                 if not w.read and w.dist < 40 and f.insns[w.setter].opcode.startswith("LDG.E.U16")}
+        assert len(waits) <= 8, (name, len(waits))
