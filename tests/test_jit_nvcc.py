@@ -366,6 +366,23 @@ def test_strip_kernels_compile_without_spills(cuda_toolchain):
         assert 0 < info["registers"] <= 128, (name, info)
 
 
+def _sass_tool():
+    """benchmarks/sass_waits.py as a module and a cuobjdump to feed it (the test skips without one)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sass_waits.py"
+    spec = importlib.util.spec_from_file_location("sass_waits", path)
+    sw = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("sass_waits", sw)  # (its dataclasses look their module up)
+    spec.loader.exec_module(sw)
+    tool = sw.find_cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton's CUDA backend)")
+    return sw, tool
+
+
 def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
     """The strip kernel's register-ring forms keep a whole batch of rows in flight: in the sm_90a machine code each
     iteration of the main loop (DEPTH k16 rows) waits for the warp's global loads once, read from the instructions'
@@ -373,19 +390,9 @@ def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
     gathered halves a batch ahead). Before session 54 every row waited for the loads the row before it had issued:
     with a guard around each row a path skipped the batch's first wait, and a group's scales (an act-order row's
     indices) loaded into registers were waited for with the weights."""
-    import importlib.util
     import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    spec_ = importlib.util.spec_from_file_location("sass_waits", root / "benchmarks" / "sass_waits.py")
-    sw = importlib.util.module_from_spec(spec_)
-    sys.modules.setdefault("sass_waits", sw)  # (its dataclasses look their module up)
-    spec_.loader.exec_module(sw)
-    tool = sw.find_cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump (CUDA toolkit or triton's CUDA backend)")
+    sw, tool = _sass_tool()
     g128, chan = K.Family("f16", 4, False, 128), K.Family("f16", 4, False, -1)
     g32zp, u8zp = K.Family("f16", 4, True, 32), K.Family("bf16", 8, True, 64)
     moe = K.Family("f16", 4, False, 128, moe=True)
@@ -431,19 +438,9 @@ def test_gemm_epilogue_loads_its_bias_together(cuda_toolchain):
     output's branch and waited for on its own (16-32 round trips per tile end for the routed M = 1 tiles with a
     bias; benchmarks/sass_waits.py). Counted here: waits that let a bias load through shortly after it was issued, per
     code site (a batch spread over a few dependency counters takes one wait each; main's code: 16-32 per tile)."""
-    import importlib.util
     import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    spec_ = importlib.util.spec_from_file_location("sass_waits", root / "benchmarks" / "sass_waits.py")
-    sw = importlib.util.module_from_spec(spec_)
-    sys.modules.setdefault("sass_waits", sw)
-    spec_.loader.exec_module(sw)
-    tool = sw.find_cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump (CUDA toolkit or triton's CUDA backend)")
+    sw, tool = _sass_tool()
     tiles = tuple(K.Tile.from_tag(t) for t in ("w8_k128_s6_bk_dr1", "w8_k128_s6_bk_ks2_cl8", "w16_k128_s6_bk"))
     spec = K.build_spec(FAMILY, (9, 0), tiles)
     mod = get_module(spec)
