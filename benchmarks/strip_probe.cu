@@ -23,22 +23,32 @@
 #error "build with -DJM_STRIP_TRACE"
 #endif
 
+// ring rows of the shared-memory-ring forms (one / two token blocks): K.strip_ring_rows of the header built against
+#ifdef JM_STRIP_RING_ACTS
+#define SP_RING1 16
+#define SP_RING2 12
+#define SP_ACT_ROW 256  // a ring row's activations per token block and warp
+#else
+#define SP_RING1 24
+#define SP_RING2 24
+#define SP_ACT_ROW 0
+#endif
 // (warps, depth, cluster 1, one token block, ring rows) as the route's configs (jitmarlin/ops/_kernels.py)
 JM_STRIP_KERNEL(sp_g_w16, half, 4, false, 8, 16, 8, 1, 1, 0, false, false)
 JM_STRIP_KERNEL(sp_g_w8, half, 4, false, 8, 8, 8, 1, 1, 0, false, false)
 JM_STRIP_KERNEL(sp_g_w4, half, 4, false, 8, 4, 8, 1, 1, 0, false, false)
-JM_STRIP_KERNEL(sp_g_w16s, half, 4, false, 8, 16, 4, 1, 1, 24, false, false)
-JM_STRIP_KERNEL(sp_g_w8s, half, 4, false, 8, 8, 4, 1, 1, 24, false, false)
+JM_STRIP_KERNEL(sp_g_w16s, half, 4, false, 8, 16, 4, 1, 1, SP_RING1, false, false)
+JM_STRIP_KERNEL(sp_g_w8s, half, 4, false, 8, 8, 4, 1, 1, SP_RING1, false, false)
 JM_STRIP_KERNEL(sp_c_w16, half, 4, false, -1, 16, 8, 1, 1, 0, false, false)
 JM_STRIP_KERNEL(sp_c_w8, half, 4, false, -1, 8, 8, 1, 1, 0, false, false)
 JM_STRIP_KERNEL(sp_c_w4, half, 4, false, -1, 4, 8, 1, 1, 0, false, false)
-JM_STRIP_KERNEL(sp_c_w16s, half, 4, false, -1, 16, 4, 1, 1, 24, false, false)
+JM_STRIP_KERNEL(sp_c_w16s, half, 4, false, -1, 16, 4, 1, 1, SP_RING1, false, false)
 JM_STRIP_KERNEL(sp_p_w16, half, 4, false, 8, 16, 8, 1, 1, 0, true, false)  // act-order: in-kernel gather
 JM_STRIP_KERNEL(sp_p_w8, half, 4, false, 8, 8, 8, 1, 1, 0, true, false)
 // two token blocks (M = 9-16: the group scales on the weights), register and shared-memory rings
 JM_STRIP_KERNEL(sp_t2_w16, half, 4, false, 8, 16, 6, 1, 2, 0, false, false)
-JM_STRIP_KERNEL(sp_t2_w16s, half, 4, false, 8, 16, 4, 1, 2, 24, false, false)
-JM_STRIP_KERNEL(sp_t2_w4s, half, 4, false, 8, 4, 4, 1, 2, 24, false, false)
+JM_STRIP_KERNEL(sp_t2_w16s, half, 4, false, 8, 16, 4, 1, 2, SP_RING2, false, false)
+JM_STRIP_KERNEL(sp_t2_w4s, half, 4, false, 8, 4, 4, 1, 2, SP_RING2, false, false)
 
 namespace {
 
@@ -52,12 +62,12 @@ struct Kern {
 
 const Kern kKerns[] = {
     {"g128 w16", sp_g_w16, 16, 0, false, 1},       {"g128 w8", sp_g_w8, 8, 0, false, 1},
-    {"g128 w4", sp_g_w4, 4, 0, false, 1},          {"g128 w16-s", sp_g_w16s, 16, 24, false, 1},
-    {"g128 w8-s", sp_g_w8s, 8, 24, false, 1},      {"chan w16", sp_c_w16, 16, 0, false, 1},
+    {"g128 w4", sp_g_w4, 4, 0, false, 1},          {"g128 w16-s", sp_g_w16s, 16, SP_RING1, false, 1},
+    {"g128 w8-s", sp_g_w8s, 8, SP_RING1, false, 1},      {"chan w16", sp_c_w16, 16, 0, false, 1},
     {"chan w8", sp_c_w8, 8, 0, false, 1},           {"chan w4", sp_c_w4, 4, 0, false, 1},
-    {"chan w16-s", sp_c_w16s, 16, 24, false, 1},    {"perm w16", sp_p_w16, 16, 0, true, 1},
+    {"chan w16-s", sp_c_w16s, 16, SP_RING1, false, 1},    {"perm w16", sp_p_w16, 16, 0, true, 1},
     {"perm w8", sp_p_w8, 8, 0, true, 1},           {"g128 w16-t2", sp_t2_w16, 16, 0, false, 16},
-    {"g128 w16-t2-s", sp_t2_w16s, 16, 24, false, 16}, {"g128 w4-t2-s", sp_t2_w4s, 4, 24, false, 16},
+    {"g128 w16-t2-s", sp_t2_w16s, 16, SP_RING2, false, 16}, {"g128 w4-t2-s", sp_t2_w4s, 4, SP_RING2, false, 16},
 };
 
 double median(std::vector<double> v) {
@@ -114,7 +124,11 @@ int main() {
     for (const Kern& kn : kKerns) {
       // every replay writes the same slots; the ones a CTA never writes (groups past its run) stay 0
       CK(cudaMemset(trace, 0, trace_vals * 8));
-      const size_t smem = static_cast<size_t>(kn.warps) * kn.sring * 512;
+      // dynamic shared memory: the warps' rings, or an act-order register form's permutation store since session 54
+      // (64 bytes per k16 row of K, one CTA per strip here; K.strip_smem_bytes). The old header ignores it.
+      const size_t act_row = static_cast<size_t>(SP_ACT_ROW) * (kn.m > 8 ? 2 : 1);
+      const size_t smem = kn.perm && kn.sring == 0 ? static_cast<size_t>(L.k / 16) * 64
+                                                   : static_cast<size_t>(kn.warps) * kn.sring * (512 + act_row);
       cudaGraph_t g;
       cudaGraphExec_t ge;
       CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));

@@ -685,6 +685,45 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
 
     T* cbase = static_cast<T*>(p.c);
     const T* bias = static_cast<const T*>(p.bias);
+    // The bias of this thread's columns and (MoE) the slots and routing weights of its rows, loaded together ahead
+    // of the stores: loaded inside the per-output branches below, each was waited for on its own, a round trip per
+    // output (sm_90a SASS, benchmarks/sass_waits.py, session 54). A thread's outputs span few distinct columns (SWAP
+    // 8, else 16) and rows (SWAP 2 per 8-row block, else 2 per 16-row block): col_ix / row_ix number them. Tiles
+    // of more than 64 accumulators (three and four 16-row blocks) keep the loads at the stores: there ptxas
+    // interleaved the hoisted loads with their uses anyway (register pressure), and the MoE forms waited more.
+    constexpr bool kHoist = S::kAcc <= 64;
+    constexpr bool kHoistBias = kHoist && !MOE;  // (the MoE GEMMs take no bias: moe.py never sets one)
+    constexpr int kCols = SWAP ? 8 : 16, kRowsPer = SWAP ? S::kAcc / 8 : S::kAcc / 16;
+    auto col_ix = [](int i) { return SWAP ? ((i >> 2) & 3) * 2 + ((i & 3) >> 1) : ((i >> 2) & 7) * 2 + (i & 1); };
+    auto row_ix = [](int i) { return SWAP ? (i >> 4) * 2 + (i & 1) : (i >> 5) * 2 + ((i & 3) >> 1); };
+    float bcol[kHoistBias ? kCols : 1];
+#pragma unroll
+    for (int c = 0; c < (kHoistBias ? kCols : 1); c++) bcol[c] = 0.f;
+    if (kHoistBias && bias != nullptr) {
+#pragma unroll
+      for (int i = 0; i < S::kAcc; i++) {  // (each column once: the first i of its col_ix)
+        bool first = true;
+#pragma unroll
+        for (int j = 0; j < i; j++) first = first && col_ix(j) != col_ix(i);
+        if (first) bcol[col_ix(i)] = to_float<T>(__ldg(bias + n0 + acc_col<SWAP>(i, g, t)));
+      }
+    }
+    int slot_of[MOE && kHoist ? kRowsPer : 1];
+    float w_of[MOE && kHoist ? kRowsPer : 1];
+    if constexpr (MOE && kHoist) {
+#pragma unroll
+      for (int i = 0; i < S::kAcc; i++) {
+        bool first = true;
+#pragma unroll
+        for (int j = 0; j < i; j++) first = first && row_ix(j) != row_ix(i);
+        if (first) slot_of[row_ix(i)] = __ldg(p.sorted_ids + m_tile * S::kRows + acc_row<SWAP>(i, g, t));
+      }
+#pragma unroll
+      for (int q = 0; q < kRowsPer; q++) {
+        w_of[q] = 1.f;
+        if (slot_of[q] < p.m && p.topk_weights != nullptr) w_of[q] = __ldg(p.topk_weights + slot_of[q]);
+      }
+    }
     // one output row per accumulator pair (normal) or element (SWAP)
     constexpr int kStep = SWAP ? 1 : 2;
 #pragma unroll
@@ -695,7 +734,12 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       int out_row;
       bool valid;
       float w = 1.f;
-      if constexpr (MOE) {
+      if constexpr (MOE && kHoist) {
+        const int slot_id = slot_of[row_ix(i)];
+        valid = slot_id < p.m;
+        out_row = slot_id;
+        w = w_of[row_ix(i)];
+      } else if constexpr (MOE) {
         const int slot_id = __ldg(p.sorted_ids + m_tile * S::kRows + r);
         valid = slot_id < p.m;
         out_row = slot_id;
@@ -706,15 +750,18 @@ JM_DEVICE void gemm_body(const JmGemmParams p) {
       }
       if (!valid) continue;
       T* dst = cbase + static_cast<int64_t>(out_row) * p.ldc + col;
+      auto bias_at = [&](int ii, int c) {
+        return kHoistBias ? bcol[kHoistBias ? col_ix(ii) : 0] : to_float<T>(bias[c]);
+      };
       if constexpr (SWAP) {
         float v = acc[i];
-        if (bias != nullptr) v += to_float<T>(bias[col]);
+        if (bias != nullptr) v += bias_at(i, col);
         *dst = from_float<T>(v * w);
       } else {
         float v0 = acc[i], v1 = acc[i + 1];
         if (bias != nullptr) {
-          v0 += to_float<T>(bias[col]);
-          v1 += to_float<T>(bias[col + 1]);
+          v0 += bias_at(i, col);
+          v1 += bias_at(i + 1, col + 1);
         }
         T pair[2] = {from_float<T>(v0 * w), from_float<T>(v1 * w)};
         *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<uint32_t*>(pair);

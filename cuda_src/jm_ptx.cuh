@@ -17,6 +17,22 @@ JM_DEVICE void cp_async16(void* smem, const void* gmem, bool valid = true) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(n));
 }
 
+// 4- or 8-byte global->shared copy through L1 (.ca: the only form below 16 bytes) for small per-lane data that must
+// reach shared memory without passing through a register: a register written by a global load is tracked by a
+// scoreboard counter shared with the warp's other global loads, so its first read waits for all of them; a cp.async
+// is waited for with its own group count (the strip kernel's group scales, session 54).
+// With valid == false nothing is read and the bytes are zeroed (src-size 0).
+template <int BYTES>
+JM_DEVICE void cp_async_small(void* smem, const void* gmem, bool valid = true) {
+  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(smem)), "l"(gmem), "n"(BYTES),
+               "r"(valid ? BYTES : 0));
+}
+
+// A compiler-only fence: shared-memory reads above it are not moved below a later cp.async into the same bytes
+// (the asm statements of the copies carry no memory clobber).
+JM_DEVICE void compiler_fence() { asm volatile("" ::: "memory"); }
+
 // Arrive on an mbarrier once every cp.async this thread has issued so far has landed (.noinc:
 // the barrier's expected count already includes this arrival). Lets 16-byte cp.async copies
 // complete a producer/consumer ring slot together with bulk copies (PTX ISA,
@@ -322,6 +338,31 @@ JM_DEVICE void st_cluster_v4(uint32_t addr, uint32_t rank, float x, float y, flo
                "f"(z), "f"(w)
                : "memory");
 #endif
+}
+
+// The strip kernel's next group's scales (or zero points) on their way through shared memory (jm_strip.cuh):
+// `st.shared [slot], pend` then, in place, `@more ld.global.nc pend, [src]`, one asm statement, so the load lands in
+// the register the store read and nothing reads it before the next group ends. Written in C++ as `cur = next;
+// next = load(..)`, the compiler issued the load into a spare register ahead of the copy and copied it into `next`
+// at once, which stalled the warp for a memory round trip at every group end (sm_90a SASS, session 53). `slot`: a
+// shared-state-space address (smem_addr) that only this thread reads.
+JM_DEVICE void pass_on16(uint32_t slot, uint4& pend, bool more, const void* src) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
+      " st.shared.v4.u32 [%4], {%0, %1, %2, %3};\n"
+      " @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%6];\n}\n"
+      : "+r"(pend.x), "+r"(pend.y), "+r"(pend.z), "+r"(pend.w)
+      : "r"(slot), "r"(static_cast<int>(more)), "l"(src)
+      : "memory");
+}
+JM_DEVICE void pass_on4(uint32_t slot, uint32_t& pend, bool more, const void* src) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n"
+      " st.shared.u32 [%1], %0;\n"
+      " @q ld.global.nc.u32 %0, [%3];\n}\n"
+      : "+r"(pend)
+      : "r"(slot), "r"(static_cast<int>(more)), "l"(src)
+      : "memory");
 }
 
 // Diagnostics (-DJM_TIMELINE, benchmarks/probe_timeline.py): the GPU-wide nanosecond timer and

@@ -24,9 +24,12 @@
 //
 // Act-order (PERM): the activations of k are A[:, perm[k]] (the weights' rows sorted by group at load time), gathered
 // here instead of by a kernel before this one (whose launch boundary cost 1.2-3.4 us on GEMMs of 7-26 us, H200
-// session 38). Lane (g, t) needs columns perm[16 kt + {2t, 2t+1, 2t+8, 2t+9}] of k16 row kt: two 8-byte loads of
-// the layer-constant perm, made PD rows before the row's activation loads (a ring of PD rows of indices, half the
-// activations' ring), so an activation load never waits for its index.
+// session 38). Lane (g, t) needs columns perm[16 kt + {2t, 2t+1, 2t+8, 2t+9}] of k16 row kt. Register rings: each
+// warp copies its run of the layer-constant perm to shared memory at the start (cp.async), reads a row's indices
+// there and gathers the row's activation halves a batch (DEPTH rows) ahead, like its weights (session 54).
+// Shared-memory rings: two 8-byte loads of perm per row, PD rows before the row's gathers (a ring of indices in
+// registers), the gathered halves PA = DEPTH / 2 rows ahead. Either way the halves stay unpacked until their row is
+// computed: pairing them as they were loaded waited for the loads at every row (sm_90a SASS, session 53).
 //
 // MoE (MOE; expert blocks of 8 rows, moe._moe_gemm_cuda): the grid holds N / 64 * CLUSTER CTAs per block of the
 // expert-sorted slot list (moe_align_block_size's, or one_token_tables': block j = slot j), block after block
@@ -38,8 +41,13 @@
 //
 // Launch (gemm.launch_strip): grid = N / 64 * CLUSTER CTAs of 32 * WARPS threads, clusters of CLUSTER
 // along x when CLUSTER > 1; p.m <= 8 * TOKS; N a multiple of 64; K a multiple of 16 and of the group size; dynamic
-// shared memory: WARPS x SRING x BITS / 4 x 512 bytes (K.strip_smem_bytes).
+// shared memory: WARPS x SRING x (BITS / 4 x 512 + TOKS x 256, not act-order) bytes, or for an act-order form with
+// register rings 64 bytes per k16 row of the CTA's share of K (K.strip_smem_bytes).
 #pragma once
+
+// (for benchmarks/strip_probe.cu, which builds against this header and an older one: since session 54 the rows of a
+// shared-memory ring hold the activations too, and the ring forms take fewer rows, K.strip_ring_rows)
+#define JM_STRIP_RING_ACTS 1
 
 #include "jm_dequant.cuh"
 #include "jm_gemm_params.h"
@@ -55,9 +63,18 @@ namespace jm {
   do {                                                                                                   \
     if (threadIdx.x == 0 && p.timeline != nullptr) p.timeline[blockIdx.x * 64 + (slot)] = globaltimer(); \
   } while (0)
+// the end of a group of the run (uses the kernel's trace_groups counter)
+#define JM_STRIP_GROUP_MARK()                                 \
+  do {                                                        \
+    if (trace_groups < 48) JM_STRIP_MARK(8 + trace_groups);   \
+    trace_groups++;                                           \
+  } while (0)
 #else
 #define JM_STRIP_MARK(slot) \
   do {                      \
+  } while (0)
+#define JM_STRIP_GROUP_MARK() \
+  do {                        \
   } while (0)
 #endif
 
@@ -66,9 +83,11 @@ namespace jm {
 // weights (fp16 / bf16, as the other kernels do). Every weight fragment feeds TOKS MMAs.
 //
 // SRING: 0 = the weights' ring is DEPTH rows of registers per lane; > 0 = SRING rows per lane in shared memory, filled
-// by each lane's own 16-byte cp.async (no registers held while in flight, so 3x the bytes in flight of the register
-// ring at 16 warps per SM), the activations then in a register ring of DEPTH rows (from L2: a shorter lead).
-// Each lane reads back only what it copied itself, so no barrier is needed, only cp.async.wait_group.
+// by each lane's own 16-byte cp.async (no registers held while in flight, so 2x the bytes in flight of the register
+// ring at 16 warps per SM), and since session 54 the activations with them (each lane's 8 bytes per token block and
+// row, 4-byte copies), one commit group per row: no global load into a register in the main loop, so no wait for
+// one (act-order: the activations in a register ring of DEPTH rows, gathered). Each lane reads back only what it
+// copied itself, so no barrier is needed, only cp.async.wait_group.
 template <typename T, int BITS, bool HAS_ZP, int GROUP_BLOCKS, int WARPS, int DEPTH, int CLUSTER, int TOKS, int SRING,
           bool PERM, bool MOE>
 JM_DEVICE void strip_body(const JmGemmParams& p) {
@@ -86,7 +105,9 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   constexpr int kRowWords = 32 * BITS;               // int32 words of one 16 x 64 tile
 
   constexpr bool kSmemRing = SRING > 0;
-  constexpr int kWarpRingBytes = (kSmemRing ? SRING : 1) * kVec * 512;  // a warp's shared-memory ring (dynamic)
+  constexpr bool kActCopy = kSmemRing && !PERM;  // the activations through the ring too
+  constexpr int kActRowBytes = kActCopy ? TOKS * 256 : 0;  // a ring row's activations: 32 lanes x TOKS x 8 bytes
+  constexpr int kWarpRingBytes = (kSmemRing ? SRING : 1) * (kVec * 512 + kActRowBytes);  // a warp's ring (dynamic)
   extern __shared__ __align__(16) uint8_t strip_dyn[];
   __shared__ float red_regs[kSmemRing ? 1 : WARPS][8][64];  // each warp's sums of one token block: [token][feature]
   // (with a shared-memory ring, warp w's sums go to the start of its own ring, free after its main loop)
@@ -140,6 +161,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const int kt0 = static_cast<int>(static_cast<int64_t>(k16) * worker / workers);
   const int kt1 = static_cast<int>(static_cast<int64_t>(k16) * (worker + 1) / workers);
   const int rows = kt1 - kt0;
+  const int cta_kt0 = static_cast<int>(static_cast<int64_t>(k16) * (rank * WARPS) / workers);  // this CTA's first row
 
   // the packed weights are [N/64 strips][K/16][32 * BITS words] (jitmarlin/quant/layout.py): a strip is
   // contiguous along K, and lane l's words of a k16 row are the 16-byte vectors l (and 32 + l for 8-bit)
@@ -153,7 +175,7 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   const int64_t a_next = static_cast<int64_t>(8) * p.lda;
 
   uint4 wr[kSmemRing ? 1 : DEPTH][kVec];
-  uint32_t ar[DEPTH][2 * TOKS];
+  uint32_t ar[PERM ? 1 : DEPTH][2 * TOKS];  // the activations of rows i .. i + DEPTH - 1 (act-order: araw below)
   auto load_w = [&](uint4 (&dst)[kVec], int kt) {
 #pragma unroll
     for (int v = 0; v < kVec; v++) dst[v] = ldg_stream(wbase + kt * kRowVecs + 32 * v);
@@ -163,6 +185,8 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 #pragma unroll
     for (int v = 0; v < kVec; v++) cp_async16(my_ring + (slot * kVec + v) * 512, wbase + kt * kRowVecs + 32 * v);
   };
+  // this lane's activations of each ring row (kActCopy): after the weights, 8 bytes per token block
+  uint8_t* const my_act = strip_dyn + warp * kWarpRingBytes + SRING * kVec * 512 + lane * 8 * TOKS;
   auto load_a = [&](uint32_t (&dst)[2 * TOKS], int kt) {
 #pragma unroll
     for (int b = 0; b < TOKS; b++) {
@@ -176,9 +200,25 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       }
     }
   };
-  // act-order: the columns of lane (g, t) in k16 row kt, {perm[2t], perm[2t+1]} and {perm[2t+8], perm[2t+9]}
-  constexpr int PD = PERM ? (DEPTH >= 2 ? DEPTH / 2 : 1) : 1;  // index ring rows (ahead of the activations')
-  static_assert(DEPTH % PD == 0, "the index ring divides the activation ring");
+  auto issue_a = [&](int slot, int kt) {  // kActCopy: row kt's activations into ring row `slot` (0 past M)
+#pragma unroll
+    for (int b = 0; b < TOKS; b++) {
+      const bool ok = row_ok(b);
+      const T* src = ok ? arow + b * a_next + kt * 16 : static_cast<const T*>(p.a);
+      uint8_t* dst = my_act + slot * kActRowBytes + 8 * b;
+      cp_async_small<4>(dst, src, ok);
+      cp_async_small<4>(dst + 4, ok ? src + 8 : src, ok);
+    }
+  };
+  // act-order: the columns of lane (g, t) in k16 row kt, {perm[2t], perm[2t+1]} and {perm[2t+8], perm[2t+9]}.
+  // Register rings (kPermSmem): the warp's whole run of the permutation is copied to shared memory (dynamic, after
+  // the CTA's other uses: K.strip_smem_bytes) by cp.async at the start, so a gather's indices are shared-memory
+  // loads, and the gathered halves are a whole batch (DEPTH rows) ahead. Shared-memory rings: an index ring of PD
+  // rows in registers, PA rows of gathered halves.
+  constexpr bool kPermSmem = PERM && !kSmemRing;
+  constexpr int PA = PERM && !kPermSmem ? (DEPTH >= 2 ? DEPTH / 2 : 1) : DEPTH;  // rows of gathered halves ahead
+  constexpr int PD = PERM && !kPermSmem ? PA : 1;                                 // index ring rows (ahead of them)
+  static_assert(DEPTH % PA == 0 && DEPTH % PD == 0, "the act-order rings divide the weights' ring");
   const int* const perm_t = static_cast<const int*>(p.perm) + 2 * t;
   auto load_perm = [&](int2 (&dst)[2], int kt) {
     if constexpr (PERM) {
@@ -187,17 +227,27 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   };
   const T* const arow0 = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.lda;  // token g, column 0
-  auto load_a_perm = [&](uint32_t (&dst)[2 * TOKS], const int2 (&c)[2]) {
+  // the four gathered halves of each token block, one per register (paired by pack_a when their row is computed)
+  auto load_a_perm = [&](uint32_t (&dst)[4 * TOKS], const int2 (&c)[2]) {
 #pragma unroll
     for (int b = 0; b < TOKS; b++) {
       if (row_ok(b)) {
         const uint16_t* src = reinterpret_cast<const uint16_t*>(arow0 + b * a_next);
-        dst[2 * b] = static_cast<uint32_t>(src[c[0].x]) | (static_cast<uint32_t>(src[c[0].y]) << 16);
-        dst[2 * b + 1] = static_cast<uint32_t>(src[c[1].x]) | (static_cast<uint32_t>(src[c[1].y]) << 16);
+        dst[4 * b] = src[c[0].x];
+        dst[4 * b + 1] = src[c[0].y];
+        dst[4 * b + 2] = src[c[1].x];
+        dst[4 * b + 3] = src[c[1].y];
       } else {
-        dst[2 * b] = 0u;
-        dst[2 * b + 1] = 0u;
+#pragma unroll
+        for (int q = 0; q < 4; q++) dst[4 * b + q] = 0u;
       }
+    }
+  };
+  auto pack_a = [&](const uint32_t (&h)[4 * TOKS], uint32_t (&dst)[2 * TOKS]) {
+#pragma unroll
+    for (int b = 0; b < TOKS; b++) {
+      dst[2 * b] = h[4 * b] | (h[4 * b + 1] << 16);
+      dst[2 * b + 1] = h[4 * b + 2] | (h[4 * b + 3] << 16);
     }
   };
 
@@ -238,37 +288,117 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     for (int d = 0; d < DEPTH; d++)
       if (d < rows) load_w(wr[d], kt0 + d);
   }
-  uint4 s_cur = rows > 0 ? load_s(grp0) : make_uint4(0, 0, 0, 0);
-  uint2 z_cur = rows > 0 ? load_z(grp0) : make_uint2(0u, 0u);
-  // act-order: the first DEPTH rows' columns (for the loads after the wait) and the index ring's PD rows after them
-  int2 pfirst[PERM ? DEPTH : 1][2], pr[PD][2];
-  if constexpr (PERM) {
+  // Register rings: the group scales (zero points) reach shared memory by cp.async, group q of the run into slot
+  // q % 2 of the warp's ring, one group ahead (fetched where group q - 2 ends, after its slot was read), each group's
+  // copies one commit group, waited for by count. A register loaded from global memory would be waited for with every
+  // weight load in flight (see the main loop below). The four lanes of a row g use the same scales: lane (g, 0)
+  // copies them, and the lanes meet (__syncwarp) after its wait and before it overwrites a slot.
+  constexpr bool kCopyScales = kGrouped && !kSmemRing;
+  __shared__ uint4 s_ring[kCopyScales ? WARPS : 1][2][8];
+  __shared__ uint2 z_ring[kCopyScales && HAS_ZP ? WARPS : 1][2][8];
+  auto fetch_group = [&](int q) {
+    if constexpr (kCopyScales) {
+      const int grp = grp0 + q;
+      if (t == 0 && rows > 0 && grp <= grp_last) {
+        cp_async16(&s_ring[warp][q % 2][g], sbase + static_cast<int64_t>(grp) * n);
+        if constexpr (HAS_ZP) {
+          cp_async_small<BITS == 4 ? 4 : 8>(&z_ring[warp][q % 2][g], zbase + static_cast<int64_t>(grp) * zrow);
+        }
+      }
+      cp_async_commit();  // (empty past the run's last group: the count stays one group per fetch)
+    }
+  };
+  // act-order, register rings: the warp's run of the permutation (rows x 16 indices) into shared memory, one commit
+  // group (before the scales' groups: see fetch_group), each lane 16-byte chunks c = lane + 32 j
+  const int* const perm_run = reinterpret_cast<const int*>(strip_dyn) + 16 * (kt0 - cta_kt0);
+  if constexpr (kPermSmem) {
+    const int* src = static_cast<const int*>(p.perm) + 16 * kt0;
+    for (int c = lane; c < 4 * rows; c += 32) cp_async16(const_cast<int*>(perm_run) + 4 * c, src + 4 * c);
+    cp_async_commit();
+  }
+  uint4 s_cur = make_uint4(0, 0, 0, 0), s_next = s_cur;
+  uint2 z_cur = make_uint2(0u, 0u), z_next = z_cur;
+  if constexpr (kCopyScales) {
+    fetch_group(0);
+    fetch_group(1);
+  } else if (rows > 0) {  // (shared-memory rings: the next group's one group ahead in s_next, see pass_on16)
+    s_cur = load_s(grp0);
+    z_cur = load_z(grp0);
+    s_next = load_s(min(grp0 + 1, grp_last));
+    z_next = load_z(min(grp0 + 1, grp_last));
+  }
+  auto perm_cols = [&](int2 (&dst)[2], int i) {  // row i of the run (kPermSmem): this lane's four columns
+    dst[0] = *reinterpret_cast<const int2*>(perm_run + 16 * i + 2 * t);
+    dst[1] = *reinterpret_cast<const int2*>(perm_run + 16 * i + 2 * t + 8);
+  };
+  // act-order, shared-memory rings: the first PA rows' columns (for the gathers after the wait) and the index ring's
+  // PD rows after them
+  int2 pfirst[PERM && !kPermSmem ? PA : 1][2], pr[PD][2];
+  if constexpr (PERM && !kPermSmem) {
 #pragma unroll
-    for (int d = 0; d < DEPTH; d++)
+    for (int d = 0; d < PA; d++)
       if (d < rows) load_perm(pfirst[d], kt0 + d);
 #pragma unroll
     for (int d = 0; d < PD; d++)
-      if (DEPTH + d < rows) load_perm(pr[d], kt0 + DEPTH + d);
+      if (PA + d < rows) load_perm(pr[d], kt0 + PA + d);
   }
   if constexpr (CLUSTER > 1) cluster_arrive_relaxed();  // phase 0: this CTA runs (its shared memory exists)
   griddep_launch_dependents();
   griddep_wait();
   JM_STRIP_MARK(1);
+  uint32_t araw[PERM ? PA : 1][4 * TOKS];  // act-order: the gathered halves of rows i .. i + PA - 1
+  if constexpr (kPermSmem) {
+    cp_async_wait_fenced<kCopyScales ? 2 : 0>();  // the permutation's group (the scales' two may be in flight)
+    __syncwarp();
+  }
+  if constexpr (kActCopy) {
+    // the first SRING rows' activations, a commit group per row after the weights' SRING groups: row i < SRING then
+    // waits with SRING - 1 groups after its activations' (SRING - 1 - i of these, i of the loop's), as every later
+    // row does after its one group (weights and activations)
 #pragma unroll
-  for (int d = 0; d < DEPTH; d++) {
-    if (d < rows) {
-      if constexpr (PERM) load_a_perm(ar[d], pfirst[d]);
-      else load_a(ar[d], kt0 + d);
+    for (int d = 0; d < SRING; d++) {
+      if (d < rows) issue_a(d, kt0 + d);
+      cp_async_commit();
     }
   }
-  // the activations of row i + DEPTH, loaded after row i (with PERM from the index ring, which then takes row
-  // i + DEPTH + PD: slot (i + DEPTH) % PD = d % PD, d = i % DEPTH)
-  auto next_a = [&](uint32_t (&dst)[2 * TOKS], int d, int i) {
-    if constexpr (PERM) {
-      load_a_perm(dst, pr[d % PD]);
-      if (i + DEPTH + PD < rows) load_perm(pr[d % PD], kt0 + i + DEPTH + PD);
+#pragma unroll
+  for (int d = 0; d < (kActCopy ? 0 : PERM ? PA : DEPTH); d++) {
+    if (d < rows) {
+      if constexpr (kPermSmem) {
+        int2 c[2];
+        perm_cols(c, d);
+        load_a_perm(araw[d], c);
+      } else if constexpr (PERM) {
+        load_a_perm(araw[d], pfirst[d]);
+      } else {
+        load_a(ar[d], kt0 + d);
+      }
+    }
+  }
+  // row i's activations (slot d = i % DEPTH of the unrolled loop), then the loads of a later row into the freed slot:
+  // row i + DEPTH's, or with PERM row i + PA's gathers from the index ring, which then takes row i + PA + PD
+  // (slot (i + PA) % PA = (i + PA + PD) % PD = d % PA)
+  auto take_a = [&](uint32_t (&dst)[2 * TOKS], int d) {
+    if constexpr (PERM) pack_a(araw[d % PA], dst);
+    else {
+#pragma unroll
+      for (int q = 0; q < 2 * TOKS; q++) dst[q] = ar[d % DEPTH][q];
+    }
+  };
+  auto next_a = [&](int d, int i) {
+    if constexpr (kPermSmem) {
+      if (i + DEPTH < rows) {
+        int2 c[2];
+        perm_cols(c, i + DEPTH);
+        load_a_perm(araw[d], c);
+      }
+    } else if constexpr (PERM) {
+      if (i + PA < rows) {
+        load_a_perm(araw[d % PA], pr[d % PD]);
+        if (i + PA + PD < rows) load_perm(pr[d % PD], kt0 + i + PA + PD);
+      }
     } else {
-      load_a(dst, kt0 + i + DEPTH);
+      if (i + DEPTH < rows) load_a(ar[d % DEPTH], kt0 + i + DEPTH);
     }
   };
 
@@ -294,13 +424,24 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
       zc[e] = make_zero_const<T, BITS>(zv);
     }
   };
-  set_zeros(z_cur);
-  uint4 s_next = s_cur;
-  uint2 z_next = z_cur;
-  if (kGrouped && grp_last > grp0) {  // the next group's, one group ahead
-    s_next = load_s(grp0 + 1);
-    z_next = load_z(grp0 + 1);
+  if constexpr (kCopyScales) {
+    cp_async_wait_fenced<1>();  // the run's first group (the second may still be in flight)
+    __syncwarp();
+    s_cur = s_ring[warp][0][g];
+    if constexpr (HAS_ZP) z_cur = z_ring[warp][0][g];
   }
+  set_zeros(z_cur);
+  // shared-memory rings: this lane's slot for the next group's scales / zero points (pass_on16: a lane reads only
+  // what it wrote)
+  constexpr bool kPassOn = kGrouped && kSmemRing;
+  __shared__ uint4 s_slots[kPassOn ? WARPS : 1][32];
+  __shared__ uint2 z_slots[kPassOn && HAS_ZP ? WARPS : 1][32];
+  const uint4* const s_slot_ptr = &s_slots[kPassOn ? warp : 0][lane];
+  const uint2* const z_slot_ptr = &z_slots[kPassOn && HAS_ZP ? warp : 0][lane];
+  const uint32_t s_slot = smem_addr(s_slot_ptr), z_slot = smem_addr(z_slot_ptr);
+  // folding (one token block), the current group's scales are read from the slot where the group ends, not held in
+  // registers (the act-order forms are at the register limit)
+  if constexpr (kFold && kPassOn) *const_cast<uint4*>(s_slot_ptr) = s_cur;
 
   auto compute = [&](const uint4 (&w)[kVec], const uint32_t (&a)[2 * TOKS]) {
     const uint32_t* words = reinterpret_cast<const uint32_t*>(w);
@@ -331,9 +472,9 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     }
   };
   // fold the finished group's sums into acc with its scales (halves 2j / 2j+1: features 16j+g / 16j+8+g)
-  auto fold = [&]() {
+  auto fold = [&](const uint4 sg) {
     if constexpr (kFold) {
-      const T* sh = reinterpret_cast<const T*>(&s_cur);
+      const T* sh = reinterpret_cast<const T*>(&sg);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         const float lo = static_cast<float>(sh[2 * j]), hi = static_cast<float>(sh[2 * j + 1]);
@@ -351,17 +492,31 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   auto after_row = [&](int i) {
     if constexpr (kGrouped) {
       if ((kt0 + i + 1) % GROUP_BLOCKS == 0 || i + 1 == rows) {  // row i ends a group or the run
-        fold();
-#ifdef JM_STRIP_TRACE
-        if (trace_groups < 48) JM_STRIP_MARK(8 + trace_groups);
-        trace_groups++;
-#endif
-        s_cur = s_next;
-        if constexpr (HAS_ZP) set_zeros(z_next);
+        if constexpr (kCopyScales) {
+          const int q = (kt0 + i) / GROUP_BLOCKS - grp0;  // the group ending, its scales in slot q % 2 (landed)
+          fold(s_ring[warp][q % 2][g]);
+          JM_STRIP_GROUP_MARK();
+          __syncwarp();  // every lane has read slot (q + 2) % 2 = q % 2 (just above)
+          fetch_group(q + 2);
+          cp_async_wait_fenced<1>();  // group q + 1's (fetched a group ago) have landed
+          __syncwarp();
+          if constexpr (!kFold) s_cur = s_ring[warp][(q + 1) % 2][g];
+          if constexpr (HAS_ZP) set_zeros(z_ring[warp][(q + 1) % 2][g]);
+          return;
+        }
+        fold(*s_slot_ptr);
+        JM_STRIP_GROUP_MARK();
+        // the next group's scales (landed: loaded a group ago) into this lane's slot, where fold reads them (and
+        // s_cur, where they go on the weights), and the group after it into s_next in place (pass_on16)
         const int nxt = (kt0 + i + 1) / GROUP_BLOCKS + 1;  // the group after the next one
-        if (nxt <= grp_last) {
-          s_next = load_s(nxt);
-          z_next = load_z(nxt);
+        const bool more = nxt <= grp_last;
+        pass_on16(s_slot, s_next, more, sbase + static_cast<int64_t>(more ? nxt : 0) * n);
+        if constexpr (!kFold) s_cur = *s_slot_ptr;
+        if constexpr (HAS_ZP) {
+          const uint32_t* zsrc = zbase + static_cast<int64_t>(more ? nxt : 0) * zrow;
+          pass_on4(z_slot, z_next.x, more, zsrc);
+          if constexpr (BITS == 8) pass_on4(z_slot + 4, z_next.y, more, zsrc + 1);
+          set_zeros(*z_slot_ptr);
         }
       }
     }
@@ -377,32 +532,54 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
           uint4 w[kVec];
 #pragma unroll
           for (int v = 0; v < kVec; v++) w[v] = *reinterpret_cast<const uint4*>(my_ring + (d * kVec + v) * 512);
-          if (i + SRING < rows) issue_w(d, kt0 + i + SRING);
+          uint32_t a_now[2 * TOKS];
+          if constexpr (kActCopy) {
+#pragma unroll
+            for (int q = 0; q < 2 * TOKS; q++)
+              a_now[q] = reinterpret_cast<const uint32_t*>(my_act + d * kActRowBytes)[q];
+          } else {
+            take_a(a_now, d);
+          }
+          compiler_fence();  // (the slot's reads above the copies that refill it)
+          if (i + SRING < rows) {
+            issue_w(d, kt0 + i + SRING);
+            if constexpr (kActCopy) issue_a(d, kt0 + i + SRING);
+          }
           cp_async_commit();
-          compute(w, ar[d % DEPTH]);
+          compute(w, a_now);
           if (i == 0) JM_STRIP_MARK(2);
-          if (i + DEPTH < rows) next_a(ar[d % DEPTH], d % DEPTH, i);
+          if constexpr (!kActCopy) next_a(d, i);
           after_row(i);
         }
       }
     }
     cp_async_wait_fenced<0>();  // (nothing left in flight; the ring's start takes the warp's sums next)
   } else {
-    for (int base = 0; base < rows; base += DEPTH) {
+    // Whole batches of DEPTH rows, every row present, then the last rows. ptxas tracks a load's result with a
+    // scoreboard counter shared by all of the warp's global loads and waits for the counter to drain; with a guard
+    // around each row (`if (i < rows)`) a path skipped the previous rows' first read (where the batch's wait is),
+    // so every row waited for the loads the row before it had just issued: one memory round trip per k16 row
+    // (sm_90a SASS, benchmarks/sass_waits.py, session 54). Unguarded, the first row's read waits once per batch
+    // for the DEPTH rows in flight and the other rows read registers that are complete.
+    auto row_step = [&](int d, int i) {
+      uint32_t a_now[2 * TOKS];
+      take_a(a_now, d);
+      compute(wr[d], a_now);
+      if (i == 0) JM_STRIP_MARK(2);
+      if (i + DEPTH < rows) load_w(wr[d], kt0 + i + DEPTH);
+      next_a(d, i);
+      after_row(i);
+    };
+    // (The act-order forms: their indices come from shared memory and their gathered halves are loaded a batch
+    // ahead, like the weights; with indices in registers the unguarded batches spilled, ptxas sm_90.)
+    int base = 0;
+    for (; base + DEPTH <= rows; base += DEPTH) {
 #pragma unroll
-      for (int d = 0; d < DEPTH; d++) {
-        const int i = base + d;
-        if (i < rows) {
-          compute(wr[d], ar[d]);
-          if (i == 0) JM_STRIP_MARK(2);
-          if (i + DEPTH < rows) {
-            load_w(wr[d], kt0 + i + DEPTH);
-            next_a(ar[d], d, i);
-          }
-          after_row(i);
-        }
-      }
+      for (int d = 0; d < DEPTH; d++) row_step(d, base + d);
     }
+#pragma unroll
+    for (int d = 0; d < DEPTH - 1; d++)
+      if (base + d < rows) row_step(d, base + d);
   }
 
   JM_STRIP_MARK(3);

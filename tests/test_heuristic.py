@@ -940,9 +940,19 @@ def test_strip_kernels_in_the_build():
             src = dict(spec.sources)[K.strip_kernel_name(fam, 16, 2, toks, smem)]
             assert '#include "jm_strip.cuh"' in src
             assert (f"{K.CTYPES[fam.dtype]}, {fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
-                    f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem)}, "
+                    f"16, {K.strip_depth(fam.bits, toks, smem)}, 2, {toks}, {K.strip_ring_rows(fam.bits, smem, toks)}, "
                     "false, false)") in src
-        assert K.strip_smem_bytes(fam, 16, 1) == 192 * 1024 and K.strip_smem_bytes(fam, 16, 0) == 0
+        # the ring: weights and (since session 54) activations, at most 192 KB at 16 warps
+        for toks in (1, 2):
+            assert K.strip_smem_bytes(fam, 16, 1, toks=toks) == 16 * K.strip_ring_rows(fam.bits, 1, toks) * (
+                fam.bits // 4 * 512 + 256 * toks) <= 192 * 1024
+        assert K.strip_smem_bytes(fam, 16, 0) == 0
+        # act-order register forms: the CTA's share of the permutation, 64 bytes per k16 row (session 54)
+        assert K.strip_smem_bytes(fam, 16, 0, True, 4096, 2) == 64 * 128
+        assert K.strip_smem_bytes(fam, 4, 0, True, 1152, 4) == 64 * 18 and K.strip_smem_bytes(fam, 16, 1, True, 4096) \
+            == 16 * (24 if fam.bits == 4 else 12) * fam.bits // 4 * 512  # (act-order ring forms: the weights only)
+        assert [K.strip_depth(4, 1, 0, True), K.strip_depth(4, 1, 0, True, True), K.strip_depth(4, 2, 0, True),
+                K.strip_depth(8, 1, 0, True, True), K.strip_depth(4, 1, 1, True)] == [8, 6, 4, 4, 4]
         # the act-order forms: a module of their own (built on the first act-order strip launch), names ending _p
         perm = K.strip_build_spec(fam, (9, 0), True)
         assert perm.family == "strip_perm" and perm.key == K.strip_build_spec(fam, (9, 0)).key

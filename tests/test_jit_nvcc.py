@@ -351,10 +351,103 @@ def test_strip_kernels_compile_without_spills(cuda_toolchain):
     registers), no spills."""
     fam = K.Family("f16", 4, False, 128)
     cfgs = ((16, 2, 1, 0, False), (16, 1, 2, 0, False), (16, 2, 1, 1, False), (16, 2, 1, 0, True))
-    spec = BuildSpec(family="strip", cc=(9, 0), key=fam.key() + (("case", "compile-test"),),
-                     sources=tuple((K.strip_kernel_name(fam, *c), K.strip_kernel_source(fam, *c)) for c in cfgs))
+    sources = tuple((K.strip_kernel_name(fam, *c), K.strip_kernel_source(fam, *c)) for c in cfgs)
+    # act-order forms with zero points, the most registers (before session 53 paired the gathered halves at use they
+    # spilled 20-24 bytes, 80-84 reloaded), and 8-bit zero points through the shared slot (two jm::pass_on4)
+    g32, zp8 = K.Family("f16", 4, True, 32), K.Family("bf16", 8, True, 64)
+    sources += tuple((K.strip_kernel_name(f, *c), K.strip_kernel_source(f, *c))
+                     for f, c in ((g32, (16, 1, 1, 0, True)), (g32, (4, 1, 1, 0, True)), (zp8, (16, 1, 1, 0, True)),
+                                  (zp8, (8, 1, 2, 0, False))))
+    spec = BuildSpec(family="strip", cc=(9, 0), key=fam.key() + (("case", "compile-test"),), sources=sources)
     mod = get_module(spec)
     for name, _ in spec.sources:
         info = mod.meta["ptxas"][name]
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, (name, info)
         assert 0 < info["registers"] <= 128, (name, info)
+
+
+def _sass_tool():
+    """benchmarks/sass_waits.py as a module and a cuobjdump to feed it (the test skips without one)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sass_waits.py"
+    spec = importlib.util.spec_from_file_location("sass_waits", path)
+    sw = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("sass_waits", sw)  # (its dataclasses look their module up)
+    spec.loader.exec_module(sw)
+    tool = sw.find_cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton's CUDA backend)")
+    return sw, tool
+
+
+def test_strip_register_rings_wait_once_per_batch(cuda_toolchain):
+    """The strip kernel's register-ring forms keep a whole batch of rows in flight: in the sm_90a machine code each
+    iteration of the main loop (DEPTH k16 rows) waits for the warp's global loads once, read from the instructions'
+    scoreboard bits (benchmarks/sass_waits.py); the act-order forms too (their indices from shared memory, their
+    gathered halves a batch ahead). Before session 54 every row waited for the loads the row before it had issued:
+    with a guard around each row a path skipped the batch's first wait, and a group's scales (an act-order row's
+    indices) loaded into registers were waited for with the weights."""
+    import subprocess
+
+    sw, tool = _sass_tool()
+    g128, chan = K.Family("f16", 4, False, 128), K.Family("f16", 4, False, -1)
+    g32zp, u8zp = K.Family("f16", 4, True, 32), K.Family("bf16", 8, True, 64)
+    moe = K.Family("f16", 4, False, 128, moe=True)
+    # (family, (warps, cluster, token blocks, ring rows, act-order), waits per iteration)
+    cases = [(g128, (16, 1, 1, 0, False), 1), (g128, (8, 2, 1, 0, False), 1), (g128, (4, 1, 1, 0, False), 1),
+             (g128, (16, 1, 2, 0, False), 1), (chan, (16, 1, 1, 0, False), 1), (g32zp, (16, 1, 1, 0, False), 1),
+             (u8zp, (8, 1, 2, 0, False), 1), (moe, (16, 1, 1, 0, False), 1), (g128, (16, 2, 1, 0, True), 1),
+             (g32zp, (16, 1, 1, 0, True), 1), (g128, (8, 1, 2, 0, True), 1), (u8zp, (4, 1, 1, 0, True), 1)]
+    sources = tuple((K.strip_kernel_name(f, *c), K.strip_kernel_source(f, *c)) for f, c, _ in cases)
+    mod = get_module(BuildSpec(family="strip", cc=(9, 0), key=g128.key() + (("case", "waits-test"),), sources=sources))
+    for (fam, cfg, want), (name, _) in zip(cases, sources):
+        sass = subprocess.run([tool, "-sass", str(mod.cubin(name))], check=True, capture_output=True, text=True).stdout
+        (f,) = [f for f in sw.parse(sass) if f.name == name]
+        loop = sw.main_loop(f)
+        assert loop is not None, name
+        body = f.insns[loop[0]:loop[1] + 1]
+        depth = K.strip_depth(fam.bits, cfg[2], 0, cfg[4], fam.zero_points)
+        assert sum(x.opcode.startswith("HMMA") for x in body) == 4 * cfg[2] * depth, name  # the rows' loop
+        drains = sw.loop_drains(f, loop)
+        assert len(drains) == want, (name, [(f.insns[d.waiter].text, d.loads, d.dist) for d in drains])
+    # the shared-memory-ring forms (session 54: the activations through the ring with the weights): no global load
+    # into a register in the main loop but a group's scales (one per group, waited for a group later)
+    ring_cases = [(chan, (16, 1, 1, 1)), (g128, (16, 2, 1, 1)), (g32zp, (16, 1, 2, 1)), (u8zp, (8, 1, 3, 1))]
+    sources = tuple((K.strip_kernel_name(f, *c), K.strip_kernel_source(f, *c)) for f, c in ring_cases)
+    mod = get_module(BuildSpec(family="strip", cc=(9, 0), key=g128.key() + (("case", "ring-waits"),), sources=sources))
+    for (fam, cfg), (name, _) in zip(ring_cases, sources):
+        sass = subprocess.run([tool, "-sass", str(mod.cubin(name))], check=True, capture_output=True, text=True).stdout
+        (f,) = [f for f in sw.parse(sass) if f.name == name]
+        loop = sw.main_loop(f)
+        body = f.insns[loop[0]:loop[1] + 1]
+        rows = K.strip_ring_rows(fam.bits, 1, cfg[2])
+        assert sum(x.opcode.startswith("HMMA") for x in body) == 4 * cfg[2] * rows, name
+        loads = [x.text for x in body if sw.is_global_load(x)]
+        zp_loads = (2 if fam.bits == 8 else 1) if fam.zero_points else 0  # (8-bit: two jm::pass_on4)
+        per_row = 1 + zp_loads if fam.group_size > 0 else 0
+        assert len(loads) == per_row * rows, (name, loads)  # (each row's group-end block: pass_on16 / pass_on4)
+        assert all(d.loads == per_row for d in sw.loop_drains(f, loop)), name
+
+
+def test_gemm_epilogue_loads_its_bias_together(cuda_toolchain):
+    """The mma.sync tiles' epilogue loads the bias of a thread's columns (and in MoE tiles the slots' routing
+    weights) ahead of its stores, so the warp waits for them together: session 54 found each loaded inside its
+    output's branch and waited for on its own (16-32 round trips per tile end for the routed M = 1 tiles with a
+    bias; benchmarks/sass_waits.py). Counted here: waits that let a bias load through shortly after it was issued, per
+    code site (a batch spread over a few dependency counters takes one wait each; main's code: 16-32 per tile)."""
+    import subprocess
+
+    sw, tool = _sass_tool()
+    tiles = tuple(K.Tile.from_tag(t) for t in ("w8_k128_s6_bk_dr1", "w8_k128_s6_bk_ks2_cl8", "w16_k128_s6_bk"))
+    spec = K.build_spec(FAMILY, (9, 0), tiles)
+    mod = get_module(spec)
+    for tile in tiles:
+        name = K.kernel_name(FAMILY, tile)
+        sass = subprocess.run([tool, "-sass", str(mod.cubin(name))], check=True, capture_output=True, text=True).stdout
+        (f,) = [f for f in sw.parse(sass) if f.name == name]
+        waits = {(w.setter, w.waiter) for w in sw.replay(f)
+                 if not w.read and w.dist < 40 and f.insns[w.setter].opcode.startswith("LDG.E.U16")}
+        assert len(waits) <= 8, (name, len(waits))

@@ -77,7 +77,7 @@ def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, perm=None):
     warps, cluster, toks, smem = cfg
     m, k = a.shape
     n = s.shape[1]
-    G.check_strip(m, n, k, fam, warps, cluster, toks, smem, emu.EmuKernel(lib, "", (9, 0)))  # an H200's limits
+    G.check_strip(m, n, k, fam, warps, cluster, toks, smem, emu.EmuKernel(lib, "", (9, 0)), perm is not None)  # H200
     bufs = [lib.guarded(t) for t in (a, b, s) + tuple(x for x in (z, bias, perm) if x is not None)]
     ga, gb, gs = bufs[:3]
     rest = bufs[3:]
@@ -88,7 +88,7 @@ def run_strip(lib, fam, cfg, a, b, s, z, bias, seed=0, perm=None):
     out = full[:m]
     p = G.strip_params(m, n, k, warps, cluster, ga, gb, gs, gz, gbias, out, gperm)
     lib.launch(K.strip_kernel_name(fam, *cfg, perm=perm is not None), p.grid, 32 * warps, cluster,
-               K.strip_smem_bytes(fam, warps, smem), p, bufs, seed=seed,
+               K.strip_smem_bytes(fam, warps, smem, perm is not None, k, cluster, toks), p, bufs, seed=seed,
                dependent=emu.dependent_buffers(lib, p))  # (launch_strip's programmatic dependent launch)
     assert torch.isnan(full[m].float()).all(), "the kernel wrote past row M"
     return out.clone()
@@ -276,8 +276,10 @@ def test_emulator_catches_activations_read_before_the_wait(tmp_path):
     # rank 0 waits on a cluster barrier phase it never arrived at
     ((16, 2, 1, 0), "    cluster_arrive_release();\n", "    if (rank != 0) cluster_arrive_release();\n",
      "cluster.wait without a matching arrive"),
-    # a lane leaves before the warp's mma.sync (the other 31 would wait forever on the GPU)
-    ((4, 1, 1, 0), "  float acc[TOKS][4][4]", "  if (lane == 5) return;\n  float acc[TOKS][4][4]", "deadlock.*mma"),
+    # a lane leaves before the warp's first collective (since session 54 the __syncwarp after the group scales' first
+    # copy, then mma.sync; the other 31 would wait forever on the GPU)
+    ((4, 1, 1, 0), "  float acc[TOKS][4][4]", "  if (lane == 5) return;\n  float acc[TOKS][4][4]",
+     "deadlock.*(__syncwarp|mma)"),
 ], ids=["unarrived-cluster-barrier", "lane-missing-from-mma"])
 def test_emulator_reports_hangs(tmp_path, cfg, old, new, error):
     """What would hang a GPU is an error naming it here, not a hang."""

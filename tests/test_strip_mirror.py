@@ -102,10 +102,12 @@ def test_strip_configs_fit_the_kernel_limits():
     3 / 2)."""
     for w, c, t, sm in K.STRIP_CONFIGS + K.STRIP_MOE_CONFIGS:
         assert 1 <= w <= 16 and c in (1, 2, 4) and 1 <= t <= 4 and (t <= 2 or w <= 8) and sm in (0, 1)
-        for bits in (4, 8):  # the shared-memory ring: a multiple of the activations' ring, room for 2 KB of sums
-            rows = K.strip_ring_rows(bits, sm)
+        for bits, perm in itertools.product((4, 8), (False, True)):
+            # the shared-memory ring: a multiple of the activations' ring, room for 2 KB of sums
+            rows = K.strip_ring_rows(bits, sm, t, perm)
             assert not sm or (rows % K.strip_depth(bits, t, sm) == 0 and rows * bits // 4 * 512 >= 2048)
-            assert K.strip_smem_bytes(K.Family("f16", bits, False, 128), w, sm) <= 192 * 1024  # + static < 227 KB
+            fam = K.Family("f16", bits, False, 128)  # + static shared memory < 227 KB
+            assert K.strip_smem_bytes(fam, w, sm, perm, 14336, c, t) <= 192 * 1024, (w, c, t, sm, bits, perm)
     for t in (1, 2, 3, 4):
         assert K.strip_depth(4, t) * 16 == K.strip_depth(8, t) * 32
 

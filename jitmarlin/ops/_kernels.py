@@ -258,13 +258,17 @@ def strip_module_configs(fam: Family, ab: bool = False) -> tuple[tuple[int, int,
     return tuple(c for c in STRIP_CONFIGS if (c in STRIP_ROUTED_CONFIGS) != ab)
 
 
-def strip_depth(bits: int, toks: int, smem: int = 0) -> int:
+def strip_depth(bits: int, toks: int, smem: int = 0, perm: bool = False, zp: bool = False) -> int:
     """Register ring rows per lane: the weights' (register ring: 4-bit 8 with one token block, 6 with two, 4 with
     three or four, whose activations and sums take the registers; 8-bit half of that, the same bytes) or, with the
-    weights' ring in shared memory, the activations' lead (4 rows; they come from L2)."""
+    weights' ring in shared memory, the activations' lead (4 rows; they come from L2). The 4-bit act-order forms
+    (perm) hold a batch of gathered halves next to the weights: 6 rows with zero points, 4 with two token blocks
+    (within 128 registers without spills, ptxas sm_90, session 54)."""
     if smem:
         return 4
     rows = 8 if toks == 1 else 6 if toks == 2 else 4
+    if perm and bits == 4:
+        rows = 4 if toks > 1 else 6 if zp else 8
     return rows if bits == 4 else rows // 2
 
 
@@ -273,14 +277,28 @@ def strip_token_blocks(m: int) -> int:
     return -(-m // 8)
 
 
-def strip_ring_rows(bits: int, smem: int) -> int:
-    """Rows per lane of the shared-memory ring (0: none): 24 for 4-bit, 12 for 8-bit (12 KB per warp)."""
-    return (24 if bits == 4 else 12) if smem else 0
+def strip_ring_rows(bits: int, smem: int, toks: int = 1, perm: bool = False) -> int:
+    """Rows per lane of the shared-memory ring (0: none). Act-order forms: 24 for 4-bit, 12 for 8-bit (12 KB of
+    weights per warp). Else the activations ride in the ring too (TOKS x 256 bytes per row and warp, session 54):
+    as many rows (a multiple of 4) as fit 12 KB per warp at 16 warps (one and two token blocks) or 24 KB at 8 (three
+    and four): 4-bit 16 / 12 / 16 / 16, 8-bit 8 / 8 / 12 / 12 for one to four token blocks."""
+    if not smem:
+        return 0
+    if perm:
+        return 24 if bits == 4 else 12
+    budget = 12 * 1024 if toks <= 2 else 24 * 1024
+    return budget // ((bits // 4) * 512 + toks * 256) // 4 * 4
 
 
-def strip_smem_bytes(fam: Family, warps: int, smem: int) -> int:
-    """Dynamic shared memory of a strip launch: the warps' rings (16 warps: 192 KB; one CTA per SM)."""
-    return warps * strip_ring_rows(fam.bits, smem) * (fam.bits // 4) * 512
+def strip_smem_bytes(fam: Family, warps: int, smem: int, perm: bool = False, k: int = 0, cluster: int = 1,
+                     toks: int = 1) -> int:
+    """Dynamic shared memory of a strip launch: the warps' rings (16 warps: 192 KB; one CTA per SM), or for an
+    act-order form with register rings (perm) the CTA's part of the permutation, 64 bytes per k16 row of its
+    share of K (cluster: CTAs splitting K)."""
+    if perm and not smem:
+        return 64 * -(-(k // 16) // cluster)
+    act = 0 if perm else toks * 256
+    return warps * strip_ring_rows(fam.bits, smem, toks, perm) * ((fam.bits // 4) * 512 + act)
 
 
 def strip_kernel_name(fam: Family, warps: int, cluster: int, toks: int, smem: int = 0, perm: bool = False) -> str:
@@ -296,7 +314,8 @@ def strip_kernel_source(fam: Family, warps: int, cluster: int, toks: int, smem: 
         '#include "jm_strip.cuh"\n'
         f"JM_STRIP_KERNEL({strip_kernel_name(fam, warps, cluster, toks, smem, perm)}, {CTYPES[fam.dtype]}, "
         f"{fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, {warps}, "
-        f"{strip_depth(fam.bits, toks, smem)}, {cluster}, {toks}, {strip_ring_rows(fam.bits, smem)}, "
+        f"{strip_depth(fam.bits, toks, smem, perm, fam.zero_points)}, {cluster}, {toks}, "
+        f"{strip_ring_rows(fam.bits, smem, toks, perm)}, "
         f"{'true' if perm else 'false'}, {'true' if fam.moe else 'false'})\n")
 
 

@@ -1374,17 +1374,19 @@ def strip_grid(n: int, cluster: int) -> int:
     return n // 64 * cluster
 
 
-def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, toks: int, smem: int, fn) -> None:
-    """Clear errors for a strip launch the kernel cannot run (M, N, K, the cluster's fit)."""
+def check_strip(m: int, n: int, k: int, fam: Family, warps: int, cluster: int, toks: int, smem: int, fn,
+                perm: bool = False) -> None:
+    """Clear errors for a strip launch the kernel cannot run (M, N, K, the cluster's fit; perm: an act-order form)."""
     if not 1 <= m <= 8 * toks:
         raise ValueError(f"the strip kernel with {toks} block(s) of 8 tokens takes M = 1..{8 * toks}, got M={m}")
     if n % 64 or k % 16 or (fam.group_size > 0 and k % fam.group_size):
         raise ValueError(f"the strip kernel needs N % 64 == 0 and K a multiple of 16 and of the group size "
                          f"{fam.group_size}, got N={n}, K={k}")
-    grid, dyn = strip_grid(n, cluster), K.strip_smem_bytes(fam, warps, smem)
+    grid, dyn = strip_grid(n, cluster), K.strip_smem_bytes(fam, warps, smem, perm, k, cluster, toks)
     if dyn > fn.max_dynamic_smem:
-        raise ValueError(f"strip kernel with {warps} warps and a shared-memory ring needs {dyn} B of shared memory per "
-                         f"CTA; this device allows {fn.max_dynamic_smem} B")
+        what = "a shared-memory ring" if smem else f"the permutation of K={k} (act-order, clusters of {cluster})"
+        raise ValueError(f"strip kernel with {warps} warps and {what} needs {dyn} B of shared memory per CTA; this "
+                         f"device allows {fn.max_dynamic_smem} B")
     if cluster > 1 and grid > cluster * fn.max_active_clusters(32 * warps, dyn, cluster):
         raise ValueError(f"strip kernel with {warps} warps in clusters of {cluster}: the {grid // cluster} clusters "
                          f"of N={n} do not all fit on the device at once")
@@ -1472,7 +1474,9 @@ def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = Fa
 
     def at_once(warps: int, cluster: int, toks: int, smem: int) -> int:
         fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index), perm)
-        dyn = K.strip_smem_bytes(fam, warps, smem)
+        dyn = K.strip_smem_bytes(fam, warps, smem, perm, k, cluster, toks)
+        if dyn > fn.max_dynamic_smem:
+            return 0
         if cluster > 1:
             return cluster * fn.max_active_clusters(32 * warps, dyn, cluster)
         return sms * fn.occupancy(32 * warps, dyn)
@@ -1498,9 +1502,10 @@ def launch_strip(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros: 
     a[:, perm] @ dequant(b), the columns gathered by the kernel's act-order form (no gather kernel)."""
     toks = toks if toks is not None else K.strip_token_blocks(m)
     fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index), perm is not None)
-    check_strip(m, n, k, fam, warps, cluster, toks, smem, fn)
+    check_strip(m, n, k, fam, warps, cluster, toks, smem, fn, perm is not None)
     p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, out, perm)
-    fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), K.current_stream_handle(a.device), p,
+    fn.launch(p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem, perm is not None, k, cluster, toks),
+              K.current_stream_handle(a.device), p,
               pdl=pdl and use_pdl(_cc(index)), cluster=cluster)
 
 
@@ -1641,7 +1646,7 @@ def _fast_entry(m: int, n: int, k: int, fam: Family, index: int, b, scales, zero
         warps, cluster, toks, smem = strip  # (strip_choice took only configs the launch can run)
         fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, index, _cc(index))
         p = strip_params(m, n, k, warps, cluster, a, b, scales, zeros, bias, a.new_empty(0))
-        return _FastEntry(fn, p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem), p, use_pdl(_cc(index)),
+        return _FastEntry(fn, p.grid, 32 * warps, K.strip_smem_bytes(fam, warps, smem, toks=toks), p, use_pdl(_cc(index)),
                           cluster, 0, False)
     if use_wgmma_path(m, n, k, fam, index):
         wl = wgmma_launch(m, n, k, fam, index)

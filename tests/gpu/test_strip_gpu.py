@@ -38,7 +38,7 @@ def test_strip_configs_fp16_int4(warps, cluster, toks, smem):
     checks allow, 64 | K, past 256)."""
     fam = K.Family("f16", 4, False, 128)
     fn = K.get_strip_kernel(fam, warps, cluster, toks, smem, 0, torch.cuda.get_device_capability(0))
-    dyn = K.strip_smem_bytes(fam, warps, smem)
+    dyn = K.strip_smem_bytes(fam, warps, smem, toks=toks)
     at_once = cluster * fn.max_active_clusters(32 * warps, dyn, cluster) if cluster > 1 else 1 << 30
     for k, n, group in ((4096, 2048, 128), (4096, 2048, -1), (1152, 1024, 128), (320, 64, -1), (8192, 4096, 128)):
         if G.strip_grid(n, cluster) > at_once:

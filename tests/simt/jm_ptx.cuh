@@ -90,6 +90,12 @@ inline void mma_collective(jm_simt::Thread* const* lanes) {
 JM_DEVICE uint32_t smem_addr(const void* p) { return jm_simt::encode_smem(p); }
 
 JM_DEVICE void cp_async16(void* smem, const void* gmem, bool valid = true) { jm_simt::cp_async(smem, gmem, valid); }
+template <int BYTES>
+JM_DEVICE void cp_async_small(void* smem, const void* gmem, bool valid = true) {
+  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+  jm_simt::cp_async(smem, gmem, valid, BYTES);
+}
+JM_DEVICE void compiler_fence() {}
 JM_DEVICE void cp_async_commit() { jm_simt::cp_async_commit(); }
 template <int N>
 JM_DEVICE void cp_async_wait() {
@@ -105,6 +111,15 @@ JM_DEVICE void cp_async_wait_all() {
 }
 JM_DEVICE void cp_async_mbar_arrive(uint64_t* bar) { jm_simt::cp_async_arrive(bar); }
 
+// st.shared of the pending value to the slot, then (where `more`) ld.global.nc of the next one into it
+JM_DEVICE void pass_on16(uint32_t slot, uint4& pend, bool more, const void* src) {
+  std::memcpy(jm_simt::decode_smem(slot, 16), &pend, 16);
+  if (more) pend = *jm_simt::check_global(static_cast<const uint4*>(src), 16, "ld.global.nc (pass_on16)");
+}
+JM_DEVICE void pass_on4(uint32_t slot, uint32_t& pend, bool more, const void* src) {
+  std::memcpy(jm_simt::decode_smem(slot, 4), &pend, 4);
+  if (more) pend = *jm_simt::check_global(static_cast<const uint32_t*>(src), 4, "ld.global.nc (pass_on4)");
+}
 JM_DEVICE uint4 ldg_stream(const uint4* p) { return *jm_simt::check_global(p, 16, "ld.global.nc (ldg_stream)"); }
 
 // ldmatrix.sync.aligned.m8n8.xN.shared.b16 (PTX ISA, "ldmatrix"): lanes 8i..8i+7 give the 16-byte row addresses

@@ -195,6 +195,7 @@ struct Copy {
   void* dst;
   const void* src;
   bool valid;
+  int bytes = 16;  // 4, 8 or 16 (cp.async's copy sizes)
 };
 
 struct Thread;
@@ -534,10 +535,13 @@ inline void cluster_wait() {
   yield_to_scheduler();
 }
 
-inline void cp_async(void* dst, const void* src, bool valid) {
-  if (valid) check_global(static_cast<const uint8_t*>(src), 16, "cp.async source");
-  decode_smem(encode_smem(dst), 16);  // a shared address of this CTA
-  cur()->open.push_back(Copy{dst, src, valid});
+inline void cp_async(void* dst, const void* src, bool valid, int bytes = 16) {
+  if (bytes != 4 && bytes != 8 && bytes != 16) fail("cp.async copies 4, 8 or 16 bytes");
+  if (reinterpret_cast<uintptr_t>(src) % bytes || reinterpret_cast<uintptr_t>(dst) % bytes)
+    fail("cp.async with an address not aligned to its size");
+  if (valid) check_global(static_cast<const uint8_t*>(src), bytes, "cp.async source");
+  decode_smem(encode_smem(dst), bytes);  // a shared address of this CTA
+  cur()->open.push_back(Copy{dst, src, valid, bytes});
 }
 inline void cp_async_commit() {
   Thread* t = cur();
@@ -550,8 +554,8 @@ inline void cp_async_wait(int keep) {
   DepOpen open;
   while (static_cast<int>(t->groups.size()) > keep) {
     for (const Copy& c : t->groups.front()) {
-      if (c.valid) memcpy(c.dst, c.src, 16);
-      else memset(c.dst, 0, 16);
+      if (c.valid) memcpy(c.dst, c.src, c.bytes);
+      else memset(c.dst, 0, c.bytes);
     }
     t->groups.erase(t->groups.begin());
   }
@@ -638,9 +642,9 @@ inline void land(const AsyncOp& op) {
     mbar_settle(op.cta, op.bar, mb);
   } else if (op.arrive) {
     for (const auto& c : op.copies) {
-      uint8_t* dst = decode_smem(c.first, 16);
-      if (c.second.valid) memcpy(dst, c.second.src, 16);
-      else memset(dst, 0, 16);
+      uint8_t* dst = decode_smem(c.first, c.second.bytes);
+      if (c.second.valid) memcpy(dst, c.second.src, c.second.bytes);
+      else memset(dst, 0, c.second.bytes);
     }
     mbar_arrive_on(op.cta, op.bar, 0, op.waited);
   } else {
