@@ -1232,6 +1232,22 @@ for st in $STAGES; do
              tests/gpu/test_model_gpu.py tests/gpu/test_tuning_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_moe_util_gpu.py \
              > "$OUT/s53a_tests.log" 2>&1
            echo "s53a tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s53a_tests.log" | head -20; tail -3 "$OUT/s53a_tests.log";;
+    s55a)  # session 55: the first GPU run of session 54's kernel changes (strip kernel's batch-wide waits, rings, act-order
+           # permutation in shared memory; the mma.sync epilogue's hoisted bias / routing-weight loads) in one call: the
+           # strip tests, the GEMM / MoE tests with a bias or routing weights, then a first timing (M = 1 and 16, four
+           # shapes: the route, routeS and the strip configs s53q found nearest)
+           timeout ${S55_T1:-170} python3 -m pytest -q -rs --maxfail=20 tests/gpu/test_strip_gpu.py > "$OUT/s55a_strip.log" 2>&1
+           echo "s55a strip tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s55a_strip.log" | head -20; tail -3 "$OUT/s55a_strip.log"
+           timeout ${S55_T2:-180} python3 -m pytest -q -rs --maxfail=20 -k "bias or moe or topk" tests/gpu/test_gemm_gpu.py \
+             tests/gpu/test_moe_gpu.py > "$OUT/s55a_gemm.log" 2>&1
+           echo "s55a gemm/moe tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s55a_gemm.log" | head -20; tail -3 "$OUT/s55a_gemm.log"
+           SH=${S55_SHAPES:-8192x8192,4096x28672,4096x4096,11008x4096}
+           timeout ${S55_T3:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1 --shapes $SH \
+             --configs route,routeS,strip-w16-c1,strip-w16-c2,strip-w16-c4,strip-w16-c1-s,strip-w16-c2-s,strip-w8-c1-s > "$OUT/s55a_probe.log" 2>&1
+           echo "s55a probe M=1 rc=$?"
+           timeout ${S55_T4:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 16 --shapes $SH \
+             --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w16-c1-t2-s,strip-w16-c2-t2-s >> "$OUT/s55a_probe.log" 2>&1
+           echo "s55a probe M=16 rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s55a_probe.log";;
     s54g)  # PREPARED in session 54 (run on branch s54-strip before merging it): the mma.sync tiles' epilogue now loads
            # bias and MoE routing weights ahead of its stores, so the GEMM tests with a bias and the MoE GEMM tests first
            # (gemm: every tile at M = 1 with a bias; MoE: routing weights), then the rest of the gemm and formats files
