@@ -47,7 +47,12 @@ def main() -> None:
     ap.add_argument("--strip-perm-max-m", type=int, default=-1,
                     help="the largest M whose act-order calls take the strip kernel's in-kernel gather where the strip "
                          "route takes the shape (gemm.STRIP_PERM_MAX_M; -1: the library's)")
+    ap.add_argument("--strip-tall-perm", type=int, default=-1, choices=(-1, 0, 1),
+                    help="act-order calls on the strip kernel's tall-layer route take its act-order form "
+                         "(gemm.STRIP_TALL_PERM; -1: the library's)")
     args = ap.parse_args()
+    if args.strip_tall_perm >= 0:
+        G.STRIP_TALL_PERM = bool(args.strip_tall_perm)
     if args.strip_perm_max_m >= 0:
         G.STRIP_PERM_MAX_M = args.strip_perm_max_m
     if args.strip_small >= 0:
@@ -74,7 +79,7 @@ def main() -> None:
     tag = (f"PDL={os.environ.get('JITMARLIN_PDL', '1')} gather PDL={args.gather_pdl} "
            f"flags={os.environ.get('JITMARLIN_NVCC_FLAGS', '') or '-'} WGMMA={os.environ.get('JITMARLIN_WGMMA', 'auto')} "
            f"w16 stages={args.w16_stages or 'route'} smem gather from M={G.GATHER_SMEM_MIN_M} "
-           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER} strip small={G.STRIP_SMALL} strip after gather={G.STRIP_GATHER_PLAIN} "
+           f"wgmma PDL after gather={G.WGMMA_PDL_AFTER_GATHER} strip small={G.STRIP_SMALL} tall perm={G.STRIP_TALL_PERM} strip after gather={G.STRIP_GATHER_PLAIN} "
            f"in-kernel gather to M={G.STRIP_PERM_MAX_M}")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in args.shapes.split(","):

@@ -223,3 +223,38 @@ def test_act_order_default_strip_route_only_at_one_token(recorded, monkeypatch):
             assert [entry[0] for entry in both] == [names[0], plain[0]], both
             gathered = K.GemmParams.from_buffer(bytearray(both[1][5]))
             assert gathered.perm is None and gathered.a != a.data_ptr() and gathered.m == m
+
+
+def test_tall_layers_take_the_strip_kernel_but_not_its_act_order_form(recorded, monkeypatch):
+    """Session 55 (gemm.strip_tall): by default a tall layer (K >= N, N <= 8192) takes the strip kernel at M <= 8, and
+    at M = 9-16 where K >= 2 N and N <= 4096, on a device whose CTAs fill the SMs (H200-like fit: one CTA of 16 warps
+    per SM); a wide one (K < N) the usual route; act-order calls on a tall layer the gather kernel + the usual route
+    (STRIP_TALL_PERM off: not measured), the strip kernel's act-order form with it on; the fast path makes the general
+    path's launch."""
+    log, _ = recorded
+    monkeypatch.setattr(G, "STRIP_ROUTE", False)
+    monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
+    K.env_flag.cache_clear()
+    monkeypatch.setattr(_Recorder, "occupancy", lambda self, threads, smem: 512 // threads)
+    monkeypatch.setattr(_Recorder, "max_active_clusters", lambda self, threads, smem, cluster: 132 * (512 // threads) // cluster)
+    tall, wide = _weights(8192, 4096), _weights(4096, 8192)
+    perm = torch.randperm(8192).to(torch.int32)
+    for m, want in ((1, "w16_c2_t1"), (8, "w16_c2_t1"), (9, "w16_c2_t2"), (16, "w16_c2_t2"), (17, None)):
+        a = torch.randn(m, 8192).half()
+        names = [entry[0] for entry in _launches(log, a, tall, 4096)]
+        if want:
+            assert len(names) == 1 and names[0].startswith("jm_strip_") and names[0].endswith(want), (m, names)
+            G.gemm_fast(G.FastGemm(), a, *tall)
+            assert [entry[0] for entry in log] == names, (m, log)
+            log.clear()
+        else:
+            assert not any(x.startswith("jm_strip_") for x in names), (m, names)
+    for m in (1, 8):
+        names = [entry[0] for entry in _launches(log, torch.randn(m, 4096).half(), wide, 8192)]
+        assert not any(x.startswith("jm_strip_") for x in names), (m, names)
+    a = torch.randn(1, 8192).half()
+    names = [entry[0] for entry in _launches(log, a, tall, 4096, perm)]
+    assert len(names) == 2 and not any(x.startswith("jm_strip_") for x in names), names
+    monkeypatch.setattr(G, "STRIP_TALL_PERM", True)
+    names = [entry[0] for entry in _launches(log, a, tall, 4096, perm)]
+    assert len(names) == 1 and names[0].endswith("w16_c2_t1_p"), names

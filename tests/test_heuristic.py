@@ -927,7 +927,7 @@ def test_strip_kernels_in_the_build():
         assert routed == [K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_ROUTED_CONFIGS]
         names = routed + ab
         assert sorted(names) == sorted(K.strip_kernel_name(fam, *cfg) for cfg in K.STRIP_CONFIGS)
-        assert len(set(names)) == len(names) == len(K.STRIP_CONFIGS) and len(routed) == 9
+        assert len(set(names)) == len(names) == len(K.STRIP_CONFIGS) and len(routed) == 10
         assert K.strip_build_spec(fam, (9, 0)).family == "strip"
         assert K.strip_build_spec(fam, (9, 0), ab=True).family == "strip_ab"
         assert "JITMARLIN_STRIP=1" in K.strip_build_spec(fam, (9, 0), ab=True).cli_hint
@@ -936,7 +936,7 @@ def test_strip_kernels_in_the_build():
         with pytest.raises(ValueError, match="sm_90 and newer"):
             K.strip_build_spec(fam, (8, 0))
         for toks, smem in ((1, 0), (2, 0), (1, 1), (2, 1)):
-            spec = K.strip_build_spec(fam, (9, 0), ab=toks > 1)
+            spec = K.strip_build_spec(fam, (9, 0), ab=smem == 1)  # (since session 55 the ring forms are A/B-only)
             src = dict(spec.sources)[K.strip_kernel_name(fam, 16, 2, toks, smem)]
             assert '#include "jm_strip.cuh"' in src
             assert (f"{K.CTYPES[fam.dtype]}, {fam.bits}, {'true' if fam.zero_points else 'false'}, {fam.group_blocks}, "
@@ -979,8 +979,9 @@ def test_strip_kernels_in_the_build():
 
 
 def test_strip_small_route_takes_the_routed_module_only(monkeypatch):
-    """Whatever the device's fit, the default route (gemm.strip_small) picks configs of the routed strip module, so a
-    model never builds the A/B-only one; forcing the strip kernel (STRIP_ROUTE) reaches the others."""
+    """Whatever the device's fit, the default route (gemm.strip_small / strip_tall) picks configs of the routed strip
+    module, never a shared-memory ring form, so a model never builds the A/B-only one; forcing the strip kernel
+    (STRIP_ROUTE) reaches the others."""
     from jitmarlin.ops import gemm as G
 
     monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
@@ -993,21 +994,22 @@ def test_strip_small_route_takes_the_routed_module_only(monkeypatch):
                 return sms * max(1, per_sm * 16 // warps // 2) // (1 if cluster == 1 else 2)
             for n in range(64, 16385, 64 * 7):
                 for k in (1024, 2048, 4096, 8192, 14336, 16384):
-                    for m in (1, 3, 8):
+                    for m in (1, 3, 8, 12, 16):
                         cfg = G.strip_choice(m, n, k, fam, sms, at_once)
                         if cfg is not None:
-                            assert k * n <= G.STRIP_SMALL_MAX_KN and cfg in K.STRIP_ROUTED_CONFIGS, (m, n, k, cfg)
+                            assert G.strip_small(m, n, k) or G.strip_tall(m, n, k), (m, n, k, cfg)
+                            assert cfg in K.STRIP_ROUTED_CONFIGS and cfg[3] == 0, (m, n, k, cfg)
                             seen.add(cfg)
-    assert len(seen) >= 5, seen
+    assert len(seen) >= 7, seen
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
-    for m in (9, 16, 17, 32):
+    for m in (17, 32):
         forced.add(G.strip_choice(m, 8192, 8192, fam, 132, lambda w, c, t, s: 132 * (16 // w)))
     assert forced and not forced & set(K.STRIP_ROUTED_CONFIGS), forced
 
 
 def test_strip_choice_rule(monkeypatch):
-    """Off by default but on small problems (gemm.strip_small); on, the first of STRIP_ORDER whose grid runs in one
-    wave, clusters at most one CTA per SM."""
+    """Off by default but on small problems (gemm.strip_small) and tall ones whose grid fills the SMs (strip_tall,
+    STRIP_TALL_MIN_FILL); on, the first of STRIP_ORDER whose grid runs in one wave."""
     from jitmarlin.ops import gemm as G
 
     fam = K.Family("f16", 4, False, 128)
@@ -1019,30 +1021,51 @@ def test_strip_choice_rule(monkeypatch):
 
     monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
     K.env_flag.cache_clear()
-    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) is None  # STRIP_ROUTE off
-    # by default only the small region (STRIP_SMALL: M <= 8, K x N <= 2^24), where the H200 measured it faster
+    # by default the small region (STRIP_SMALL: M <= 8, K x N <= 2^24), where the H200 measured it faster
     assert G.strip_choice(1, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)
     assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)
-    assert G.strip_choice(8, 1920, 8192, fam, sms, at_once) == (16, 4, 1, 0)  # 30 strips x 4 (no ring form of c4)
-    assert G.strip_choice(1, 2048, 8192, fam, sms, at_once) == (16, 2, 1, 1)  # 32 x 2, K = 8192: the smem ring
+    assert G.strip_choice(8, 1920, 8192, fam, sms, at_once) == (16, 4, 1, 0)  # 30 strips x 4 (small: no fill rule)
+    assert G.strip_choice(1, 2048, 8192, fam, sms, at_once) == (16, 2, 1, 0)  # 32 x 2 (no ring: STRIP_RING_MIN_K None)
     assert G.strip_choice(1, 2048, 4096, fam, sms, at_once) == (16, 2, 1, 0)
-    assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) is None  # M past STRIP_SMALL_MAX_M
-    assert G.strip_choice(1, 4160, 4096, fam, sms, at_once) is None  # K x N past 2^24
-    assert G.strip_choice(1, 4096, 4160, fam, sms, at_once) is None
+    assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) is None  # M past STRIP_SMALL_MAX_M, K < 2 N
+    assert G.strip_choice(1, 8256, 4096, fam, sms, at_once) is None  # K x N past 2^24, K < N
+    assert G.strip_choice(1, 28672, 4096, fam, sms, at_once) is None  # wide layers: the usual route
+    assert G.strip_choice(1, 28672, 8192, fam, sms, at_once) is None
     assert G.strip_choice(1, 4096, 4096, K.Family("f16", 4, False, 128, moe=True), sms, at_once) is None
+    # and the tall region (STRIP_TALL, session 55): K >= N, N <= 8192 at M <= 8 ...
+    assert G.strip_choice(1, 4096, 11008, fam, sms, at_once) == (16, 2, 1, 0)  # 64 strips x 2: 128 of 132
+    assert G.strip_choice(8, 4096, 14336, fam, sms, at_once) == (16, 2, 1, 0)
+    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (8, 2, 1, 0)  # 128 x 2 CTAs of 8 warps: 256 of 264
+    assert G.strip_choice(4, 8192, 28672, fam, sms, at_once) == (8, 2, 1, 0)
+    assert G.strip_choice(1, 6144, 8192, fam, sms, at_once) is None  # 96 x 2 = 192 of 264 (0.73): SMs left idle
+    assert G.strip_choice(1, 8256, 8256 * 2, fam, sms, at_once) is None  # N past STRIP_TALL_MAX_N
+    # ... and K >= 2 N, N <= 4096 at M = 9-16
+    assert G.strip_choice(16, 4096, 11008, fam, sms, at_once) == (16, 2, 2, 0)
+    assert G.strip_choice(12, 4096, 14336, fam, sms, at_once) == (16, 2, 2, 0)
+    assert G.strip_choice(16, 8192, 28672, fam, sms, at_once) is None  # N past STRIP_TALL2_MAX_N
+    assert G.strip_choice(16, 4096, 8000, fam, sms, at_once) is None  # K < 2 N
+    assert G.strip_choice(17, 4096, 14336, fam, sms, at_once) is None  # M past STRIP_TALL2_MAX_M
+    monkeypatch.setattr(G, "STRIP_TALL", False)
+    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) is None
+    assert G.strip_choice(1, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)
     monkeypatch.setattr(G, "STRIP_SMALL", False)
     assert G.strip_choice(1, 4096, 4096, fam, sms, at_once) is None
     monkeypatch.setattr(G, "STRIP_SMALL", True)
+    monkeypatch.setattr(G, "STRIP_TALL", True)
+    monkeypatch.setattr(G, "STRIP_RING_MIN_K", 8192)  # the ring forms' switch (the route of sessions 52-54)
+    assert G.strip_choice(1, 2048, 8192, fam, sms, at_once) == (16, 2, 1, 1)
+    assert G.strip_choice(1, 2048, 4096, fam, sms, at_once) == (16, 2, 1, 0)
+    monkeypatch.setattr(G, "STRIP_RING_MIN_K", None)
     monkeypatch.setenv("JITMARLIN_STRIP", "1")
     K.env_flag.cache_clear()
     try:
-        assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 1)  # the switch for whole models
+        assert G.strip_choice(1, 28672, 8192, fam, sms, at_once) == (4, 1, 1, 0)  # the switch for whole models
     finally:
         monkeypatch.delenv("JITMARLIN_STRIP")
         K.env_flag.cache_clear()
     monkeypatch.setattr(G, "STRIP_ROUTE", True)
-    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (16, 1, 1, 1)  # 128 strips; K = 8192: the smem ring
-    assert G.strip_choice(1, 8192, 4096, fam, sms, at_once) == (16, 1, 1, 0)  # K below STRIP_RING_MIN_K
+    assert G.strip_choice(1, 8192, 8192, fam, sms, at_once) == (8, 2, 1, 0)  # 128 strips x 2 of 8 warps
+    assert G.strip_choice(1, 6144, 4096, fam, sms, at_once) == (8, 2, 1, 0)  # forced: no fill rule
     assert G.strip_choice(8, 4096, 4096, fam, sms, at_once) == (16, 2, 1, 0)  # 64 strips x 2
     assert G.strip_choice(1, 1920, 4096, fam, sms, at_once) == (16, 4, 1, 0)  # 30 strips x 4 = 120 clusters' CTAs
     assert G.strip_choice(1, 2048, 4096, fam, sms, at_once) == (16, 2, 1, 0)  # 32 x 4 = 128 > 120 fit: pairs
@@ -1051,10 +1074,10 @@ def test_strip_choice_rule(monkeypatch):
     assert G.strip_choice(1, 64 * 600, 4096, fam, sms, at_once) is None  # more than one wave of anything
     assert G.strip_choice(9, 4096, 4096, fam, sms, at_once) == (16, 2, 2, 0)  # M = 9-16: two token blocks
     assert G.strip_choice(16, 1920, 4096, fam, sms, at_once) == (16, 2, 2, 0)  # (no clusters of 4 with two blocks)
-    assert G.strip_choice(16, 28672, 8192, fam, sms, at_once) == (4, 1, 2, 1)
+    assert G.strip_choice(16, 28672, 8192, fam, sms, at_once) == (4, 1, 2, 0)
     assert G.strip_choice(16, 28672, 4096, fam, sms, at_once) == (4, 1, 2, 0)
-    assert G.strip_choice(16, 4096, 8192, fam, sms, at_once) == (16, 2, 2, 1)
-    assert G.strip_choice(9, 1920, 8192, fam, sms, at_once) == (16, 2, 2, 1)
+    assert G.strip_choice(16, 4096, 8192, fam, sms, at_once) == (16, 2, 2, 0)
+    assert G.strip_choice(9, 1920, 8192, fam, sms, at_once) == (16, 2, 2, 0)
     # M = 17-32: three / four token blocks in the shared-memory ring form (at most 8 warps per CTA)
     assert G.strip_choice(17, 8192, 8192, fam, sms, at_once) == (8, 1, 3, 1)
     assert G.strip_choice(32, 4096, 4096, fam, sms, at_once) == (8, 2, 4, 1)  # 64 strips x 2

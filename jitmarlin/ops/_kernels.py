@@ -237,13 +237,13 @@ STRIP_MOE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0), (16, 1, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1))
 
 
-# The configs the default route can take (gemm.strip_small: one token block, gemm.STRIP_ORDER's entries and their
-# shared-memory ring forms): a dense family's first strip module ("strip", 9 kernels). The others, which only A/B
-# runs and JITMARLIN_STRIP=1 launch, are a module of their own ("strip_ab", built on their first launch), so a model
-# on sm_90 compiles the 9 and not all 24 (session 52).
+# The configs the default route can take (gemm.strip_small / strip_tall: gemm.STRIP_ORDER's register-ring entries of
+# one and two token blocks; since session 55 no shared-memory ring form, gemm.STRIP_RING_MIN_K): a dense family's
+# first strip module ("strip", 10 kernels). The others, which only A/B runs and JITMARLIN_STRIP=1 launch, are a module
+# of their own ("strip_ab", built on their first launch), so a model on sm_90 compiles the 10 and not all 24.
 STRIP_ROUTED_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
-    (16, 1, 1, 0), (16, 2, 1, 0), (16, 4, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0),
-    (16, 1, 1, 1), (16, 2, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1))
+    (16, 1, 1, 0), (16, 2, 1, 0), (16, 4, 1, 0), (8, 1, 1, 0), (8, 2, 1, 0), (4, 1, 1, 0),
+    (16, 1, 2, 0), (16, 2, 2, 0), (8, 1, 2, 0), (4, 1, 2, 0))
 
 
 def strip_configs(fam: Family) -> tuple[tuple[int, int, int, int], ...]:

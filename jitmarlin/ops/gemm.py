@@ -1405,9 +1405,27 @@ STRIP_ROUTE = False
 STRIP_SMALL = True
 STRIP_SMALL_MAX_M = 8
 STRIP_SMALL_MAX_KN = 1 << 24
-# From K = 8192 the shared-memory ring form of the chosen config, where built (s52a: 8192x2048 M = 1-8 0.95x the old
-# route with it, 1.03-1.06x without; s50a: 11008x4096 0.91-0.97x vs 0.96-1.03x, 8192^2 17.1 vs 19.1 us)
-STRIP_RING_MIN_K = 8192
+# Session 55 (H200, stage s53q, every config against the route on nine shapes, logs/s55/s53q.log), after session 54's
+# changes (one wait per batch of rows, not per row): the strip kernel now wins on tall layers whose strips fill the
+# SMs in one even wave — M = 1-8: K x N = 11008x4096 14.0-14.2 -> 9.5-10.7 us, 14336x4096 14.5-16.7 -> 11.2-12.6,
+# 8192^2 14.7-15.0 -> 12.2-13.3, 28672x8192 35.2-35.8 -> 33.1-34.2; M = 12-16 the N = 4096 pair only (11008x4096
+# 17.5 -> 14.3-15.2, 14336x4096 19.4-19.8 -> 16.8-17.4; 8192^2 and 28672x8192 lost 2-22%). Wide layers (K < N:
+# 4096x11008 / 12288 / 28672, 8192x28672) stay slower or even (N / 64 strips that do not divide over the SMs).
+# STRIP_TALL: K >= N, N <= STRIP_TALL_MAX_N at M <= STRIP_SMALL_MAX_M; K >= 2 N, N <= STRIP_TALL2_MAX_N at M up to
+# STRIP_TALL2_MAX_M; either only where the chosen config's grid fills STRIP_TALL_MIN_FILL of what the device runs at
+# once (the winners filled 0.97: 64 strips x 2 on 132 SMs, 128 x 2 CTAs of 8 warps on 264 slots).
+STRIP_TALL = True
+STRIP_TALL_MAX_N = 8192
+STRIP_TALL2_MAX_M = 16
+STRIP_TALL2_MAX_N = 4096
+STRIP_TALL_MIN_FILL = 0.9
+# Act-order calls on the tall region: not measured (s55 had no device time left for it), so off; the small region's
+# act-order rule (STRIP_PERM_MAX_M) is unchanged.
+STRIP_TALL_PERM = False
+# The shared-memory ring forms lost to the register forms on every cell of s53q after session 54 (11008x4096 M = 1
+# w16-c2 9.5 vs 13.0 us with the ring, 8192^2 w16-c1 12.3 vs 15.5, 4096^2 c2-t2 8.7 vs 11.0), so the route no longer
+# takes them (None; sessions 52-54: from K = 8192). They stay built for A/B runs (probe_configs' -s configs).
+STRIP_RING_MIN_K: int | None = None
 # Act-order calls take the strip kernel's act-order form (its in-kernel column gather) only up to this M: s52b, layer
 # time against the gather kernel + the old route, M = 1: 4096^2 7.4 vs 7.7 us, 2048^2 4.3 vs 5.4, 4096x1024 4.5 vs 11.1;
 # M = 8: 10.7 vs 9.2, 6.3 vs 6.3, 7.6 vs 12.1 (each lane's gather grows with the tokens). M = 2-7 not measured.
@@ -1429,19 +1447,30 @@ def strip_small(m: int, n: int, k: int) -> bool:
     return STRIP_SMALL and m <= STRIP_SMALL_MAX_M and k * n <= STRIP_SMALL_MAX_KN
 
 
+def strip_tall(m: int, n: int, k: int) -> bool:
+    """Whether (M, N, K) is in the tall-layer region (STRIP_TALL; strip_choice also asks the grid to fill the SMs)."""
+    if not STRIP_TALL:
+        return False
+    if m <= STRIP_SMALL_MAX_M:
+        return k >= n and n <= STRIP_TALL_MAX_N
+    return m <= STRIP_TALL2_MAX_M and k >= 2 * n and n <= STRIP_TALL2_MAX_N
+
+
 STRIP_ORDER: tuple[tuple[int, int, int, int], ...] = (  # (warps, cluster, token blocks, smem ring); blocks hold M
-    (16, 4, 1, 0), (16, 2, 1, 0), (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0),
+    (16, 4, 1, 0), (16, 2, 1, 0), (8, 2, 1, 0), (16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0),
     (16, 2, 2, 0), (16, 1, 2, 0), (8, 1, 2, 0), (4, 1, 2, 0),
     (8, 1, 3, 1), (4, 1, 3, 1), (8, 2, 4, 1), (8, 1, 4, 1), (4, 1, 4, 1))
 
 
 def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tuple[int, int, int, int] | None:
     """(warps, cluster, token blocks, smem ring) of the strip kernel for a dense M <= 32 problem, or None (outside
-    strip_small with STRIP_ROUTE off, MoE, shape). at_once(warps, cluster, toks, smem) -> CTAs of that config the
-    device runs together (0: cannot run). The first of STRIP_ORDER with the fewest token blocks that hold M whose
-    N / 64 x cluster CTAs all run at once, clusters only while those CTAs are at most one per SM, in its shared-memory
-    ring form from K = STRIP_RING_MIN_K where that is built and fits (pure given at_once; CPU-tested)."""
-    if not (strip_route_on() or strip_small(m, n, k)) or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
+    strip_small / strip_tall with STRIP_ROUTE off, MoE, shape). at_once(warps, cluster, toks, smem) -> CTAs of that
+    config the device runs together (0: cannot run). The first of STRIP_ORDER with the fewest token blocks that hold M
+    whose N / 64 x cluster CTAs all run at once, in its shared-memory ring form from K = STRIP_RING_MIN_K where that
+    is set, built and fits; on the tall region only (not small, not forced) where that grid fills STRIP_TALL_MIN_FILL
+    of what runs at once (pure given at_once; CPU-tested)."""
+    small, forced = strip_small(m, n, k), strip_route_on()
+    if not (forced or small or strip_tall(m, n, k)) or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
         return None
     if fam.group_size > 0 and k % fam.group_size:
         return None
@@ -1450,12 +1479,13 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
         warps, cluster, t, _ = cfg
         if t != toks or cfg not in K.STRIP_CONFIGS:
             continue
-        grid = strips * cluster
-        if cluster > 1 and grid > sms:
-            continue
-        if grid <= at_once(*cfg):
+        grid, fit = strips * cluster, at_once(*cfg)
+        if grid <= fit:
+            if not (forced or small) and grid < STRIP_TALL_MIN_FILL * fit:
+                return None  # the tall region's first one-wave config leaves SMs idle: the usual route
             ring = (warps, cluster, t, 1)  # long K: the same config with its weights' ring in shared memory
-            if k >= STRIP_RING_MIN_K and ring in K.STRIP_CONFIGS and grid <= at_once(*ring):
+            if (STRIP_RING_MIN_K is not None and k >= STRIP_RING_MIN_K and ring in K.STRIP_CONFIGS
+                    and grid <= at_once(*ring)):
                 return ring
             return cfg
     return None
@@ -1463,10 +1493,12 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
 
 def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = False) -> tuple[int, int, int, int] | None:
     """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver; perm:
-    of the act-order forms, which the default route takes up to M = STRIP_PERM_MAX_M only)."""
-    if m > K.STRIP_MAX_M or not (strip_route_on() or strip_small(m, n, k)) or fam.moe:
+    of the act-order forms, which the default route takes up to M = STRIP_PERM_MAX_M only, on the small region, and
+    on the tall one with STRIP_TALL_PERM)."""
+    forced = strip_route_on()
+    if m > K.STRIP_MAX_M or not (forced or strip_small(m, n, k) or strip_tall(m, n, k)) or fam.moe:
         return None
-    if perm and m > STRIP_PERM_MAX_M and not strip_route_on():
+    if perm and not forced and (m > STRIP_PERM_MAX_M or not (strip_small(m, n, k) or STRIP_TALL_PERM)):
         return None
     if not K.strip_built(fam, _cc(index)):
         return None

@@ -510,10 +510,14 @@ def _moe_gemm_cuda(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zeros
 
 
 # Expert blocks of 8 rows (small experts, and one-token calls: one_token_tables' block j holds slot j) on the strip
-# kernel's MoE form where the strip route is on (gemm.strip_route_on; off by default until the H200 measures it: stage
-# s50d): each (block, 64-column strip) one CTA streaming the block's expert, no partial sums in global memory; blocks
-# past the padded list leave at once. Candidates in order: the most warps per CTA whose grid (every block the tables
-# can hold) runs in one wave, else the smallest CTAs (every CTA carries the same bytes).
+# kernel's MoE form: each (block, 64-column strip) one CTA streaming the block's expert, no partial sums in global
+# memory; blocks past the padded list leave at once. Routed where the tables hold at most STRIP_MOE_MAX_BLOCKS
+# blocks (or the strip route is forced, gemm.strip_route_on). H200 session 55 (stage s50d, bench_moe, layer us,
+# strip form off / on): Mixtral 1 token (2 blocks) 61.8 / 56.9, 16 tokens (11) 200.1 / 193.8, 64 tokens (23) 270.4 /
+# 269.1; E=64 top-6 1 token (6) 21.2 / 17.4, 16 tokens (68) 77.0 / 83.4, 64 tokens (104) 100.5 / 118.4: a win up to
+# 11 blocks, a loss from 68 (most of a large grid's CTAs leave at once), 12-67 not measured. Candidates in order:
+# the most warps per CTA whose grid (every block the tables can hold) runs in one wave, else the smallest CTAs.
+STRIP_MOE_MAX_BLOCKS = 12
 STRIP_MOE_ORDER: tuple[tuple[int, int, int, int], ...] = ((16, 1, 1, 0), (8, 1, 1, 0), (4, 1, 1, 0))
 
 
@@ -524,8 +528,9 @@ def strip_moe_config(sorted_ids: torch.Tensor, block_size: int, k_splits: int, n
     from .gemm import _cc, strip_route_on
 
     cc = _cc(index)
-    if not (strip_route_on() and block_size == 8 and k_splits == 1 and K.strip_built(fam, cc) and n % 64 == 0
-            and k % 16 == 0):
+    if not (block_size == 8 and k_splits == 1 and n % 64 == 0 and k % 16 == 0 and K.strip_built(fam, cc)):
+        return None
+    if not (strip_route_on() or strip_moe_blocks(sorted_ids) <= STRIP_MOE_MAX_BLOCKS):
         return None
     sms, ctas = driver.device(index).sm_count, n // 64 * strip_moe_blocks(sorted_ids)
     for cfg in STRIP_MOE_ORDER:

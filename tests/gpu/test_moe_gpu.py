@@ -307,6 +307,32 @@ def test_moe_small_experts_on_the_strip_kernel(strip_moe_launches, tokens):
         assert len(strip_moe_launches) == 2, strip_moe_launches
 
 
+@pytest.mark.parametrize("shape,tokens,strip", [(MIXTRAL, 1, True), (MIXTRAL, 16, True), (QWEN, 1, True),
+                                                 (QWEN, 16, False)], ids=["mixtral-1", "mixtral-16", "e64-1", "e64-16"])
+def test_moe_default_route_takes_the_strip_form_on_few_blocks(monkeypatch, shape, tokens, strip):
+    """By default (strip route not forced) the strip kernel's MoE form runs where the tables hold at most
+    moe.STRIP_MOE_MAX_BLOCKS blocks of 8 (session 55: one token, a block per slot; Mixtral's 16-token tables, 11
+    blocks), not on E=64's 16-token tables (68 blocks); against the reference either way."""
+    from jitmarlin.ops import gemm as G
+    from jitmarlin.ops import moe as M
+
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("the strip kernels are built for sm_90 and newer")
+    monkeypatch.setattr(G, "STRIP_ROUTE", False)
+    monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
+    K.env_flag.cache_clear()
+    launches = []
+    real = M._launch_strip_moe
+    monkeypatch.setattr(M, "_launch_strip_moe", lambda *args: launches.append(args[-1]) or real(*args))
+    e, h, i, top_k = shape
+    moe, w13, w2 = make_moe(e, h, i, top_k)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.float16)
+    weights, ids = moe.route(x)
+    out = run_fused(moe, x, weights, ids)
+    assert len(launches) == (2 if strip else 0), launches
+    check_close(out, reference(x, w13, w2, weights, ids, torch.float16), 1e-3, f"{tokens} tokens, default route")
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_moe_under_torch_compile(tokens):
     """MarlinMoE through torch.compile (the decode step users compile; at one token the one-token
