@@ -1039,6 +1039,8 @@ def test_strip_choice_rule(monkeypatch):
     assert G.strip_choice(4, 8192, 28672, fam, sms, at_once) == (8, 2, 1, 0)
     assert G.strip_choice(1, 6144, 8192, fam, sms, at_once) is None  # 96 x 2 = 192 of 264 (0.73): SMs left idle
     assert G.strip_choice(1, 8256, 8256 * 2, fam, sms, at_once) is None  # N past STRIP_TALL_MAX_N
+    assert G.strip_choice(1, 4096, 11008, K.Family("f16", 8, False, 128), sms, at_once) is None  # 4-bit only
+    assert G.strip_choice(1, 4096, 11008, K.Family("bf16", 4, True, 128), sms, at_once) == (16, 2, 1, 0)
     # ... and K >= 2 N, N <= 4096 at M = 9-16
     assert G.strip_choice(16, 4096, 11008, fam, sms, at_once) == (16, 2, 2, 0)
     assert G.strip_choice(12, 4096, 14336, fam, sms, at_once) == (16, 2, 2, 0)

@@ -1419,6 +1419,8 @@ STRIP_TALL_MAX_N = 8192
 STRIP_TALL2_MAX_M = 16
 STRIP_TALL2_MAX_N = 4096
 STRIP_TALL_MIN_FILL = 0.9
+# Weight bits the tall region takes: s53q measured 4-bit (fp16) only; 8-bit forms hold half the rows ahead
+STRIP_TALL_BITS: tuple[int, ...] = (4,)
 # Act-order calls on the tall region: not measured (s55 had no device time left for it), so off; the small region's
 # act-order rule (STRIP_PERM_MAX_M) is unchanged.
 STRIP_TALL_PERM = False
@@ -1470,7 +1472,8 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
     is set, built and fits; on the tall region only (not small, not forced) where that grid fills STRIP_TALL_MIN_FILL
     of what runs at once (pure given at_once; CPU-tested)."""
     small, forced = strip_small(m, n, k), strip_route_on()
-    if not (forced or small or strip_tall(m, n, k)) or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
+    tall = strip_tall(m, n, k) and fam.bits in STRIP_TALL_BITS
+    if not (forced or small or tall) or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
         return None
     if fam.group_size > 0 and k % fam.group_size:
         return None
