@@ -258,3 +258,16 @@ def test_tall_layers_take_the_strip_kernel_but_not_its_act_order_form(recorded, 
     monkeypatch.setattr(G, "STRIP_TALL_PERM", True)
     names = [entry[0] for entry in _launches(log, a, tall, 4096, perm)]
     assert len(names) == 1 and names[0].endswith("w16_c2_t1_p"), names
+
+
+def test_eight_bit_tall_layers_build_no_strip_module(recorded, monkeypatch):
+    """The tall region takes 4-bit weights only (gemm.STRIP_TALL_BITS): an 8-bit tall layer takes the usual route
+    without loading (building) a strip module first."""
+    log, _ = recorded
+    monkeypatch.setattr(G, "STRIP_ROUTE", False)
+    monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
+    K.env_flag.cache_clear()
+    asked = []
+    monkeypatch.setattr(K, "get_strip_kernel", lambda *args, **kw: asked.append(args) or _Recorder(log, "strip"))
+    names = [entry[0] for entry in _launches(log, torch.randn(1, 8192).half(), _weights(8192, 4096, bits=8), 4096)]
+    assert not asked and not any(x.startswith("jm_strip_") for x in names), (asked, names)
