@@ -1251,15 +1251,15 @@ for st in $STAGES; do
     s55b)  # session 55: the strip kernel's tall-layer route (gemm.STRIP_TALL) and the MoE strip form's default rule
            # (moe.STRIP_MOE_MAX_BLOCKS): their GPU tests, then the route against itself without the tall rule (routeL0)
            # on the nine shapes at M = 1 / 8 / 16, then act-order on tall layers with the strip act-order form off / on
-           timeout ${S55B_T1:-80} python3 -m pytest -q -rs tests/gpu/test_moe_gpu.py tests/gpu/test_strip_gpu.py \
+           timeout ${S55B_T1:-60} python3 -m pytest -q -rs tests/gpu/test_moe_gpu.py tests/gpu/test_strip_gpu.py \
              -k "few_blocks or route_and_fast_path" > "$OUT/s55b_tests.log" 2>&1
            echo "s55b tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/s55b_tests.log" | head; tail -2 "$OUT/s55b_tests.log"
            SH=${S55B_SHAPES:-4096x4096,8192x8192,14336x4096,4096x12288,11008x4096,4096x11008,4096x28672,28672x8192,8192x28672}
-           timeout ${S55B_T2:-90} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,8,16 --shapes $SH \
+           timeout ${S55B_T2:-75} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,8,16 --shapes $SH \
              --configs route,routeL0 > "$OUT/s55b_route.log" 2>&1
            echo "s55b route rc=$?"; grep -E " us " "$OUT/s55b_route.log" | sed -E 's/^\[[^]]*\] //; s/ \(floor.*//'
            for tp in 0 1; do
-             timeout ${S55B_T3:-50} python3 benchmarks/probe_act_order.py --m 1,8 --shapes 11008x4096,8192x8192,28672x8192 \
+             timeout ${S55B_T3:-40} python3 benchmarks/probe_act_order.py --m 1,8 --shapes 11008x4096,8192x8192,28672x8192 \
                --strip-tall-perm $tp 2>&1 | grep -v "^done" | tee -a "$OUT/s55b_actorder.log"
            done;;
     s54g)  # PREPARED in session 54 (run on branch s54-strip before merging it): the mma.sync tiles' epilogue now loads
