@@ -72,10 +72,12 @@ def experts(lib, e, k, n, fam, seed=0):
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f"{f.dtype}-u{f.bits}")
-def test_moe_gemm_emulated(emulated, fam):
+def test_moe_gemm_emulated(emulated, monkeypatch, fam):
     """Blocks of 8 / 16 / 32 / 48 rows (the mma.sync MoE tiles) and 64 (sm_90: the wgmma MoE kernel), 4 experts,
-    top-2, 7 tokens (blocks with padding), with and without routing weights."""
+    top-2, 7 tokens (blocks with padding), with and without routing weights; on sm_90 the default route's strip
+    kernel MoE form for those tables of blocks of 8 too (moe.STRIP_MOE_MAX_BLOCKS, session 55)."""
     lib, cc = emulated
+    monkeypatch.setattr(M, "STRIP_MOE_MAX_BLOCKS", 0)  # the mma.sync tile at blocks of 8 (larger tables take it)
     e, k, n, tokens, top_k = 4, 256, 256, 7, 2
     b, s, z, w, dt = experts(lib, e, k, n, fam, seed=cc[0])
     gen = torch.Generator().manual_seed(5)
@@ -98,6 +100,16 @@ def test_moe_gemm_emulated(emulated, fam):
             wgmma = cc == (9, 0) and block == 64
             assert len(LAUNCHED) == 1 and LAUNCHED[0].startswith("jm_wgmma_" if wgmma else "jm_gemm_"), LAUNCHED
             assert "_moe_" in LAUNCHED[0]
+    if cc == (9, 0):  # 7 tokens, top-2, 4 experts: 6 blocks of 8, within STRIP_MOE_MAX_BLOCKS
+        monkeypatch.setattr(M, "STRIP_MOE_MAX_BLOCKS", 12)
+        sorted_ids, expert_ids, num_padded = (lib.guarded(t) for t in M._align_torch(topk_ids, 8, e))
+        emu.clear_launch_caches()
+        LAUNCHED.clear()
+        out = M._moe_gemm_cuda(a, b, s, z, sorted_ids, expert_ids, num_padded, topk_w, slots, top_k, 8)
+        want = ref * topk_w.reshape(-1, 1)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < tol, f"{fam.dtype}-u{fam.bits} strip form by default: {err:.3e}"
+        assert len(LAUNCHED) == 1 and LAUNCHED[0].startswith("jm_strip_") and "_moe_" in LAUNCHED[0], LAUNCHED
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f"{f.dtype}-u{f.bits}")
