@@ -72,7 +72,9 @@ def reference(x, weights, ids, w13, w2, p13, p2):
 
 
 def run_chain(monkeypatch, lib, tokens, act_order, strip=False, seed=0):
-    """Router kernel on random logits, then fused_marlin_moe, on the emulated device; (output, reference)."""
+    """Router kernel on random logits, then fused_marlin_moe, on the emulated device; (output, reference). strip:
+    the strip kernel's MoE form forced on (gemm.STRIP_ROUTE), else off (moe.STRIP_MOE_MAX_BLOCKS 0: the mma.sync
+    tiles, which the default rule would replace on these small tables since session 55)."""
     b13, s13, w13, p13 = experts(H, 2 * INTER, 1, act_order)
     b2, s2, w2, p2 = experts(INTER, H, 2, act_order)
     gen = torch.Generator().manual_seed(seed + tokens)
@@ -80,6 +82,7 @@ def run_chain(monkeypatch, lib, tokens, act_order, strip=False, seed=0):
     logits = (torch.randn(tokens, E, generator=gen) * 2).half()
     ws, state = emu.emulated_device(monkeypatch, lib, (9, 0), sms=6, log=LAUNCHED)
     monkeypatch.setattr(G, "STRIP_ROUTE", strip)
+    monkeypatch.setattr(M, "STRIP_MOE_MAX_BLOCKS", M.STRIP_MOE_MAX_BLOCKS if strip else 0)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     g = lib.guarded
     LAUNCHED.clear()
@@ -104,22 +107,24 @@ def test_moe_chain_emulated(monkeypatch, lib, tokens, act_order, strip):
     assert ("jm_moe_align" in LAUNCHED) == (tokens > 1 or act_order), LAUNCHED
     if act_order:
         assert any(n.startswith("jm_moe_gather") for n in LAUNCHED), LAUNCHED
-    if strip:
-        assert sum(n.startswith("jm_strip_") for n in LAUNCHED) == 2, LAUNCHED
+    assert sum(n.startswith("jm_strip_") for n in LAUNCHED) == (2 if strip else 0), LAUNCHED
 
 
-def test_chain_rule_catches_an_early_trigger(monkeypatch, tmp_path):
-    """The gate/up GEMM (mma.sync MoE tiles) lets the next kernel launch before its own wait: SiLU-mul, then the down
-    projection (tables_ready) may start while the alignment (or, at one token, the router) still writes the tables
-    the down projection reads before its wait — the emulator stops the launch naming the writer."""
-    text = (emu.CUDA_SRC / "jm_gemm.cuh").read_text()
-    old = "    if (!BULK || !p.tables_ready) griddep_wait();\n"
+@pytest.mark.parametrize("header,old,strip", [
+    ("jm_gemm.cuh", "    if (!BULK || !p.tables_ready) griddep_wait();\n", False),
+    ("jm_strip.cuh", "    if (!p.tables_ready) griddep_wait();\n", True),
+], ids=["mma-sync", "strip"])
+def test_chain_rule_catches_an_early_trigger(monkeypatch, tmp_path, header, old, strip):
+    """The gate/up GEMM (mma.sync MoE tiles, or the strip kernel's MoE form) lets the next kernel launch before its own
+    wait: SiLU-mul, then the down projection (tables_ready) may start while the alignment (or, at one token, the
+    router) still writes the tables the down projection reads before its wait — the emulator stops the launch naming
+    the writer."""
+    text = (emu.CUDA_SRC / header).read_text()
     assert text.count(old) == 1
-    bad = emu.build(sources(), tmp_path, headers={"jm_gemm.cuh": text.replace(old, "    griddep_launch_dependents();\n"
-                                                                                   + old)})
+    bad = emu.build(sources(), tmp_path, headers={header: text.replace(old, "    griddep_launch_dependents();\n" + old)})
     try:
         for tokens, writer in ((7, "jm_moe_align"), (1, "jm_moe_route")):
             with pytest.raises(emu.SimtError, match=f"griddepcontrol.wait.*written by {writer}"):
-                run_chain(monkeypatch, bad, tokens, False)
+                run_chain(monkeypatch, bad, tokens, False, strip)
     finally:
         bad.free_all()
