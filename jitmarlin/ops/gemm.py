@@ -1499,7 +1499,7 @@ def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = Fa
     of the act-order forms, which the default route takes up to M = STRIP_PERM_MAX_M only, on the small region, and
     on the tall one with STRIP_TALL_PERM)."""
     forced = strip_route_on()
-    tall = strip_tall(m, n, k) and fam.bits in STRIP_TALL_BITS  # (checked first: no strip module built for nothing)
+    tall = strip_tall(m, n, k) and fam.bits in STRIP_TALL_BITS  # (as strip_choice: outside every region, no fit query)
     if m > K.STRIP_MAX_M or not (forced or strip_small(m, n, k) or tall) or fam.moe:
         return None
     if perm and not forced and (m > STRIP_PERM_MAX_M or not (strip_small(m, n, k) or STRIP_TALL_PERM)):
