@@ -997,7 +997,7 @@ def test_strip_small_route_takes_the_routed_module_only(monkeypatch):
                     for m in (1, 3, 8, 12, 16):
                         cfg = G.strip_choice(m, n, k, fam, sms, at_once)
                         if cfg is not None:
-                            assert G.strip_small(m, n, k) or G.strip_tall(m, n, k), (m, n, k, cfg)
+                            assert G.strip_small(m, n, k) or G.strip_tall(m, n, k, fam.bits), (m, n, k, cfg)
                             assert cfg in K.STRIP_ROUTED_CONFIGS and cfg[3] == 0, (m, n, k, cfg)
                             seen.add(cfg)
     assert len(seen) >= 7, seen

@@ -1449,9 +1449,10 @@ def strip_small(m: int, n: int, k: int) -> bool:
     return STRIP_SMALL and m <= STRIP_SMALL_MAX_M and k * n <= STRIP_SMALL_MAX_KN
 
 
-def strip_tall(m: int, n: int, k: int) -> bool:
-    """Whether (M, N, K) is in the tall-layer region (STRIP_TALL; strip_choice also asks the grid to fill the SMs)."""
-    if not STRIP_TALL:
+def strip_tall(m: int, n: int, k: int, bits: int) -> bool:
+    """Whether (M, N, K) with `bits`-bit weights is in the tall-layer region (STRIP_TALL, STRIP_TALL_BITS;
+    strip_choice also asks the grid to fill the SMs)."""
+    if not STRIP_TALL or bits not in STRIP_TALL_BITS:
         return False
     if m <= STRIP_SMALL_MAX_M:
         return k >= n and n <= STRIP_TALL_MAX_N
@@ -1472,8 +1473,8 @@ def strip_choice(m: int, n: int, k: int, fam: Family, sms: int, at_once) -> tupl
     is set, built and fits; on the tall region only (not small, not forced) where that grid fills STRIP_TALL_MIN_FILL
     of what runs at once (pure given at_once; CPU-tested)."""
     small, forced = strip_small(m, n, k), strip_route_on()
-    tall = strip_tall(m, n, k) and fam.bits in STRIP_TALL_BITS
-    if not (forced or small or tall) or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 or k % 16:
+    if not (forced or small or strip_tall(m, n, k, fam.bits)) or fam.moe or not 1 <= m <= K.STRIP_MAX_M or n % 64 \
+            or k % 16:
         return None
     if fam.group_size > 0 and k % fam.group_size:
         return None
@@ -1499,8 +1500,7 @@ def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = Fa
     of the act-order forms, which the default route takes up to M = STRIP_PERM_MAX_M only, on the small region, and
     on the tall one with STRIP_TALL_PERM)."""
     forced = strip_route_on()
-    tall = strip_tall(m, n, k) and fam.bits in STRIP_TALL_BITS  # (as strip_choice: outside every region, no fit query)
-    if m > K.STRIP_MAX_M or not (forced or strip_small(m, n, k) or tall) or fam.moe:
+    if m > K.STRIP_MAX_M or not (forced or strip_small(m, n, k) or strip_tall(m, n, k, fam.bits)) or fam.moe:
         return None
     if perm and not forced and (m > STRIP_PERM_MAX_M or not (strip_small(m, n, k) or STRIP_TALL_PERM)):
         return None

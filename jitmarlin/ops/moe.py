@@ -530,9 +530,10 @@ def strip_moe_config(sorted_ids: torch.Tensor, block_size: int, k_splits: int, n
     cc = _cc(index)
     if not (block_size == 8 and k_splits == 1 and n % 64 == 0 and k % 16 == 0 and K.strip_built(fam, cc)):
         return None
-    if not (strip_route_on() or strip_moe_blocks(sorted_ids) <= STRIP_MOE_MAX_BLOCKS):
+    blocks = strip_moe_blocks(sorted_ids)
+    if not (strip_route_on() or blocks <= STRIP_MOE_MAX_BLOCKS):
         return None
-    sms, ctas = driver.device(index).sm_count, n // 64 * strip_moe_blocks(sorted_ids)
+    sms, ctas = driver.device(index).sm_count, n // 64 * blocks
     for cfg in STRIP_MOE_ORDER:
         fn = K.get_strip_kernel(fam, *cfg, index, cc)
         if ctas <= sms * fn.occupancy(32 * cfg[0], K.strip_smem_bytes(fam, cfg[0], cfg[3])):
