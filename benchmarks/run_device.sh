@@ -1248,6 +1248,14 @@ for st in $STAGES; do
            timeout ${S55_T4:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 16 --shapes $SH \
              --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w16-c1-t2-s,strip-w16-c2-t2-s >> "$OUT/s55a_probe.log" 2>&1
            echo "s55a probe M=16 rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s55a_probe.log";;
+    s56a)  # session 56: where the routed strip forms' time goes (plain CUDA, no torch): the floor probe (a bare stream at
+           # each occupancy) and the strip kernel's trace with the route's cluster forms (w16-c2, w8-c2, w16-c2-t2)
+           nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/floor_probe.cu -o /tmp/floor_probe \
+             && timeout ${S56A_T1:-60} /tmp/floor_probe > "$OUT/s56a_floor.log" 2>&1; echo "s56a floor rc=$?"
+           grep -E "^copy|8192x8192|11008x4096|4096x28672" "$OUT/s56a_floor.log" | grep -E "^copy|pdl 1"
+           nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJM_STRIP_TRACE -I cuda_src benchmarks/strip_probe.cu \
+             -o /tmp/strip_probe && timeout ${S56A_T2:-90} /tmp/strip_probe > "$OUT/s56a_trace.log" 2>&1
+           echo "s56a trace rc=$?"; cat "$OUT/s56a_trace.log";;
     s55b)  # session 55: the strip kernel's tall-layer route (gemm.STRIP_TALL) and the MoE strip form's default rule
            # (moe.STRIP_MOE_MAX_BLOCKS): their GPU tests, then the route against itself without the tall rule (routeL0)
            # on the nine shapes at M = 1 / 8 / 16, then act-order on tall layers with the strip act-order form off / on

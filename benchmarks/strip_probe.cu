@@ -49,6 +49,10 @@ JM_STRIP_KERNEL(sp_p_w8, half, 4, false, 8, 8, 8, 1, 1, 0, true, false)
 JM_STRIP_KERNEL(sp_t2_w16, half, 4, false, 8, 16, 6, 1, 2, 0, false, false)
 JM_STRIP_KERNEL(sp_t2_w16s, half, 4, false, 8, 16, 4, 1, 2, SP_RING2, false, false)
 JM_STRIP_KERNEL(sp_t2_w4s, half, 4, false, 8, 4, 4, 1, 2, SP_RING2, false, false)
+// the route's tall-layer picks since session 55 (gemm.strip_tall): clusters of two CTAs splitting K
+JM_STRIP_KERNEL(sp_g_w16_c2, half, 4, false, 8, 16, 8, 2, 1, 0, false, false)
+JM_STRIP_KERNEL(sp_g_w8_c2, half, 4, false, 8, 8, 8, 2, 1, 0, false, false)
+JM_STRIP_KERNEL(sp_t2_w16_c2, half, 4, false, 8, 16, 6, 2, 2, 0, false, false)
 
 namespace {
 
@@ -58,6 +62,7 @@ struct Kern {
   int warps, sring;         // (the group size is in the name: g128 / chan = per channel)
   bool perm;                // act-order: the activations gathered through a permutation of K
   int m;                    // tokens
+  int cluster = 1;          // CTAs per strip (a thread-block cluster splitting K)
 };
 
 const Kern kKerns[] = {
@@ -68,6 +73,8 @@ const Kern kKerns[] = {
     {"chan w16-s", sp_c_w16s, 16, SP_RING1, false, 1},    {"perm w16", sp_p_w16, 16, 0, true, 1},
     {"perm w8", sp_p_w8, 8, 0, true, 1},           {"g128 w16-t2", sp_t2_w16, 16, 0, false, 16},
     {"g128 w16-t2-s", sp_t2_w16s, 16, SP_RING2, false, 16}, {"g128 w4-t2-s", sp_t2_w4s, 4, SP_RING2, false, 16},
+    {"g128 w16-c2", sp_g_w16_c2, 16, 0, false, 1, 2}, {"g128 w8-c2", sp_g_w8_c2, 8, 0, false, 1, 2},
+    {"g128 w16-c2-t2", sp_t2_w16_c2, 16, 0, false, 16, 2},
 };
 
 double median(std::vector<double> v) {
@@ -89,7 +96,7 @@ int main() {
   struct Layer {
     int k, n;
   };
-  const Layer layers[] = {{8192, 8192}, {4096, 4096}, {4096, 28672}, {11008, 4096}};
+  const Layer layers[] = {{8192, 8192}, {4096, 4096}, {4096, 28672}, {11008, 4096}, {14336, 4096}, {28672, 8192}};
   for (const Layer& L : layers) {
     const size_t wbytes = static_cast<size_t>(L.k) * L.n / 2;
     const size_t sbytes = static_cast<size_t>(L.k / 128) * L.n * 2;
@@ -104,7 +111,7 @@ int main() {
     CK(cudaMalloc(&a, static_cast<size_t>(max_m) * L.k * 2));
     CK(cudaMemset(a, 0x30, static_cast<size_t>(max_m) * L.k * 2));
     CK(cudaMalloc(&c, static_cast<size_t>(max_m) * L.n * 2));
-    const int grid = L.n / 64;
+    const int max_grid = L.n / 64 * 2;  // (clusters of two: two CTAs per strip)
     int* perm;  // a fixed pseudo-random permutation of K (the timing does not depend on which)
     {
       std::vector<int> h(L.k);
@@ -118,10 +125,11 @@ int main() {
       CK(cudaMemcpy(perm, h.data(), static_cast<size_t>(L.k) * 4, cudaMemcpyHostToDevice));
     }
     unsigned long long* trace;
-    const size_t trace_vals = static_cast<size_t>(calls) * grid * slots;
+    const size_t trace_vals = static_cast<size_t>(calls) * max_grid * slots;
     CK(cudaMalloc(&trace, trace_vals * 8));
     const double floor_bytes = static_cast<double>(wbytes) + static_cast<double>(sbytes);
     for (const Kern& kn : kKerns) {
+      const int grid = L.n / 64 * kn.cluster;
       // every replay writes the same slots; the ones a CTA never writes (groups past its run) stay 0
       CK(cudaMemset(trace, 0, trace_vals * 8));
       // dynamic shared memory: the warps' rings, or an act-order register form's permutation store since session 54
@@ -150,11 +158,15 @@ int main() {
         lc.blockDim = dim3(32 * kn.warps);
         lc.dynamicSmemBytes = smem;
         lc.stream = st;
-        cudaLaunchAttribute attr[1];
+        cudaLaunchAttribute attr[2];
         attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr[0].val.programmaticStreamSerializationAllowed = 1;
+        attr[1].id = cudaLaunchAttributeClusterDimension;
+        attr[1].val.clusterDim.x = kn.cluster;
+        attr[1].val.clusterDim.y = 1;
+        attr[1].val.clusterDim.z = 1;
         lc.attrs = attr;
-        lc.numAttrs = 1;
+        lc.numAttrs = kn.cluster > 1 ? 2 : 1;
         CK(cudaLaunchKernelEx(&lc, kn.fn, p));
       }
       CK(cudaStreamEndCapture(st, &g));
@@ -177,7 +189,7 @@ int main() {
         wait.push_back(at(10, x, 1) - at(10, x, 0));
         first.push_back(at(10, x, 2) - at(10, x, 1));
         loop.push_back(at(10, x, 3) - at(10, x, 1));
-        red.push_back(at(10, x, 4) - at(10, x, 3));
+        if (at(10, x, 4) > 0) red.push_back(at(10, x, 4) - at(10, x, 3));  // (a cluster's rank 0 only)
         loop_end.push_back(at(10, x, 3));
         if (at(10, x, 8) > 0) grp0.push_back(at(10, x, 8) - at(10, x, 2));  // (per channel: no group marks)
         for (int q = 1; q < 48; q++) {
