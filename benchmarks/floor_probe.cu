@@ -26,7 +26,9 @@
 
 namespace {
 
-template <int DEPTH>
+// PF > 0: lane 0 also asks for the rows PF batches past the ones its loads are about to fetch to be prefetched into L2
+// (jm::prefetch_l2_bulk), so HBM keeps streaming while the warp waits for a batch (session 56)
+template <int DEPTH, int PF>
 __global__ void stream_kernel(const uint4* __restrict__ buf, size_t words, uint32_t* out, int pdl) {
   const int lane = threadIdx.x & 31;
   const size_t warps = static_cast<size_t>(gridDim.x) * (blockDim.x >> 5);
@@ -38,6 +40,12 @@ __global__ void stream_kernel(const uint4* __restrict__ buf, size_t words, uint3
   uint4 ring[DEPTH];
 #pragma unroll
   for (int d = 0; d < DEPTH; d++) ring[d] = d < n ? jm::ldg_stream(p + 32 * d) : make_uint4(0, 0, 0, 0);
+  // rows [i0, i1) of this warp's share (clipped) into L2
+  auto prefetch = [&](int i0, int i1) {
+    i1 = i1 < n ? i1 : n;
+    if (PF > 0 && lane == 0 && i0 < i1) jm::prefetch_l2_bulk(p - lane + 32 * i0, static_cast<uint32_t>(i1 - i0) * 512u);
+  };
+  prefetch(DEPTH, DEPTH + PF * DEPTH);
   if (pdl) {
     jm::griddep_launch_dependents();
     jm::griddep_wait();
@@ -45,6 +53,7 @@ __global__ void stream_kernel(const uint4* __restrict__ buf, size_t words, uint3
   uint32_t acc = 0;
   int s = 0;
   for (; s + DEPTH < n; s += DEPTH) {
+    prefetch(s + DEPTH + PF * DEPTH, s + 2 * DEPTH + PF * DEPTH);
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
       acc ^= ring[d].x ^ ring[d].y ^ ring[d].z ^ ring[d].w;
@@ -58,10 +67,10 @@ __global__ void stream_kernel(const uint4* __restrict__ buf, size_t words, uint3
 }
 
 struct Cfg {
-  int per_sm, threads, depth;
+  int per_sm, threads, depth, pf;
 };
 
-template <int DEPTH>
+template <int DEPTH, int PF>
 void launch_one(cudaStream_t st, const Cfg& c, int sms, const uint4* buf, size_t words, uint32_t* out, bool pdl) {
   cudaLaunchConfig_t lc = {};
   lc.gridDim = dim3(sms * c.per_sm);
@@ -72,13 +81,22 @@ void launch_one(cudaStream_t st, const Cfg& c, int sms, const uint4* buf, size_t
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   lc.attrs = attr;
   lc.numAttrs = pdl ? 1 : 0;
-  CK(cudaLaunchKernelEx(&lc, stream_kernel<DEPTH>, buf, words, out, pdl ? 1 : 0));
+  CK(cudaLaunchKernelEx(&lc, stream_kernel<DEPTH, PF>, buf, words, out, pdl ? 1 : 0));
 }
 
 void launch(cudaStream_t st, const Cfg& c, int sms, const uint4* buf, size_t words, uint32_t* out, bool pdl) {
-  if (c.depth == 4) launch_one<4>(st, c, sms, buf, words, out, pdl);
-  else if (c.depth == 8) launch_one<8>(st, c, sms, buf, words, out, pdl);
-  else launch_one<16>(st, c, sms, buf, words, out, pdl);
+  if (c.pf == 1) {
+    if (c.depth == 4) launch_one<4, 1>(st, c, sms, buf, words, out, pdl);
+    else launch_one<8, 1>(st, c, sms, buf, words, out, pdl);
+  } else if (c.pf == 2) {
+    launch_one<8, 2>(st, c, sms, buf, words, out, pdl);
+  } else if (c.depth == 4) {
+    launch_one<4, 0>(st, c, sms, buf, words, out, pdl);
+  } else if (c.depth == 8) {
+    launch_one<8, 0>(st, c, sms, buf, words, out, pdl);
+  } else {
+    launch_one<16, 0>(st, c, sms, buf, words, out, pdl);
+  }
 }
 
 }  // namespace
@@ -125,7 +143,9 @@ int main() {
   };
   const Layer layers[] = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {4096, 12288}, {14336, 4096},
                           {8192, 8192}, {4096, 28672}, {8192, 28672}};
-  const Cfg cfgs[] = {{2, 256, 8}, {3, 256, 8}, {4, 256, 4}, {4, 256, 8}, {2, 512, 8}, {1, 1024, 4}, {8, 128, 8}};
+  // (per SM, threads, depth, L2 prefetch batches ahead): the strip kernel runs 16 warps per SM, depth 8
+  const Cfg cfgs[] = {{2, 256, 8, 0}, {3, 256, 8, 0}, {4, 256, 4, 0}, {4, 256, 8, 0}, {2, 512, 8, 0}, {1, 1024, 4, 0},
+                      {8, 128, 8, 0}, {2, 256, 8, 1}, {2, 256, 8, 2}, {1, 512, 8, 1}, {1, 512, 8, 2}, {4, 256, 4, 1}};
   for (const Layer& L : layers) {
     const size_t bytes = static_cast<size_t>(L.k * L.n / 2 + L.k / 128 * L.n * 2);
     const size_t words = bytes / 16;
@@ -145,8 +165,9 @@ int main() {
         CK(cudaGraphInstantiate(&ge, g, 0));
         const double us = 1000.0 * graph_median_ms(ge, st, reps) / calls;
         std::printf("%5ldx%-5ld %6.2f MB  %d CTA/SM x %4d thr, depth %2d, pdl %d: %7.2f us per call, floor %6.2f us, "
-                    "%5.1f%% of floor\n",
-                    L.k, L.n, bytes / 1e6, c.per_sm, c.threads, c.depth, pdl, us, floor_us, 100.0 * floor_us / us);
+                    "%5.1f%% of floor%s\n",
+                    L.k, L.n, bytes / 1e6, c.per_sm, c.threads, c.depth, pdl, us, floor_us, 100.0 * floor_us / us,
+                    c.pf == 1 ? ", L2 prefetch 1 batch ahead" : c.pf == 2 ? ", L2 prefetch 2 batches ahead" : "");
         CK(cudaGraphExecDestroy(ge));
         CK(cudaGraphDestroy(g));
       }

@@ -1248,14 +1248,35 @@ for st in $STAGES; do
            timeout ${S55_T4:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 16 --shapes $SH \
              --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w16-c1-t2-s,strip-w16-c2-t2-s >> "$OUT/s55a_probe.log" 2>&1
            echo "s55a probe M=16 rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s55a_probe.log";;
-    s56a)  # session 56: where the routed strip forms' time goes (plain CUDA, no torch): the floor probe (a bare stream at
-           # each occupancy) and the strip kernel's trace with the route's cluster forms (w16-c2, w8-c2, w16-c2-t2)
-           nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/floor_probe.cu -o /tmp/floor_probe \
-             && timeout ${S56A_T1:-60} /tmp/floor_probe > "$OUT/s56a_floor.log" 2>&1; echo "s56a floor rc=$?"
-           grep -E "^copy|8192x8192|11008x4096|4096x28672" "$OUT/s56a_floor.log" | grep -E "^copy|pdl 1"
-           nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJM_STRIP_TRACE -I cuda_src benchmarks/strip_probe.cu \
-             -o /tmp/strip_probe && timeout ${S56A_T2:-90} /tmp/strip_probe > "$OUT/s56a_trace.log" 2>&1
-           echo "s56a trace rc=$?"; cat "$OUT/s56a_trace.log";;
+    s56a)  # session 56: where the routed strip forms' time goes, and what an L2 lead does (plain CUDA, no torch): the floor
+           # probe (a bare stream at each occupancy, with / without bulk L2 prefetches 1-2 batches ahead) and the strip
+           # kernel's trace with the route's cluster forms (w16-c2, w8-c2, w16-c2-t2), built with JM_STRIP_L2_AHEAD 0 / 1 / 2
+           nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/floor_probe.cu -o /tmp/floor_probe &
+           for a in 0 1 2; do
+             nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJM_STRIP_TRACE -DJM_STRIP_L2_AHEAD=$a -I cuda_src \
+               benchmarks/strip_probe.cu -o /tmp/strip_probe_$a &
+           done
+           wait
+           timeout ${S56A_T1:-60} /tmp/floor_probe > "$OUT/s56a_floor.log" 2>&1; echo "s56a floor rc=$?"
+           grep -E "^copy|8192x8192|11008x4096|4096x28672|8192x28672" "$OUT/s56a_floor.log" | grep -E "^copy|pdl 1"
+           for a in 0 1 2; do
+             echo "== JM_STRIP_L2_AHEAD=$a" >> "$OUT/s56a_trace.log"
+             timeout ${S56A_T2:-60} /tmp/strip_probe_$a >> "$OUT/s56a_trace.log" 2>&1; echo "s56a trace $a rc=$?"
+           done
+           cat "$OUT/s56a_trace.log";;
+    s56b)  # session 56: the route and forced strip configs with the strip kernel's L2 lead off / on (JITMARLIN_NVCC_FLAGS
+           # -DJM_STRIP_L2_AHEAD=1: same kernels, rebuilt), M = 1 / 8 / 16, tall and wide shapes
+           SH=${S56B_SHAPES:-4096x4096,8192x8192,14336x4096,11008x4096,28672x8192,4096x28672,8192x28672}
+           for f in "" "-DJM_STRIP_L2_AHEAD=1" "-DJM_STRIP_L2_AHEAD=2"; do
+             echo "== flags [$f]" >> "$OUT/s56b.log"
+             JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
+               --m 1,8 --shapes $SH --configs route,strip-w16-c1,strip-w8-c2,strip-w16-c2 >> "$OUT/s56b.log" 2>&1
+             echo "s56b [$f] rc=$?"  # (M = 16: the routed module's two-block forms only; (8, 2, 2, 0) is in the A/B one)
+             JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
+               --m 16 --shapes $SH --configs route,strip-w16-c1,strip-w16-c2 >> "$OUT/s56b.log" 2>&1
+             echo "s56b [$f] M=16 rc=$?"
+           done
+           grep -E "^==| us " "$OUT/s56b.log" | sed -E 's/^\[[^]]*\] //; s/ \(floor.*//';;
     s55b)  # session 55: the strip kernel's tall-layer route (gemm.STRIP_TALL) and the MoE strip form's default rule
            # (moe.STRIP_MOE_MAX_BLOCKS): their GPU tests, then the route against itself without the tall rule (routeL0)
            # on the nine shapes at M = 1 / 8 / 16, then act-order on tall layers with the strip act-order form off / on
