@@ -1264,17 +1264,19 @@ for st in $STAGES; do
              timeout ${S56A_T2:-60} /tmp/strip_probe_$a >> "$OUT/s56a_trace.log" 2>&1; echo "s56a trace $a rc=$?"
            done
            cat "$OUT/s56a_trace.log";;
-    s56b)  # session 56: the route and forced strip configs with the strip kernel's L2 lead off / on (JITMARLIN_NVCC_FLAGS
-           # -DJM_STRIP_L2_AHEAD=1: same kernels, rebuilt), M = 1 / 8 / 16, tall and wide shapes
+    s56b)  # session 56: the L2 lead (bulk prefetches of the weights ahead of the loads / copies) off and on, same kernels
+           # rebuilt through JITMARLIN_NVCC_FLAGS: the strip kernel's (-DJM_STRIP_L2_AHEAD, batches of 8 rows) on the
+           # route and forced strip configs at M = 1 / 8 / 16, and the wgmma producer form's (-DJM_WG_L2_AHEAD, stages of
+           # 64 k) on the route at M = 16 / 32 / 64 (M = 17-64 on the large shapes is that form)
            SH=${S56B_SHAPES:-4096x4096,8192x8192,14336x4096,11008x4096,28672x8192,4096x28672,8192x28672}
-           for f in "" "-DJM_STRIP_L2_AHEAD=1" "-DJM_STRIP_L2_AHEAD=2"; do
+           for f in "" "-DJM_STRIP_L2_AHEAD=1 -DJM_WG_L2_AHEAD=6" "-DJM_STRIP_L2_AHEAD=2 -DJM_WG_L2_AHEAD=12"; do
              echo "== flags [$f]" >> "$OUT/s56b.log"
              JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
                --m 1,8 --shapes $SH --configs route,strip-w16-c1,strip-w8-c2,strip-w16-c2 >> "$OUT/s56b.log" 2>&1
              echo "s56b [$f] rc=$?"  # (M = 16: the routed module's two-block forms only; (8, 2, 2, 0) is in the A/B one)
-             JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
-               --m 16 --shapes $SH --configs route,strip-w16-c1,strip-w16-c2 >> "$OUT/s56b.log" 2>&1
-             echo "s56b [$f] M=16 rc=$?"
+             JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T2:-150} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
+               --m 16,32,64 --shapes $SH --configs route >> "$OUT/s56b.log" 2>&1
+             echo "s56b [$f] M=16-64 rc=$?"
            done
            grep -E "^==| us " "$OUT/s56b.log" | sed -E 's/^\[[^]]*\] //; s/ \(floor.*//';;
     s55b)  # session 55: the strip kernel's tall-layer route (gemm.STRIP_TALL) and the MoE strip form's default rule

@@ -354,15 +354,37 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         tma_load_2d(smem + slot * S::kBytes, amap, (kt0 + i) * 64, atok0, &ring.full[slot]);
 #endif
       };
+      // L2 lead (session 56, -DJM_WG_L2_AHEAD=A, default 0: off): the producer also asks for the weights of the
+      // stages [i0, i1) of the piece (each strip's run of them is contiguous) to be brought into L2 by one bulk
+      // prefetch per strip, A stages past the one whose copies it issues, so HBM streams while the ring is full
+      // and the copies that refill it are L2 hits (jm::prefetch_l2_bulk; the strip kernel's JM_STRIP_L2_AHEAD)
+#ifndef JM_WG_L2_AHEAD
+#define JM_WG_L2_AHEAD 0
+#endif
+      constexpr int kL2Ahead = JM_WG_L2_AHEAD;
+      auto prefetch_stages = [&](int i0, int i1) {
+        if constexpr (kL2Ahead > 0) {
+          i1 = i1 < k_tiles ? i1 : k_tiles;
+          if (i0 < i1) {
+#pragma unroll
+            for (int j = 0; j < S::kStrips; j++)
+              prefetch_l2_bulk(bbase + static_cast<int64_t>(j * sstep) * (p.k / 16) * kWordsPerK16 +
+                                   (kt0 + i0) * 4 * kWordsPerK16,
+                               static_cast<uint32_t>(i1 - i0) * S::kStripBytes);
+          }
+        }
+      };
       // the weights of the first fills before waiting for the previous kernel (they never depend
       // on it), the activations after
       const int pre = k_tiles < STAGES ? k_tiles : STAGES;
       for (int i = 0; i < pre; i++) issue_weights(i, i);
+      prefetch_stages(pre, pre + kL2Ahead);
       griddep_wait();
       griddep_launch_dependents();
       for (int i = 0; i < pre; i++) issue_acts(i, i);
       int slot = pre % STAGES;
       for (int i = pre; i < k_tiles; i++) {
+        prefetch_stages(i + kL2Ahead, i + kL2Ahead + 1);
         issue_weights(i, slot);
         issue_acts(i, slot);
         slot = slot + 1 == STAGES ? 0 : slot + 1;
