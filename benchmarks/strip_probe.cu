@@ -89,7 +89,13 @@ int main() {
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   for (const Kern& kn : kKerns) {
-    CK(cudaFuncSetAttribute(kn.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    // (at most what the device allows per CTA beside the kernel's static shared memory)
+    cudaFuncAttributes fa;
+    CK(cudaFuncGetAttributes(&fa, kn.fn));
+    int optin = 0;
+    CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    const int dyn = std::min(200 * 1024, optin - static_cast<int>(fa.sharedSizeBytes));
+    CK(cudaFuncSetAttribute(kn.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn));
   }
 
   const int calls = 20, reps = 20, slots = 64, max_m = 16;

@@ -229,8 +229,8 @@ def test_tall_layers_take_the_strip_kernel_but_not_its_act_order_form(recorded, 
     """Session 55 (gemm.strip_tall): by default a tall layer (K >= N, N <= 8192) takes the strip kernel at M <= 8, and
     at M = 9-16 where K >= 2 N and N <= 4096, on a device whose CTAs fill the SMs (H200-like fit: one CTA of 16 warps
     per SM); a wide one (K < N) the usual route; act-order calls on a tall layer the gather kernel + the usual route
-    (STRIP_TALL_PERM off: not measured), the strip kernel's act-order form with it on; the fast path makes the general
-    path's launch."""
+    with STRIP_TALL_PERM off, the strip kernel's act-order form with it on (the default since session 56); the fast path
+    makes the general path's launch."""
     log, _ = recorded
     monkeypatch.setattr(G, "STRIP_ROUTE", False)
     monkeypatch.delenv("JITMARLIN_STRIP", raising=False)
@@ -253,11 +253,12 @@ def test_tall_layers_take_the_strip_kernel_but_not_its_act_order_form(recorded, 
         names = [entry[0] for entry in _launches(log, torch.randn(m, 4096).half(), wide, 8192)]
         assert not any(x.startswith("jm_strip_") for x in names), (m, names)
     a = torch.randn(1, 8192).half()
-    names = [entry[0] for entry in _launches(log, a, tall, 4096, perm)]
-    assert len(names) == 2 and not any(x.startswith("jm_strip_") for x in names), names
-    monkeypatch.setattr(G, "STRIP_TALL_PERM", True)
+    assert G.STRIP_TALL_PERM  # (the default)
     names = [entry[0] for entry in _launches(log, a, tall, 4096, perm)]
     assert len(names) == 1 and names[0].endswith("w16_c2_t1_p"), names
+    monkeypatch.setattr(G, "STRIP_TALL_PERM", False)
+    names = [entry[0] for entry in _launches(log, a, tall, 4096, perm)]
+    assert len(names) == 2 and not any(x.startswith("jm_strip_") for x in names), names
 
 
 def test_eight_bit_tall_layers_build_no_strip_module(recorded, monkeypatch):

@@ -1421,9 +1421,11 @@ STRIP_TALL2_MAX_N = 4096
 STRIP_TALL_MIN_FILL = 0.9
 # Weight bits the tall region takes: s53q measured 4-bit (fp16) only; 8-bit forms hold half the rows ahead
 STRIP_TALL_BITS: tuple[int, ...] = (4,)
-# Act-order calls on the tall region: not measured (s55 had no device time left for it), so off; the small region's
-# act-order rule (STRIP_PERM_MAX_M) is unchanged.
-STRIP_TALL_PERM = False
+# Act-order calls on the tall region (at M <= STRIP_PERM_MAX_M, as on the small one): the strip kernel's act-order form
+# (its in-kernel gather) instead of the gather kernel + the route. Session 56 (s55b, probe_act_order, H100 — the H200
+# refused that day; same run, layer us at M = 1, off -> on): 11008x4096 16.9 -> 12.4, 8192^2 17.7 -> 16.5, 28672x8192
+# 47.3 -> 45.4 (M = 8, where the rule does not reach: 17.5 / 18.8 / 48.7 -> 17.2 / 18.7 / 48.2).
+STRIP_TALL_PERM = True
 # The shared-memory ring forms lost to the register forms on every cell of s53q after session 54 (11008x4096 M = 1
 # w16-c2 9.5 vs 13.0 us with the ring, 8192^2 w16-c1 12.3 vs 15.5, 4096^2 c2-t2 8.7 vs 11.0), so the route no longer
 # takes them (None; sessions 52-54: from K = 8192). They stay built for A/B runs (probe_configs' -s configs).

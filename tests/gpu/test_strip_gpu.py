@@ -93,7 +93,8 @@ def test_strip_deterministic_and_graph_replay():
             check_close(out, static_a.float() @ w, 1e-3, f"graph replay {cfg} seed {seed}")
 
 
-@pytest.mark.parametrize("cfg", [(16, 2, 1, 0), (4, 1, 1, 0), (16, 1, 2, 0), (16, 2, 1, 1), (4, 1, 2, 1), (8, 1, 4, 1)])
+@pytest.mark.parametrize("cfg", [(16, 2, 1, 0), (8, 2, 1, 0), (4, 1, 1, 0), (16, 1, 2, 0), (16, 2, 1, 1), (4, 1, 2, 1),
+                                 (8, 1, 4, 1)])
 def test_strip_act_order_in_the_kernel(cfg):
     """With an act-order permutation the strip kernel's act-order form gathers the activation columns itself (no
     gather kernel): a[:, perm] @ W, K = 2048 and 5120 (the index ring wraps), fp16 and bf16 with zero points."""
@@ -127,6 +128,26 @@ def test_strip_clear_errors():
     big, _ = random_weights(256, n, 4, 128)
     with pytest.raises(ValueError, match="do not all fit"):
         run_poisoned(torch.randn(1, 256, device="cuda", dtype=torch.float16), big, override=("strip", 16, 4, 1, 0))
+
+
+def test_act_order_tall_layers_default_route():
+    """Session 56 (gemm.STRIP_TALL_PERM on): a tall layer's act-order call at M = 1 takes the strip kernel's act-order
+    form on the default route (where the tall region and its fill rule hold), at M = 2-8 the gather kernel + the strip
+    kernel; through marlin_gemm both equal a[:, perm] @ W, output poisoned first (the op allocates it: NaN would stay)."""
+    import jitmarlin
+
+    fam = K.Family("f16", 4, False, 128)
+    for k, n in ((8192, 4096), (11008, 4096), (8192, 8192)):
+        packed, w = random_weights(k, n, 4, 128)
+        perm = torch.randperm(k, device="cuda").to(torch.int32)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        if G.strip_tall(1, n, k, 4) and sms == 132:  # (the fill rule follows the device: H100 / H200 SXM, 132 SMs)
+            assert G.strip_route(1, n, k, fam, 0, perm=True) is not None, (k, n)
+        for m in (1, 3, 8):
+            a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            out = jitmarlin.ops.marlin_gemm(a, packed.b, packed.scales, perm=perm)
+            check_close(out, a[:, perm.long()].float() @ w, 1e-3, f"act-order tall K={k} N={n} M={m}")
+    assert_workspace_clean()
 
 
 def test_strip_route_and_fast_path(monkeypatch):
