@@ -1269,7 +1269,7 @@ for st in $STAGES; do
            # route and forced strip configs at M = 1 / 8 / 16, and the wgmma producer form's (-DJM_WG_L2_AHEAD, stages of
            # 64 k) on the route at M = 16 / 32 / 64 (M = 17-64 on the large shapes is that form)
            SH=${S56B_SHAPES:-4096x4096,8192x8192,14336x4096,11008x4096,28672x8192,4096x28672,8192x28672}
-           for f in "" "-DJM_STRIP_L2_AHEAD=1 -DJM_WG_L2_AHEAD=6" "-DJM_STRIP_L2_AHEAD=2 -DJM_WG_L2_AHEAD=12"; do
+           for f in "" "${S56B_FLAGS:--DJM_STRIP_L2_AHEAD=1 -DJM_WG_L2_AHEAD=6}"; do
              echo "== flags [$f]" >> "$OUT/s56b.log"
              JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
                --m 1,8 --shapes $SH --configs route,strip-w16-c1,strip-w8-c2,strip-w16-c2 >> "$OUT/s56b.log" 2>&1
