@@ -1271,11 +1271,13 @@ for st in $STAGES; do
            SH=${S56B_SHAPES:-4096x4096,8192x8192,14336x4096,11008x4096,28672x8192,4096x28672,8192x28672}
            for f in "" "${S56B_FLAGS:--DJM_STRIP_L2_AHEAD=1 -DJM_WG_L2_AHEAD=6}"; do
              echo "== flags [$f]" >> "$OUT/s56b.log"
-             JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
-               --m 1,8 --shapes $SH --configs route,strip-w16-c1,strip-w8-c2,strip-w16-c2 >> "$OUT/s56b.log" 2>&1
-             echo "s56b [$f] rc=$?"  # (M = 16: the routed module's two-block forms only; (8, 2, 2, 0) is in the A/B one)
+             if [ "${S56B_STRIP:-1}" = 1 ]; then  # (S56B_STRIP=0: the wgmma part only)
+               JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
+                 --m 1,8 --shapes $SH --configs route,strip-w16-c1,strip-w8-c2,strip-w16-c2 >> "$OUT/s56b.log" 2>&1
+               echo "s56b [$f] rc=$?"  # (M = 16: the routed module's two-block forms only; (8, 2, 2, 0) is in the A/B one)
+             fi
              JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T2:-150} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
-               --m 16,32,64 --shapes $SH --configs route >> "$OUT/s56b.log" 2>&1
+               --m ${S56B_M2:-16,32,64} --shapes $SH --configs route >> "$OUT/s56b.log" 2>&1
              echo "s56b [$f] M=16-64 rc=$?"
            done
            grep -E "^==| us " "$OUT/s56b.log" | sed -E 's/^\[[^]]*\] //; s/ \(floor.*//';;
