@@ -121,6 +121,13 @@ JM_DEVICE void pass_on4(uint32_t slot, uint32_t& pend, bool more, const void* sr
   if (more) pend = *jm_simt::check_global(static_cast<const uint32_t*>(src), 4, "ld.global.nc (pass_on4)");
 }
 JM_DEVICE uint4 ldg_stream(const uint4* p) { return *jm_simt::check_global(p, 16, "ld.global.nc (ldg_stream)"); }
+// cp.async.bulk.prefetch.L2 (a hint: nothing lands anywhere); the emulator checks that the range lies in a buffer the
+// test allocated, 16-byte aligned, a multiple of 16 bytes (the PTX rules), so a lead past the run shows up
+JM_DEVICE void prefetch_l2_bulk(const void* src, uint32_t bytes) {
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || bytes % 16 != 0 || bytes == 0)
+    jm_simt::fail("cp.async.bulk.prefetch.L2: the source 16-byte aligned and the size a nonzero multiple of 16");
+  jm_simt::check_global(static_cast<const uint8_t*>(src), bytes, "cp.async.bulk.prefetch.L2");
+}
 
 // ldmatrix.sync.aligned.m8n8.xN.shared.b16 (PTX ISA, "ldmatrix"): lanes 8i..8i+7 give the 16-byte row addresses
 // of 8x8 matrix i; register i of lane l receives the 32-bit word (l & 3) of row (l >> 2) of matrix i.
