@@ -1248,6 +1248,17 @@ for st in $STAGES; do
            timeout ${S55_T4:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 16 --shapes $SH \
              --configs route,routeS,strip-w16-c1-t2,strip-w16-c2-t2,strip-w16-c1-t2-s,strip-w16-c2-t2-s >> "$OUT/s55a_probe.log" 2>&1
            echo "s55a probe M=16 rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s55a_probe.log";;
+    s57a)  # PREPARED in session 56 (not yet run): small layers at M = 1 / 8 / 16 with the 8-warp ring form in clusters
+           # of 2 ((8, 2, 1, 1) / (8, 2, 2, 1), A/B module): two CTAs per SM fit, so a call's CTAs can be resident beside
+           # the previous call's and copy their whole share of the weights (4096^2: 16 rows per warp = the ring) before
+           # griddepcontrol.wait; session 56's trace (H100) put 4096^2 M = 1 at 6.4 us against the floor probe's 3.0. Then
+           # the strip kernel's trace with it (strip_probe w8-c2-s) and the 7B decode on the route
+           SH=${S57A_SHAPES:-4096x4096,4096x1024,2048x2048,2048x8192,8192x2048,4096x8192,8192x4096,11008x4096}
+           timeout ${S57A_T1:-150} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 --m 1,8,16 --shapes $SH \
+             --configs route,strip-w8-c2-s,strip-w8-c2,strip-w16-c2,strip-w16-c2-s > "$OUT/s57a.log" 2>&1
+           echo "s57a probe rc=$?"; python3 benchmarks/strip_pick.py "$OUT/s57a.log"
+           nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJM_STRIP_TRACE -I cuda_src benchmarks/strip_probe.cu \
+             -o /tmp/strip_probe && timeout 60 /tmp/strip_probe 2>&1 | grep -E "M=1 .*(w8-c2|w16-c2)" | tee "$OUT/s57a_trace.log";;
     s56a)  # session 56: where the routed strip forms' time goes, and what an L2 lead does (plain CUDA, no torch): the floor
            # probe (a bare stream at each occupancy, with / without bulk L2 prefetches 1-2 batches ahead) and the strip
            # kernel's trace with the route's cluster forms (w16-c2, w8-c2, w16-c2-t2), built with JM_STRIP_L2_AHEAD 0 / 1 / 2

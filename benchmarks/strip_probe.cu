@@ -53,6 +53,8 @@ JM_STRIP_KERNEL(sp_t2_w4s, half, 4, false, 8, 4, 4, 1, 2, SP_RING2, false, false
 JM_STRIP_KERNEL(sp_g_w16_c2, half, 4, false, 8, 16, 8, 2, 1, 0, false, false)
 JM_STRIP_KERNEL(sp_g_w8_c2, half, 4, false, 8, 8, 8, 2, 1, 0, false, false)
 JM_STRIP_KERNEL(sp_t2_w16_c2, half, 4, false, 8, 16, 6, 2, 2, 0, false, false)
+// session 56: the 8-warp ring form in clusters of 2 (two CTAs per SM: a call's CTAs resident beside the previous call's)
+JM_STRIP_KERNEL(sp_g_w8_c2s, half, 4, false, 8, 8, 4, 2, 1, SP_RING1, false, false)
 
 namespace {
 
@@ -74,7 +76,7 @@ const Kern kKerns[] = {
     {"perm w8", sp_p_w8, 8, 0, true, 1},           {"g128 w16-t2", sp_t2_w16, 16, 0, false, 16},
     {"g128 w16-t2-s", sp_t2_w16s, 16, SP_RING2, false, 16}, {"g128 w4-t2-s", sp_t2_w4s, 4, SP_RING2, false, 16},
     {"g128 w16-c2", sp_g_w16_c2, 16, 0, false, 1, 2}, {"g128 w8-c2", sp_g_w8_c2, 8, 0, false, 1, 2},
-    {"g128 w16-c2-t2", sp_t2_w16_c2, 16, 0, false, 16, 2},
+    {"g128 w16-c2-t2", sp_t2_w16_c2, 16, 0, false, 16, 2}, {"g128 w8-c2-s", sp_g_w8_c2s, 8, SP_RING1, false, 1, 2},
 };
 
 double median(std::vector<double> v) {

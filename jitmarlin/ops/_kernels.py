@@ -228,6 +228,10 @@ STRIP_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1, 1, 0), (16, 2, 1, 0), (16, 4, 1, 0), (8, 1, 1, 0), (8, 2, 1, 0), (4, 1, 1, 0),
     (16, 1, 2, 0), (16, 2, 2, 0), (8, 1, 2, 0), (8, 2, 2, 0), (4, 1, 2, 0),
     (16, 1, 1, 1), (16, 2, 1, 1), (8, 1, 1, 1), (4, 1, 1, 1), (16, 1, 2, 1), (16, 2, 2, 1), (4, 1, 2, 1),
+    # session 56: 8-warp ring forms in clusters of 2 (A/B only): two CTAs per SM fit (registers and ~100 KB each), so
+    # a call's CTAs can be resident while the previous call runs and, on small layers (4096^2: 16 rows per warp = the
+    # ring), copy their whole share of the weights before griddepcontrol.wait
+    (8, 2, 1, 1), (8, 2, 2, 1),
     # M = 17-32 (session 50): three / four token blocks, at most 8 warps per SM (~150 registers per thread)
     (8, 1, 3, 1), (4, 1, 3, 1), (8, 1, 4, 1), (8, 2, 4, 1), (4, 1, 4, 1), (8, 1, 4, 0))
 STRIP_MAX_M = 32  # tokens: four n8 blocks of the transposed MMA
@@ -240,7 +244,7 @@ STRIP_MOE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
 # The configs the default route can take (gemm.strip_small / strip_tall: gemm.STRIP_ORDER's register-ring entries of
 # one and two token blocks; since session 55 no shared-memory ring form, gemm.STRIP_RING_MIN_K): a dense family's
 # first strip module ("strip", 10 kernels). The others, which only A/B runs and JITMARLIN_STRIP=1 launch, are a module
-# of their own ("strip_ab", built on their first launch), so a model on sm_90 compiles the 10 and not all 24.
+# of their own ("strip_ab", built on their first launch), so a model on sm_90 compiles the 10 and not all 26.
 STRIP_ROUTED_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1, 1, 0), (16, 2, 1, 0), (16, 4, 1, 0), (8, 1, 1, 0), (8, 2, 1, 0), (4, 1, 1, 0),
     (16, 1, 2, 0), (16, 2, 2, 0), (8, 1, 2, 0), (4, 1, 2, 0))
