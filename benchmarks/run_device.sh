@@ -1261,35 +1261,25 @@ for st in $STAGES; do
              -o /tmp/strip_probe && timeout 60 /tmp/strip_probe 2>&1 | grep -E "M=1 .*(w8-c2|w16-c2)" | tee "$OUT/s57a_trace.log";;
     s56a)  # session 56: where the routed strip forms' time goes, and what an L2 lead does (plain CUDA, no torch): the floor
            # probe (a bare stream at each occupancy, with / without bulk L2 prefetches 1-2 batches ahead) and the strip
-           # kernel's trace with the route's cluster forms (w16-c2, w8-c2, w16-c2-t2), built with JM_STRIP_L2_AHEAD 0 / 1 / 2
+           # kernel's trace with the route's cluster forms (w16-c2, w8-c2, w16-c2-t2). (Session 56 ran it with the strip
+           # kernel built with an L2 lead of 0 / 1 / 2 batches, JM_STRIP_L2_AHEAD; the lead lost and left the kernel.)
            nvcc -std=c++17 -O3 -arch=sm_90a -I cuda_src benchmarks/floor_probe.cu -o /tmp/floor_probe &
-           for a in 0 1 2; do
-             nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJM_STRIP_TRACE -DJM_STRIP_L2_AHEAD=$a -I cuda_src \
-               benchmarks/strip_probe.cu -o /tmp/strip_probe_$a &
-           done
+           nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DJM_STRIP_TRACE -I cuda_src \
+             benchmarks/strip_probe.cu -o /tmp/strip_probe &
            wait
            timeout ${S56A_T1:-60} /tmp/floor_probe > "$OUT/s56a_floor.log" 2>&1; echo "s56a floor rc=$?"
            grep -E "^copy|8192x8192|11008x4096|4096x28672|8192x28672" "$OUT/s56a_floor.log" | grep -E "^copy|pdl 1"
-           for a in 0 1 2; do
-             echo "== JM_STRIP_L2_AHEAD=$a" >> "$OUT/s56a_trace.log"
-             timeout ${S56A_T2:-60} /tmp/strip_probe_$a >> "$OUT/s56a_trace.log" 2>&1; echo "s56a trace $a rc=$?"
-           done
+           timeout ${S56A_T2:-60} /tmp/strip_probe > "$OUT/s56a_trace.log" 2>&1; echo "s56a trace rc=$?"
            cat "$OUT/s56a_trace.log";;
-    s56b)  # session 56: the L2 lead (bulk prefetches of the weights ahead of the loads / copies) off and on, same kernels
-           # rebuilt through JITMARLIN_NVCC_FLAGS: the strip kernel's (-DJM_STRIP_L2_AHEAD, batches of 8 rows) on the
-           # route and forced strip configs at M = 1 / 8 / 16, and the wgmma producer form's (-DJM_WG_L2_AHEAD, stages of
-           # 64 k) on the route at M = 16 / 32 / 64 (M = 17-64 on the large shapes is that form)
-           SH=${S56B_SHAPES:-4096x4096,8192x8192,14336x4096,11008x4096,28672x8192,4096x28672,8192x28672}
-           for f in "" "${S56B_FLAGS:--DJM_STRIP_L2_AHEAD=1 -DJM_WG_L2_AHEAD=6}"; do
+    s56b)  # PREPARED in session 56 (not yet run): the wgmma producer form's L2 lead (-DJM_WG_L2_AHEAD, stages of 64 k:
+           # bulk prefetches of the weights ahead of the ring's copies) off and on, same kernels rebuilt through
+           # JITMARLIN_NVCC_FLAGS, on the route at M = 16 / 32 / 64 (M = 17-64 on the large shapes is that form)
+           SH=${S56B_SHAPES:-8192x8192,14336x4096,28672x8192,4096x28672,8192x28672}
+           for f in "" "${S56B_FLAGS:--DJM_WG_L2_AHEAD=6}"; do
              echo "== flags [$f]" >> "$OUT/s56b.log"
-             if [ "${S56B_STRIP:-1}" = 1 ]; then  # (S56B_STRIP=0: the wgmma part only)
-               JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-100} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
-                 --m 1,8 --shapes $SH --configs route,strip-w16-c1,strip-w8-c2,strip-w16-c2 >> "$OUT/s56b.log" 2>&1
-               echo "s56b [$f] rc=$?"  # (M = 16: the routed module's two-block forms only; (8, 2, 2, 0) is in the A/B one)
-             fi
-             JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T2:-150} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
-               --m ${S56B_M2:-16,32,64} --shapes $SH --configs route >> "$OUT/s56b.log" 2>&1
-             echo "s56b [$f] M=16-64 rc=$?"
+             JITMARLIN_NVCC_FLAGS="$f" timeout ${S56B_T:-150} python3 benchmarks/probe_configs.py --dtype f16 --settle 0.1 \
+               --m ${S56B_M:-16,32,64} --shapes $SH --configs route >> "$OUT/s56b.log" 2>&1
+             echo "s56b [$f] rc=$?"
            done
            grep -E "^==| us " "$OUT/s56b.log" | sed -E 's/^\[[^]]*\] //; s/ \(floor.*//';;
     s55b)  # session 55: the strip kernel's tall-layer route (gemm.STRIP_TALL) and the MoE strip form's default rule

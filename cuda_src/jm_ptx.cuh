@@ -56,8 +56,8 @@ JM_DEVICE uint4 ldg_stream(const uint4* p) {
 
 // A hint, not a copy: ask for `bytes` contiguous bytes from `src` to be brought into L2 (sm_90's bulk prefetch, PTX
 // ISA 8.0 "cp.async.bulk.prefetch"; src 16-byte aligned, bytes a multiple of 16). Nothing lands in a register or in
-// shared memory and nothing waits for it, so it keeps HBM busy while a warp waits for its own loads (the strip
-// kernel's JM_STRIP_L2_AHEAD). No-op below sm_90.
+// shared memory and nothing waits for it (the wgmma producer form's A/B switch JM_WG_L2_AHEAD; the floor probe's
+// variants). No-op below sm_90.
 JM_DEVICE void prefetch_l2_bulk(const void* src, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes));

@@ -78,16 +78,6 @@ namespace jm {
   } while (0)
 #endif
 
-// L2 lead of the register rings (session 56): lane 0 of each warp asks, with one bulk prefetch per batch, for the
-// weight rows JM_STRIP_L2_AHEAD batches past the ones the batch's loads fetch to be brought into L2 (sm_90
-// cp.async.bulk.prefetch: no register, nothing waited for). A warp's loads drain at every batch (ptxas waits for all of
-// a warp's global loads at once, session 54), and with every warp of an SM starting together the drains line up: HBM
-// idles for a round trip per batch. With the rows ahead already on their way to L2, the loads after a drain are L2
-// hits and HBM keeps streaming. 0: no prefetch.
-#ifndef JM_STRIP_L2_AHEAD
-#define JM_STRIP_L2_AHEAD 0
-#endif
-
 // TOKS: token blocks of 8 (1: M <= 8, 2: M <= 16, 3 / 4: M <= 24 / 32). With one block the group scales multiply each
 // group's fp32 sums; with more the registers for a second set of sums are not there, so they multiply the dequantized
 // weights (fp16 / bf16, as the other kernels do). Every weight fragment feeds TOKS MMAs.
@@ -189,17 +179,6 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
   auto load_w = [&](uint4 (&dst)[kVec], int kt) {
 #pragma unroll
     for (int v = 0; v < kVec; v++) dst[v] = ldg_stream(wbase + kt * kRowVecs + 32 * v);
-  };
-  // (register rings) rows [i0, i1) of the run, clipped to it, into L2: one bulk prefetch by lane 0 (the rows of a
-  // strip are contiguous, kRowVecs 16-byte vectors each)
-  constexpr int kL2Ahead = kSmemRing ? 0 : JM_STRIP_L2_AHEAD;
-  auto prefetch_rows = [&](int i0, int i1) {
-    if constexpr (kL2Ahead > 0) {
-      i1 = min(i1, rows);
-      if (lane == 0 && i0 < i1)
-        prefetch_l2_bulk(wbase - lane + static_cast<int64_t>(kt0 + i0) * kRowVecs,
-                         static_cast<uint32_t>(i1 - i0) * kRowVecs * 16u);
-    }
   };
   uint8_t* const my_ring = strip_dyn + warp * kWarpRingBytes + lane * 16;  // this lane's 16 bytes of each slot
   auto issue_w = [&](int slot, int kt) {
@@ -308,7 +287,6 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
       if (d < rows) load_w(wr[d], kt0 + d);
-    prefetch_rows(DEPTH, DEPTH + kL2Ahead * DEPTH);  // (the rows the first batch's loads will fetch, and on)
   }
   // Register rings: the group scales (zero points) reach shared memory by cp.async, group q of the run into slot
   // q % 2 of the warp's ring, one group ahead (fetched where group q - 2 ends, after its slot was read), each group's
@@ -596,8 +574,6 @@ JM_DEVICE void strip_body(const JmGemmParams& p) {
     // ahead, like the weights; with indices in registers the unguarded batches spilled, ptxas sm_90.)
     int base = 0;
     for (; base + DEPTH <= rows; base += DEPTH) {
-      // this batch's loads fetch rows base + DEPTH ..; the L2 lead asks for the batch kL2Ahead past those
-      prefetch_rows(base + (1 + kL2Ahead) * DEPTH, base + (2 + kL2Ahead) * DEPTH);
 #pragma unroll
       for (int d = 0; d < DEPTH; d++) row_step(d, base + d);
     }

@@ -68,6 +68,14 @@ constexpr bool kWaitFirst = true;
 #else
 constexpr bool kWaitFirst = false;
 #endif
+// -DJM_WG_L2_AHEAD=A (A/B switch, session 56; default 0: off): the producer form's producer also asks for the weights
+// of the stage A stages past the one whose copies it issues to be brought into L2 (jm::prefetch_l2_bulk), so HBM would
+// keep streaming while the ring is full and the copies that refill it would be L2 hits. Not measured yet (stage s56b);
+// the same lead in front of the strip kernel's register loads made it 4-15% slower on an H100 (benchmarks/NOTES.md).
+#ifndef JM_WG_L2_AHEAD
+#define JM_WG_L2_AHEAD 0
+#endif
+constexpr int kWgL2Ahead = JM_WG_L2_AHEAD;
 
 // The ring's barriers and phases, kept across a CTA's pieces (stream-K runs several tiles through
 // one ring). act: per slot, the TMA activation box landed (the plain form, one arrival + bytes).
@@ -354,14 +362,9 @@ JM_DEVICE void wgmma_tile(const JmGemmParams p, const int f_tile, const int m_ti
         tma_load_2d(smem + slot * S::kBytes, amap, (kt0 + i) * 64, atok0, &ring.full[slot]);
 #endif
       };
-      // L2 lead (session 56, -DJM_WG_L2_AHEAD=A, default 0: off): the producer also asks for the weights of the
-      // stages [i0, i1) of the piece (each strip's run of them is contiguous) to be brought into L2 by one bulk
-      // prefetch per strip, A stages past the one whose copies it issues, so HBM streams while the ring is full
-      // and the copies that refill it are L2 hits (jm::prefetch_l2_bulk; the strip kernel's JM_STRIP_L2_AHEAD)
-#ifndef JM_WG_L2_AHEAD
-#define JM_WG_L2_AHEAD 0
-#endif
-      constexpr int kL2Ahead = JM_WG_L2_AHEAD;
+      // L2 lead (kWgL2Ahead stages; 0: off): one bulk prefetch per strip of the stages [i0, i1) of the piece (each
+      // strip's run of them is contiguous)
+      constexpr int kL2Ahead = kWgL2Ahead;
       auto prefetch_stages = [&](int i0, int i1) {
         if constexpr (kL2Ahead > 0) {
           i1 = i1 < k_tiles ? i1 : k_tiles;

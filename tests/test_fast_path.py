@@ -225,7 +225,7 @@ def test_act_order_default_strip_route_only_at_one_token(recorded, monkeypatch):
             assert gathered.perm is None and gathered.a != a.data_ptr() and gathered.m == m
 
 
-def test_tall_layers_take_the_strip_kernel_but_not_its_act_order_form(recorded, monkeypatch):
+def test_tall_layers_take_the_strip_kernel_and_its_act_order_form(recorded, monkeypatch):
     """Session 55 (gemm.strip_tall): by default a tall layer (K >= N, N <= 8192) takes the strip kernel at M <= 8, and
     at M = 9-16 where K >= 2 N and N <= 4096, on a device whose CTAs fill the SMs (H200-like fit: one CTA of 16 warps
     per SM); a wide one (K < N) the usual route; act-order calls on a tall layer the gather kernel + the usual route

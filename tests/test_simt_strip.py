@@ -316,36 +316,3 @@ def test_emulator_rounds_like_torch(lib):
                            ctypes.c_void_p(back.data_ptr()), 1, flag)
         assert torch.isnan(back).all()
 
-
-def test_strip_l2_lead_in_range_and_harmless(tmp_path):
-    """The optional L2 lead (-DJM_STRIP_L2_AHEAD, session 56; off by default): built with a lead of 2 batches the
-    register forms give the same bits, and every bulk prefetch lies inside the weights (the emulator checks its range,
-    alignment and size); without the clip to the warp's run the last warp's prefetch runs past the buffer and the
-    emulator says so."""
-    text = (emu.CUDA_SRC / "jm_strip.cuh").read_text()
-    off, on = "#define JM_STRIP_L2_AHEAD 0", "#define JM_STRIP_L2_AHEAD 2"
-    assert text.count(off) == 1
-    cfgs = ((4, 1, 1, 0), (16, 2, 1, 0), (4, 1, 2, 0))
-    k, n = 4096, 128
-    b, s, z, w = weights(k, n, BASE, seed=7)
-    lead = emu.build(sources([(BASE, c) for c in cfgs]), tmp_path / "lead", headers={"jm_strip.cuh": text.replace(off, on)})
-    plain = emu.build(sources([(BASE, c) for c in cfgs]), tmp_path / "plain")
-    try:
-        for cfg, m in zip(cfgs, (3, 8, 13)):
-            a = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
-            got = run_strip(lead, BASE, cfg, a, b, s, z, None)
-            check_close(got, a.float() @ w, 1e-3, f"L2 lead {cfg} M={m}")
-            assert torch.equal(got, run_strip(plain, BASE, cfg, a, b, s, z, None)), cfg
-    finally:
-        lead.free_all()
-        plain.free_all()
-    clip = "      i1 = min(i1, rows);\n"
-    assert text.count(clip) == 1
-    unclipped = emu.build(sources([(BASE, (4, 1, 1, 0))]), tmp_path / "unclipped",
-                          headers={"jm_strip.cuh": text.replace(off, on).replace(clip, "")})
-    a = torch.randn(1, k).half()
-    with pytest.raises(emu.SimtError, match="bulk.prefetch"):
-        try:
-            run_strip(unclipped, BASE, (4, 1, 1, 0), a, b, s, z, None)
-        finally:
-            unclipped.free_all()

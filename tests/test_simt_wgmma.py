@@ -135,3 +135,50 @@ def test_emulator_catches_activations_fetched_before_the_wait(tmp_path, monkeypa
     for nt, launch in mutated_launches(tmp_path, monkeypatch, old, old.replace("    griddep_wait();\n", "", 1)):
         with pytest.raises(emu.SimtError, match="griddepcontrol.wait"):
             launch()
+
+
+def test_producer_l2_lead_in_range_and_harmless(tmp_path, monkeypatch):
+    """The producer form's optional L2 lead (-DJM_WG_L2_AHEAD, session 56's A/B switch; off by default): built with a
+    lead of 3 stages the producer forms give the plain build's bits at whole K and split in two, and every bulk
+    prefetch lies inside the weights (the emulator checks range, alignment and size); without the clip to the piece's
+    stages the last strip's prefetch runs past the buffer and the emulator says so."""
+    text = (emu.CUDA_SRC / "jm_wgmma.cuh").read_text()
+    off, on, clip = "#define JM_WG_L2_AHEAD 0", "#define JM_WG_L2_AHEAD 3", "          i1 = i1 < k_tiles ? i1 : k_tiles;\n"
+    assert text.count(off) == 1 and text.count(clip) == 1
+    forms = [(F16, 64, 1, 6, False, 1), (F16, 16, 1, 7, False, 1), (BF16_U8, 32, 1, 6, False, 1)]
+
+    def run(lib, form, m, splits):
+        fam, nt, fw, st, wide, prod = form
+        k, n = 1024, 256
+        b, s, z, w, dt = weights(lib, k, n, fam, seed=nt)
+        emu.clear_launch_caches()
+        a = lib.guarded(torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt))
+        out = lib.guarded(torch.full((m, n), float("nan"), dtype=dt))
+        G.launch_gemm(a, b, s, z, None, out, m, n, k, fam, plan_override=("wgmma", nt, fw, st, splits, wide, prod))
+        return out.clone(), a.float() @ w
+
+    lead = emu.build([source(*f) for f in forms], tmp_path / "lead", headers={"jm_wgmma.cuh": text.replace(off, on)})
+    plain = emu.build([source(*f) for f in forms], tmp_path / "plain")
+    try:
+        for form in forms:
+            for splits in (1, 2):
+                m = form[1] - 3
+                emu.emulated_device(monkeypatch, lead, (9, 0))
+                got, ref = run(lead, form, m, splits)
+                tol = 1e-3 if form[0] is F16 else 1e-2
+                assert ((got.float() - ref).norm() / ref.norm()).item() < tol, (form_id(form), splits)
+                emu.emulated_device(monkeypatch, plain, (9, 0))
+                assert torch.equal(got, run(plain, form, m, splits)[0]), (form_id(form), splits)
+    finally:
+        lead.free_all()
+        plain.free_all()
+        emu.clear_launch_caches()
+    unclipped = emu.build([source(*forms[0])], tmp_path / "unclipped",
+                          headers={"jm_wgmma.cuh": text.replace(off, on).replace(clip, "")})
+    emu.emulated_device(monkeypatch, unclipped, (9, 0))
+    try:
+        with pytest.raises(emu.SimtError, match="bulk.prefetch"):
+            run(unclipped, forms[0], 61, 1)
+    finally:
+        unclipped.free_all()
+        emu.clear_launch_caches()
