@@ -315,4 +315,3 @@ def test_emulator_rounds_like_torch(lib):
         lib.lib.simt_round(ctypes.c_void_p(nan.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                            ctypes.c_void_p(back.data_ptr()), 1, flag)
         assert torch.isnan(back).all()
-

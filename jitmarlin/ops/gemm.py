@@ -1501,10 +1501,10 @@ def strip_route(m: int, n: int, k: int, fam: Family, index: int, perm: bool = Fa
     """strip_choice on this device (sm_90 and newer; the kernels' occupancy and cluster fit from the driver; perm:
     of the act-order forms, which the default route takes up to M = STRIP_PERM_MAX_M only, on the small region, and
     on the tall one with STRIP_TALL_PERM)."""
-    forced = strip_route_on()
-    if m > K.STRIP_MAX_M or not (forced or strip_small(m, n, k) or strip_tall(m, n, k, fam.bits)) or fam.moe:
+    small, forced = strip_small(m, n, k), strip_route_on()
+    if m > K.STRIP_MAX_M or not (forced or small or strip_tall(m, n, k, fam.bits)) or fam.moe:
         return None
-    if perm and not forced and (m > STRIP_PERM_MAX_M or not (strip_small(m, n, k) or STRIP_TALL_PERM)):
+    if perm and not forced and (m > STRIP_PERM_MAX_M or not (small or STRIP_TALL_PERM)):
         return None
     if not K.strip_built(fam, _cc(index)):
         return None
